@@ -1,0 +1,1 @@
+"""crossdevice: TensorFlow's tf.distribute API for NumPy and PyTorch (being built)."""

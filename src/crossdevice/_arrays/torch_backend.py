@@ -1,0 +1,140 @@
+"""The torch backend (CPU and CUDA tensors).
+
+Only the torch-specific modules import torch, and only when a torch value or feature
+shows up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - exercised only without torch
+    raise ImportError(
+        "this feature needs PyTorch, which is not installed; install it with "
+        "`pip install torch==2.13.0` (CPU build) then `pip install crossdevice[torch]`"
+    ) from None
+
+import numpy as np
+
+from crossdevice._core.devices import DeviceSpec, canonicalize
+
+__all__ = ["TORCH", "TorchBackend"]
+
+
+class TorchBackend:
+    """torch tensors; CPU tensors are host memory, CUDA tensors live on `GPU:i`."""
+
+    name: Final = "torch"
+
+    def asarray(self, x: Any) -> torch.Tensor:
+        """`torch.as_tensor(x)`."""
+        if isinstance(x, torch.Tensor):
+            return x
+        return torch.as_tensor(np.asarray(x))
+
+    def device_of(self, x: Any) -> str | None:
+        """`GPU:i` for CUDA tensors, None for CPU tensors."""
+        if x.device.type == "cuda":
+            index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            return canonicalize(f"GPU:{index}")
+        return None
+
+    def torch_device(self, device: str) -> torch.device:
+        """The torch device for a TF device string."""
+        spec = DeviceSpec.from_string(device)
+        if spec.device_type == "GPU":
+            return torch.device("cuda", spec.device_index or 0)
+        return torch.device("cpu")
+
+    def to_device(self, x: Any, device: str) -> Any:
+        """`x.to(device)`; host → host returns `x`."""
+        target = self.torch_device(device)
+        if x.device == target or (x.device.type == "cpu" and target.type == "cpu"):
+            return x
+        return x.to(target, non_blocking=False)
+
+    def copy(self, x: Any) -> torch.Tensor:
+        """`x.clone()`."""
+        return x.detach().clone()
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        """`tuple(x.shape)`."""
+        return tuple(x.shape)
+
+    def dtype_name(self, x: Any) -> str:
+        """`"float32"`, `"bfloat16"`, ..."""
+        return str(x.dtype).removeprefix("torch.")
+
+    def is_floating(self, x: Any) -> bool:
+        """Floating point or complex."""
+        return bool(x.is_floating_point() or x.is_complex())
+
+    def nbytes(self, x: Any) -> int:
+        """Bytes of `x`."""
+        return int(x.numel() * x.element_size())
+
+    def sum_n(self, xs: Sequence[Any], out: Any | None = None) -> torch.Tensor:
+        """In-order sum on the first value's device."""
+        with torch.no_grad():
+            first = xs[0]
+            if len(xs) == 1:
+                if out is None:
+                    return first.detach().clone()
+                out.copy_(first)
+                return out
+            if out is None:
+                out = torch.add(first, xs[1].to(first.device))
+            else:
+                torch.add(first, xs[1].to(first.device), out=out)
+            for x in xs[2:]:
+                out.add_(x.to(first.device))
+            return out
+
+    def divide(self, x: Any, n: int) -> torch.Tensor:
+        """True division (integers become the default float dtype)."""
+        return torch.true_divide(x, n)
+
+    def reduce_sum(self, x: Any, axis: tuple[int, ...]) -> torch.Tensor:
+        """`torch.sum(x, axis)`, keeping the dtype."""
+        if not axis:
+            return x
+        return torch.sum(x, dim=axis, dtype=x.dtype)
+
+    def concat(self, xs: Sequence[Any], axis: int) -> torch.Tensor:
+        """`torch.cat`."""
+        return torch.cat(list(xs), dim=axis)
+
+    def pack(self, xs: Sequence[Any]) -> torch.Tensor:
+        """One 1-D buffer holding every element of `xs`, in order."""
+        return torch.cat([x.detach().reshape(-1) for x in xs])
+
+    def unpack(self, flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
+        """Views into `flat`."""
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        return [p.view(s) for p, s in zip(torch.split(flat, sizes), shapes, strict=True)]
+
+    def zeros(self, shape: tuple[int, ...], like: Any) -> torch.Tensor:
+        """Zeros with `like`'s dtype and device."""
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """Host NumPy copy (bfloat16 goes through float32, which NumPy lacks)."""
+        t = x.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        return t.numpy()
+
+    def assign(self, target: Any, value: Any) -> None:
+        """`target.copy_(value)`."""
+        with torch.no_grad():
+            target.copy_(self.asarray(value).to(target.device))
+
+    def freeze(self, x: Any) -> Any:
+        """Torch has no read-only tensors; the tensor is returned as it is."""
+        return x
+
+
+TORCH: Final = TorchBackend()

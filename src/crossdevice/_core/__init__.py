@@ -1,0 +1,1 @@
+"""Layer 1: devices, configuration, reduce ops, options, the context stack."""

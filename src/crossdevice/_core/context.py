@@ -1,0 +1,71 @@
+"""The per-thread context stack: which strategy is current and in which mode.
+
+TF keeps one stack per graph; in eager code it behaves per thread. An empty stack means
+the default strategy in its default replica context (replica id 0). A frame is one of:
+
+* cross-replica (`strategy.scope()`, `merge_fn`): `replica_context is None`;
+* replica (`strategy.run`): `replica_context` is the `ReplicaContext` of this thread;
+* update (`extended.update` component i): cross-replica with `update_replica_id = i`.
+
+Only data lives here; the strategy and replica layers give it meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+__all__ = ["Frame", "current_frame", "pop_frame", "push_frame", "stack_depth"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frame:
+    """One entry of the context stack.
+
+    Attributes:
+        strategy: the strategy this frame belongs to.
+        replica_context: the replica context (replica mode), or None (cross-replica).
+        local_replica_id: index of this replica's component in local values.
+        update_replica_id: in an update context, the component being updated.
+    """
+
+    strategy: Any
+    replica_context: Any = None
+    local_replica_id: int | None = None
+    update_replica_id: int | None = None
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Frame] = []
+
+
+_LOCAL = _Local()
+
+
+def current_frame() -> Frame | None:
+    """The innermost frame of this thread, or None in the default context."""
+    stack = _LOCAL.stack
+    return stack[-1] if stack else None
+
+
+def push_frame(frame: Frame) -> None:
+    """Enter `frame` on this thread."""
+    _LOCAL.stack.append(frame)
+
+
+def pop_frame(frame: Frame) -> None:
+    """Leave `frame`, which must be the innermost one on this thread."""
+    stack = _LOCAL.stack
+    if not stack or stack[-1] is not frame:
+        raise RuntimeError(
+            "context stack corrupted: leaving a scope that is not the innermost one; "
+            "exit `with strategy.scope()` blocks in the order they were entered"
+        )
+    stack.pop()
+
+
+def stack_depth() -> int:
+    """How many frames this thread has entered."""
+    return len(_LOCAL.stack)

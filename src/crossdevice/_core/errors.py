@@ -1,0 +1,39 @@
+"""Exceptions and shared error messages.
+
+crossdevice raises the exception types TensorFlow raises for the same misuse, so that
+ported `except` clauses keep working:
+
+    Exception
+    ├── ValueError          bad values, devices, structures, axes, reduce ops
+    ├── TypeError           wrong kinds of arguments (a reduce op that is no ReduceOp)
+    ├── RuntimeError        wrong context (cross-replica API in a replica), mixing strategies,
+    │   │                   mismatched merge_call counts
+    │   └── CollectiveTimeoutError   a rendezvous or collective outlived timeout_seconds
+    └── NotImplementedError features TF itself does not offer (IndexedSlices)
+
+`CollectiveTimeoutError` is also a `TimeoutError`, TF's DeadlineExceededError counterpart.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CROSS_REPLICA_REQUIRED", "CollectiveTimeoutError", "ReplicaAbortedError"]
+
+CROSS_REPLICA_REQUIRED = (
+    "Method requires being in cross-replica context, use get_replica_context().merge_call()"
+)
+
+
+class CollectiveTimeoutError(RuntimeError, TimeoutError):
+    """A rendezvous or collective did not complete within `timeout_seconds`.
+
+    The message names the collective, its sequence number and the replicas or ranks
+    that did not arrive.
+    """
+
+
+class ReplicaAbortedError(BaseException):
+    """Raised inside a replica thread to release it after a peer failed.
+
+    It derives from BaseException so that a user's `except Exception` in a step function
+    cannot swallow it; it never reaches the caller of `run`, which gets the original error.
+    """

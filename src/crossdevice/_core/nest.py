@@ -1,0 +1,39 @@
+"""Nested structures through optree (dicts, lists, tuples, namedtuples).
+
+`None` is a leaf, as in `tf.nest`; distributed values and variables are leaves because
+they are not registered as nodes. optree's own structure-mismatch errors reach the user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+
+__all__ = ["assert_same_structure", "flatten", "map_structure", "unflatten"]
+
+_KW: dict[str, Any] = {"none_is_leaf": True, "namespace": "crossdevice"}
+
+
+def flatten(tree: Any) -> tuple[list[Any], Any]:
+    """Leaves of `tree` in a fixed order (dict keys sorted) and its structure."""
+    return optree.tree_flatten(tree, **_KW)
+
+
+def unflatten(structure: Any, leaves: list[Any]) -> Any:
+    """Rebuild a structure from `flatten`'s leaves."""
+    return optree.tree_unflatten(structure, leaves)
+
+
+def map_structure(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
+    """Apply `fn` to corresponding leaves of same-structured trees."""
+    return optree.tree_map(fn, tree, *rests, **_KW)
+
+
+def assert_same_structure(a: Any, b: Any) -> None:
+    """Raise ValueError when `a` and `b` differ in structure, naming both."""
+    sa = optree.tree_structure(a, **_KW)
+    sb = optree.tree_structure(b, **_KW)
+    if sa != sb:
+        raise ValueError(f"Tree structure mismatch; expected: {sa}, got: {sb}.")

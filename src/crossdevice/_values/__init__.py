@@ -1,0 +1,1 @@
+"""Layer 4: distributed values and variables."""

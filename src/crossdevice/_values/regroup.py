@@ -1,0 +1,90 @@
+"""`regroup` and `select_replica`: between per-replica structures and distributed values.
+
+TF's rules (`distribute_utils.regroup`): structures are walked together (lists, tuples,
+namedtuples, dicts); at each leaf, identical objects stay one plain object, components of
+one distributed variable become that variable, and anything else is wrapped in a
+`PerReplica` (or the given class). Unlike TF, which raises AssertionError for lists of
+different lengths, a structure mismatch is a ValueError naming both structures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from crossdevice._core import nest
+from crossdevice._values.values import DistributedValues, PerReplica
+from crossdevice._values.variables import Variable
+
+__all__ = ["regroup", "select_replica"]
+
+
+def _regroup_leaf(
+    components: Sequence[Any],
+    wrap_class: type[DistributedValues],
+    always_wrap: bool,
+    devices: Sequence[str] | None,
+) -> Any:
+    first = components[0]
+    if all(c is first for c in components) and (
+        not always_wrap or isinstance(first, Variable | DistributedValues)
+    ):
+        return first
+    if isinstance(first, Variable):
+        container = first._distributed_container
+        if container is not None and all(
+            isinstance(c, Variable) and c._distributed_container is container for c in components
+        ):
+            return container
+    return wrap_class(components, devices)
+
+
+def regroup(
+    per_replica: Sequence[Any],
+    wrap_class: type[DistributedValues] = PerReplica,
+    always_wrap: bool = False,
+    devices: Sequence[str] | None = None,
+) -> Any:
+    """Turn one structure per replica into one structure of distributed values.
+
+    Args:
+        per_replica: a structure per replica, all of the same structure.
+        wrap_class: the class for leaves that differ across replicas.
+        always_wrap: wrap identical leaves too (variables are never wrapped).
+        devices: the devices of the replicas (default: see `DistributedValues`).
+
+    Returns:
+        A structure whose leaves are plain objects, distributed variables or
+        `wrap_class` instances.
+    """
+    if len(per_replica) == 1 and not always_wrap:
+        # One replica: regroup unwraps, as TF's regroup does for 1-tuples.
+        return per_replica[0]
+    flats = []
+    structure = None
+    for i, tree in enumerate(per_replica):
+        leaves, spec = nest.flatten(tree)
+        if structure is None:
+            structure = spec
+        elif spec != structure:
+            raise ValueError(
+                "replicas returned different structures; every replica must return the "
+                f"same structure. Replica 0: {structure}, replica {i}: {spec}"
+            )
+        flats.append(leaves)
+    regrouped = [
+        _regroup_leaf(column, wrap_class, always_wrap, devices)
+        for column in zip(*flats, strict=True)
+    ]
+    return nest.unflatten(structure, regrouped)
+
+
+def select_replica(replica_id: int, structure: Any) -> Any:
+    """The component of replica `replica_id` of each non-variable distributed value."""
+
+    def select(x: Any) -> Any:
+        if isinstance(x, DistributedValues) and not isinstance(x, Variable):
+            return x.values[replica_id]
+        return x
+
+    return nest.map_structure(select, structure)

@@ -1,0 +1,215 @@
+"""`DistributedValues`, `PerReplica` and `Mirrored` (TF `values.py`).
+
+A distributed value holds one component per local replica, and the canonical device of
+each. Host arrays carry no device of their own, so a value built by hand without
+`devices` is taken to live on `CPU:0`, `CPU:1`, ... in order (torch CUDA tensors on
+their own GPU); values made by a strategy carry the strategy's devices.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from crossdevice._arrays import backend_for
+from crossdevice._core import context
+from crossdevice._core.devices import canonicalize
+
+__all__ = ["DistributedValues", "Mirrored", "PerReplica", "default_devices"]
+
+
+def default_devices(values: Sequence[Any]) -> tuple[str, ...]:
+    """The device of each component: its own for device tensors, else `CPU:i`."""
+    devices = []
+    for i, value in enumerate(values):
+        own = backend_for(value).device_of(value) if _is_plain_array(value) else None
+        if own is None:
+            own = getattr(value, "device", None) if not _is_plain_array(value) else None
+            own = canonicalize(own) if isinstance(own, str) and own else None
+        devices.append(own or canonicalize(f"CPU:{i}"))
+    return tuple(devices)
+
+
+def _is_plain_array(value: Any) -> bool:
+    from crossdevice._arrays import is_array
+
+    return is_array(value)
+
+
+class DistributedValues:
+    """Base class for values with one component per replica (`tf.distribute.DistributedValues`).
+
+    Args:
+        values: the components, one per local replica, in replica order.
+        devices: the device of each component; see the module docstring for the default.
+
+    Example:
+        >>> import numpy as np
+        >>> pr = PerReplica([np.float32(1.0), np.float32(2.0)])
+        >>> pr.values
+        (np.float32(1.0), np.float32(2.0))
+    """
+
+    __slots__ = ("__weakref__", "_devices", "_values")
+
+    def __init__(self, values: Sequence[Any], devices: Sequence[str] | None = None) -> None:
+        if isinstance(values, DistributedValues) or not isinstance(values, Sequence | tuple):
+            raise ValueError(
+                f"{type(self).__name__} expects a sequence of per-replica components, "
+                f"got {type(values).__name__}: {values!r}"
+            )
+        values = tuple(values)
+        if not values:
+            raise ValueError(f"{type(self).__name__} needs at least one component, got none")
+        if devices is None:
+            devices = default_devices(values)
+        else:
+            devices = tuple(canonicalize(d) for d in devices)
+            if len(devices) != len(values):
+                raise ValueError(
+                    f"{type(self).__name__} got {len(values)} components but {len(devices)} "
+                    f"devices ({list(devices)}); pass one device per component"
+                )
+        self._values: tuple[Any, ...] = values
+        self._devices: tuple[str, ...] = tuple(devices)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """The components, one per local replica."""
+        return self._values
+
+    @property
+    def _primary(self) -> Any:
+        return self._values[0]
+
+    def _local_id(self) -> int | None:
+        frame = context.current_frame()
+        if frame is None:
+            return 0  # the default replica context is replica 0
+        if frame.replica_context is not None:
+            return frame.local_replica_id
+        return frame.update_replica_id
+
+    def _get(self) -> Any:
+        """The component of the current replica, or the cross-replica value."""
+        replica = self._local_id()
+        if replica is None:
+            return self._get_cross_replica()
+        if replica >= len(self._values):
+            raise ValueError(
+                f"{type(self).__name__} has {len(self._values)} components but the current "
+                f"replica is {replica}; was it made by another strategy?"
+            )
+        return self._values[replica]
+
+    def _get_cross_replica(self) -> Any:
+        raise NotImplementedError(
+            "This method should be overridden by sub-classes which support cross-replica accesses."
+        )
+
+    def _get_on_device_or_primary(self) -> Any:
+        """The component of the current replica (or update), else the primary."""
+        replica = self._local_id()
+        if replica is None or replica >= len(self._values):
+            return self._primary
+        return self._values[replica]
+
+    def __repr__(self) -> str:
+        body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n{body}\n}}"
+
+    __str__ = __repr__
+
+
+class PerReplica(DistributedValues):
+    """One possibly different value per replica (what `strategy.run` returns).
+
+    Reading it outside a replica context is an error, as in TF: reduce it with
+    `strategy.reduce` or look at `strategy.experimental_local_results(value)`.
+    """
+
+    __slots__ = ()
+
+    def _get_cross_replica(self) -> Any:
+        raise ValueError(
+            "It looks like you are using a PerReplica object while not inside a replica "
+            "context, which is not supported. Try running your op or function inside a "
+            "replica context by using `strategy.run`, or reduce it first with "
+            "`strategy.reduce`."
+        )
+
+
+def _forward(op: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Mirrored, *args: Any) -> Any:
+        return op(self._get(), *args)
+
+    return method
+
+
+def _forward_reflected(op: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Mirrored, other: Any) -> Any:
+        return op(other, self._get())
+
+    return method
+
+
+class Mirrored(DistributedValues):
+    """The same value on every replica (what a reduction to all devices returns).
+
+    It behaves as its local component: attributes, operators and `numpy.asarray`
+    are forwarded to the component of the current replica, or the primary one in
+    cross-replica context.
+    """
+
+    __slots__ = ()
+
+    def _get_cross_replica(self) -> Any:
+        return self._get_on_device_or_primary()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in DistributedValues.__slots__:
+            raise AttributeError(name)
+        return getattr(self._get(), name)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        import numpy as np
+
+        value = backend_for(self._get()).to_numpy(self._get())
+        return np.asarray(value, dtype=dtype)
+
+    __add__ = _forward(operator.add)
+    __sub__ = _forward(operator.sub)
+    __mul__ = _forward(operator.mul)
+    __truediv__ = _forward(operator.truediv)
+    __floordiv__ = _forward(operator.floordiv)
+    __mod__ = _forward(operator.mod)
+    __pow__ = _forward(operator.pow)
+    __matmul__ = _forward(operator.matmul)
+    __radd__ = _forward_reflected(operator.add)
+    __rsub__ = _forward_reflected(operator.sub)
+    __rmul__ = _forward_reflected(operator.mul)
+    __rtruediv__ = _forward_reflected(operator.truediv)
+    __rfloordiv__ = _forward_reflected(operator.floordiv)
+    __rmod__ = _forward_reflected(operator.mod)
+    __rpow__ = _forward_reflected(operator.pow)
+    __rmatmul__ = _forward_reflected(operator.matmul)
+    __neg__ = _forward(operator.neg)
+    __abs__ = _forward(operator.abs)
+    __lt__ = _forward(operator.lt)
+    __le__ = _forward(operator.le)
+    __gt__ = _forward(operator.gt)
+    __ge__ = _forward(operator.ge)
+    __getitem__ = _forward(operator.getitem)
+
+    def __float__(self) -> float:
+        return float(self._get())
+
+    def __int__(self) -> int:
+        return int(self._get())
+
+    def __bool__(self) -> bool:
+        return bool(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())

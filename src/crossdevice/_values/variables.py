@@ -1,0 +1,352 @@
+"""`Variable`: a mutable array with a device and a name (`tf.Variable`).
+
+Outside a strategy scope `crossdevice.Variable(...)` is a plain variable. Inside a scope
+the strategy creates it: a `MirroredVariable`, a `SyncOnReadVariable` or, under
+`CentralStorageStrategy`, one variable on the parameter device. That hand-off goes
+through a hook the strategy layer installs (`set_variable_creator`), so this layer does
+not import the layers above it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from crossdevice._arrays import backend_for, is_torch
+from crossdevice._core import context
+from crossdevice._core.devices import canonicalize, current_device
+from crossdevice._core.reduce_op import VariableAggregation, VariableSynchronization
+
+__all__ = [
+    "Variable",
+    "as_aggregation",
+    "as_synchronization",
+    "make_initial_value",
+    "set_variable_creator",
+]
+
+VariableCreator = Callable[..., Any]
+_CREATOR: dict[str, VariableCreator | None] = {"creator": None}
+_NAME_LOCK = threading.Lock()
+_NAME_COUNTS: dict[str, itertools.count[int]] = {}
+
+
+def set_variable_creator(creator: VariableCreator) -> None:
+    """Install the function that creates variables under a strategy scope (strategy layer)."""
+    _CREATOR["creator"] = creator
+
+
+def unique_name(name: str | None) -> str:
+    """`Variable`, `Variable_1`, ... as TF uniquifies names in eager mode (per process)."""
+    base = name or "Variable"
+    if name is not None:
+        return base
+    with _NAME_LOCK:
+        counter = _NAME_COUNTS.setdefault(base, itertools.count())
+        n = next(counter)
+    return base if n == 0 else f"{base}_{n}"
+
+
+def as_synchronization(value: Any) -> VariableSynchronization:
+    """A `VariableSynchronization` from the enum or its name."""
+    if isinstance(value, VariableSynchronization):
+        return value
+    if isinstance(value, str):
+        try:
+            return VariableSynchronization[value.upper()]
+        except KeyError:
+            pass
+    raise ValueError(
+        f"Invalid variable synchronization mode: {value!r}; expected one of "
+        f"{[s.name for s in VariableSynchronization]}"
+    )
+
+
+def as_aggregation(value: Any) -> VariableAggregation:
+    """A `VariableAggregation` from the enum or its name."""
+    if isinstance(value, VariableAggregation):
+        return value
+    if isinstance(value, str):
+        try:
+            return VariableAggregation[value.upper()]
+        except KeyError:
+            pass
+    raise ValueError(
+        f"Invalid variable aggregation mode: {value!r} for variable; expected one of "
+        f"{[a.name for a in VariableAggregation]}"
+    )
+
+
+def make_initial_value(initial_value: Any, dtype: Any) -> Any:
+    """The initial array: call a callable, convert (TF dtype rules), cast to `dtype`, copy."""
+    if initial_value is None:
+        raise ValueError("initial_value must be specified (an array, a number or a callable)")
+    if callable(initial_value):
+        initial_value = initial_value()
+    if isinstance(initial_value, Variable):
+        initial_value = initial_value.read_value()
+    backend = backend_for(initial_value)
+    value = backend.asarray(initial_value)
+    if dtype is not None:
+        value = value.to(dtype) if is_torch(value) else np.asarray(value, dtype=dtype)
+    return backend.copy(value)
+
+
+class _VariableMeta(type):
+    """Routes `Variable(...)` to the strategy in scope.
+
+    It also makes distributed variables pass `isinstance(v, crossdevice.Variable)`, as
+    they do in TF.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        frame = context.current_frame()
+        creator = _CREATOR["creator"]
+        if cls is Variable and frame is not None and creator is not None:
+            return creator(frame, *args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        if cls is Variable and getattr(type(instance), "_is_distributed_variable", False):
+            return True
+        return super().__instancecheck__(instance)
+
+
+def _read_op(op: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Variable, *args: Any) -> Any:
+        return op(self._value, *args)
+
+    return method
+
+
+def _read_op_reflected(op: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Variable, other: Any) -> Any:
+        return op(other, self._value)
+
+    return method
+
+
+class Variable(metaclass=_VariableMeta):
+    """A mutable array with a device and a name (`tf.Variable`).
+
+    Under a strategy's `scope()` this creates the strategy's kind of variable instead
+    (`MirroredVariable`, `SyncOnReadVariable`, or one variable on the parameter device).
+
+    Args:
+        initial_value: an array, a number, a nested list, or a callable returning one.
+            Python numbers follow `tf.constant`: floats become float32, ints int32.
+        trainable: whether optimisers should update it.
+        name: the variable's name; `"Variable"` (made unique) by default.
+        dtype: cast the initial value to this NumPy (or torch) dtype.
+        synchronization: a `VariableSynchronization`; used under a strategy scope.
+        aggregation: a `VariableAggregation`; how replica-context updates combine.
+        device: the device to place it on; default the current `device_scope`, else CPU:0.
+
+    Example:
+        >>> v = Variable(1.0)
+        >>> v.assign_add(2.0)
+        <crossdevice.Variable 'Variable:0' shape=() dtype=float32, numpy=3.0>
+    """
+
+    _is_distributed_variable = False
+
+    def __init__(
+        self,
+        initial_value: Any = None,
+        trainable: bool = True,
+        name: str | None = None,
+        dtype: Any = None,
+        synchronization: Any = VariableSynchronization.AUTO,
+        aggregation: Any = VariableAggregation.NONE,
+        *,
+        device: str | None = None,
+    ) -> None:
+        self._synchronization = as_synchronization(synchronization)
+        self._aggregation = as_aggregation(aggregation)
+        value = make_initial_value(initial_value, dtype)
+        backend = backend_for(value)
+        own = backend.device_of(value)
+        target = canonicalize(device) if device else (own or current_device() or "CPU:0")
+        target = canonicalize(target)
+        if own != backend.device_of(backend.to_device(value, target)):
+            value = backend.to_device(value, target)
+        self._value = value
+        self._device = target
+        self._name = unique_name(name)
+        self._trainable = bool(trainable)
+        self._distributed_container: Any = None
+
+    # --- properties -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The name, with TF's `:0` output suffix."""
+        return f"{self._name}:0"
+
+    @property
+    def device(self) -> str:
+        """The canonical device."""
+        return self._device
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype of the value (a NumPy or torch dtype)."""
+        return self._value.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the value."""
+        return tuple(self._value.shape)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether optimisers should update it."""
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        """The synchronisation mode given at creation."""
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        """The aggregation mode given at creation."""
+        return self._aggregation
+
+    # --- reads ------------------------------------------------------------------------
+    def read_value(self) -> Any:
+        """A snapshot of the value (a new array: later assigns do not change it)."""
+        return backend_for(self._value).copy(self._value)
+
+    def value(self) -> Any:
+        """Same as `read_value()`."""
+        return self.read_value()
+
+    def numpy(self) -> Any:
+        """The value as a new NumPy array (a NumPy scalar for 0-d values, as TF's `.numpy()`)."""
+        arr = np.array(backend_for(self._value).to_numpy(self._value), copy=True)
+        return arr[()] if arr.ndim == 0 else arr
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(backend_for(self._value).to_numpy(self._value), dtype=dtype)
+
+    # --- writes -----------------------------------------------------------------------
+    def _write(self, new_value: Any) -> None:
+        backend = backend_for(self._value)
+        if is_torch(self._value):
+            new = backend.asarray(_unwrap(new_value))
+        else:
+            new = np.asarray(backend_for(_unwrap(new_value)).to_numpy(_unwrap(new_value)))
+        if tuple(new.shape) != self.shape and new.size != 1:
+            raise ValueError(
+                f"Cannot assign a value of shape {tuple(new.shape)} to variable {self.name!r} "
+                f"of shape {self.shape}; assign a value of the variable's shape"
+            )
+        backend.assign(self._value, new)
+
+    def assign(
+        self,
+        value: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Set the value; returns the variable (None when `read_value=False`)."""
+        del use_locking, name
+        self._write(value)
+        return self if read_value else None
+
+    def assign_add(
+        self,
+        delta: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Add `delta`; returns the variable (None when `read_value=False`)."""
+        del use_locking, name
+        self._write(self._value + _as_operand(self._value, delta))
+        return self if read_value else None
+
+    def assign_sub(
+        self,
+        delta: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Subtract `delta`; returns the variable (None when `read_value=False`)."""
+        del use_locking, name
+        self._write(self._value - _as_operand(self._value, delta))
+        return self if read_value else None
+
+    # --- arithmetic reads the value ----------------------------------------------------
+    __add__ = _read_op(operator.add)
+    __sub__ = _read_op(operator.sub)
+    __mul__ = _read_op(operator.mul)
+    __truediv__ = _read_op(operator.truediv)
+    __floordiv__ = _read_op(operator.floordiv)
+    __mod__ = _read_op(operator.mod)
+    __pow__ = _read_op(operator.pow)
+    __matmul__ = _read_op(operator.matmul)
+    __radd__ = _read_op_reflected(operator.add)
+    __rsub__ = _read_op_reflected(operator.sub)
+    __rmul__ = _read_op_reflected(operator.mul)
+    __rtruediv__ = _read_op_reflected(operator.truediv)
+    __rfloordiv__ = _read_op_reflected(operator.floordiv)
+    __rpow__ = _read_op_reflected(operator.pow)
+    __rmatmul__ = _read_op_reflected(operator.matmul)
+    __neg__ = _read_op(operator.neg)
+    __abs__ = _read_op(operator.abs)
+    __lt__ = _read_op(operator.lt)
+    __le__ = _read_op(operator.le)
+    __gt__ = _read_op(operator.gt)
+    __ge__ = _read_op(operator.ge)
+    __getitem__ = _read_op(operator.getitem)
+
+    def __float__(self) -> float:
+        return float(self._value)
+
+    def __int__(self) -> int:
+        return int(self._value)
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __repr__(self) -> str:
+        return (
+            f"<crossdevice.Variable {self.name!r} shape={self.shape} "
+            f"dtype={_dtype_str(self.dtype)}, numpy={_numpy_str(self.numpy())}>"
+        )
+
+
+def _dtype_str(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _numpy_str(value: Any) -> str:
+    if isinstance(value, np.generic):
+        return str(value.item())
+    return np.array2string(np.asarray(value), separator=", ")
+
+
+def _unwrap(value: Any) -> Any:
+    """A plain array from a Variable or a Mirrored value."""
+    if isinstance(value, Variable) and not type(value)._is_distributed_variable:
+        return value._value
+    from crossdevice._values.values import DistributedValues
+
+    if isinstance(value, DistributedValues):
+        return _unwrap(value._get())
+    return value
+
+
+def _as_operand(target: Any, delta: Any) -> Any:
+    delta = _unwrap(delta)
+    if is_torch(target):
+        return backend_for(target).asarray(delta).to(target.device)
+    return np.asarray(backend_for(delta).to_numpy(delta))
