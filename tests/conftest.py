@@ -1,0 +1,77 @@
+"""Shared fixtures: logical devices, array backends, optional-import policy.
+
+Tests that need torch fail when it is missing, unless `--skip-optional-imports` is
+given (trio's rule: an optional dependency never silently turns tests into skips).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from crossdevice._core import devices as _devices
+
+#: Logical CPU devices offered to every test: enough for the largest device count used.
+TEST_LOGICAL_CPUS = 16
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--skip-optional-imports",
+        action="store_true",
+        default=False,
+        help="skip (instead of failing) tests whose optional dependency (torch) is missing",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _devices.set_logical_cpu_devices(TEST_LOGICAL_CPUS)
+
+
+@pytest.fixture(autouse=True)
+def _logical_cpus() -> Iterator[None]:
+    """Every test starts with TEST_LOGICAL_CPUS logical CPU devices (tests may change it)."""
+    _devices.set_logical_cpu_devices(TEST_LOGICAL_CPUS)
+    yield
+    _devices.set_logical_cpu_devices(TEST_LOGICAL_CPUS)
+
+
+def require_torch(request: pytest.FixtureRequest) -> Any:
+    """Import torch, or fail (skip only under --skip-optional-imports)."""
+    if importlib.util.find_spec("torch") is None:
+        if request.config.getoption("--skip-optional-imports"):
+            pytest.skip("torch is not installed and --skip-optional-imports was given")
+        pytest.fail("torch is not installed: pip install torch==2.13.0 (CPU build)")
+    import torch
+
+    return torch
+
+
+class Backend:
+    """How a test makes values of one array library from NumPy data."""
+
+    def __init__(self, name: str, make: Callable[[Any], Any]) -> None:
+        self.name = name
+        self.make = make
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Run a test once with NumPy values and once with torch CPU tensors."""
+    if request.param == "numpy":
+        return Backend("numpy", lambda x: np.asarray(x))
+    torch = require_torch(request)
+    return Backend("torch", lambda x: torch.as_tensor(np.asarray(x)))
+
+
+@pytest.fixture
+def torch_module(request: pytest.FixtureRequest) -> Any:
+    """The torch module (see `require_torch`)."""
+    return require_torch(request)
