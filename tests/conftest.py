@@ -66,7 +66,7 @@ class Backend:
 def backend(request: pytest.FixtureRequest) -> Backend:
     """Run a test once with NumPy values and once with torch CPU tensors."""
     if request.param == "numpy":
-        return Backend("numpy", lambda x: np.asarray(x))
+        return Backend("numpy", np.asarray)
     torch = require_torch(request)
     return Backend("torch", lambda x: torch.as_tensor(np.asarray(x)))
 
