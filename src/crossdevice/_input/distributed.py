@@ -1,0 +1,353 @@
+"""Distributed datasets: global batches in, one `PerReplica` slice per replica out.
+
+`DistributedDataset` is what `strategy.experimental_distribute_dataset(dataset)` returns;
+`DistributedDatasetsFromFunction` is what `strategy.distribute_datasets_from_function`
+returns. A dataset is any iterable of batches (a list, a generator, a torch
+`DataLoader`), each a nest of NumPy arrays or torch tensors.
+
+Wrapping follows TF's input_lib (`_create_per_replica` with `_always_wrap`): with one
+local replica on a single worker the batch comes out plain (TF's regroup unwraps
+1-tuples); with several local replicas, or on any worker of a multi-worker job, every
+leaf is a `PerReplica` with one component per local replica.
+
+Partial last steps follow TF's partial-batch handling: a replica without data gets an
+empty batch (leading dimension 0, same dtype and trailing shape), and iteration stops
+only when no replica has data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import optree
+
+from crossdevice._arrays import backend_for, is_array, is_torch
+from crossdevice._core import nest
+from crossdevice._core.devices import canonicalize
+from crossdevice._input.batching import split_batch_leaves
+from crossdevice._input.input_context import (
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    check_options,
+)
+from crossdevice._values.values import PerReplica
+
+__all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator"]
+
+#: Marks a pipeline that has run dry (a dataset may legitimately yield None).
+_END: Any = object()
+
+
+def _check_devices(devices: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
+        raise ValueError(
+            "devices must be a non-empty sequence of device strings, one per local replica "
+            f"(e.g. ('CPU:0', 'CPU:1')), got {devices!r}"
+        )
+    return tuple(canonicalize(d) for d in devices)
+
+
+def _check_workers(num_workers: int, worker_index: int) -> None:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    if (
+        isinstance(worker_index, bool)
+        or not isinstance(worker_index, int)
+        or not 0 <= worker_index < num_workers
+    ):
+        raise ValueError(
+            f"worker_index must be an int in [0, num_workers={num_workers}), got {worker_index!r}"
+        )
+
+
+def _check_iterable(dataset: Any, what: str) -> None:
+    """Reject values that iterate but are not a dataset of batches (a lone batch, a string)."""
+    hint = (
+        "pass an iterable of global batches: a list of batches, a generator, or a torch DataLoader"
+    )
+    if isinstance(dataset, np.ndarray) or is_torch(dataset):
+        raise TypeError(
+            f"{what} must be an iterable of batches, got a single array of shape "
+            f"{tuple(dataset.shape)!r}; iterating it would treat every row as a batch. Split it "
+            "into batches first, e.g. [x[i:i + B] for i in range(0, len(x), B)]"
+        )
+    if isinstance(dataset, Mapping):
+        raise TypeError(
+            f"{what} must be an iterable of batches, got a {type(dataset).__name__} (a single "
+            f"batch?); {hint}, e.g. [batch] for one batch"
+        )
+    if isinstance(dataset, str | bytes) or not isinstance(dataset, Iterable):
+        raise TypeError(f"{what} must be an iterable of batches, got {dataset!r}; {hint}")
+
+
+def _place(tree: Any, device: str, fetch_to_device: bool) -> Any:
+    """Move every array of `tree` to `device` (host arrays on CPU devices stay put)."""
+    if not fetch_to_device:
+        return tree
+    return nest.map_structure(
+        lambda x: backend_for(x).to_device(x, device) if is_array(x) else x, tree
+    )
+
+
+def _empty_like(tree: Any, replica: int) -> Any:
+    """The empty batch (leading dimension 0) shaped like the per-replica batch `tree`."""
+
+    def empty(x: Any) -> Any:
+        if (isinstance(x, np.ndarray) or is_torch(x)) and len(x.shape) > 0:
+            return x[0:0]
+        raise ValueError(
+            f"replica {replica} has no data for this step and its peers' batches cannot be "
+            f"emptied: expected every component to have a leading batch dimension, got {x!r}. "
+            "Batch the per-replica datasets (e.g. with a per-replica batch size from "
+            "InputContext.get_per_replica_batch_size) so a short last step can be padded"
+        )
+
+    return nest.map_structure(empty, tree)
+
+
+class _Layout:
+    """Where the local replicas sit: devices, worker, and the wrapping rule."""
+
+    def __init__(
+        self,
+        devices: Sequence[str],
+        num_workers: int,
+        worker_index: int,
+        fetch_to_device: bool,
+    ) -> None:
+        self.devices = _check_devices(devices)
+        _check_workers(num_workers, worker_index)
+        self.num_workers = num_workers
+        self.worker_index = worker_index
+        self.fetch_to_device = fetch_to_device
+        self.num_local = len(self.devices)
+        self.num_global = num_workers * self.num_local
+        first = worker_index * self.num_local
+        self.replica_ids = range(first, first + self.num_local)
+        # TF `_always_wrap`: multi-worker, or more than one local device.
+        self.wrap = num_workers > 1 or self.num_local > 1
+
+    def regroup(self, per_replica: Sequence[Any]) -> Any:
+        """One nest per local replica → one nest of `PerReplica` (or the plain nest)."""
+        placed = [
+            _place(tree, device, self.fetch_to_device)
+            for tree, device in zip(per_replica, self.devices, strict=True)
+        ]
+        if not self.wrap:
+            return placed[0]
+        flats = []
+        structure = None
+        for i, tree in enumerate(placed):
+            leaves, spec = nest.flatten(tree)
+            if structure is None:
+                structure = spec
+            elif spec != structure:
+                raise ValueError(
+                    "the per-replica batches of one step must share one structure; expected "
+                    f"{structure} (replica 0), got {spec} for local replica {i}"
+                )
+            flats.append(leaves)
+        wrapped = [
+            PerReplica(components, devices=self.devices) for components in zip(*flats, strict=True)
+        ]
+        return nest.unflatten(structure, wrapped)
+
+
+class DistributedIterator:
+    """Iterator over a distributed dataset: `next(it)` (or `it.get_next()`) is one step.
+
+    Raises StopIteration once no local replica has data left (TF raises OutOfRangeError
+    from `get_next`; a Python iterator stops instead).
+    """
+
+    def __init__(self, next_step: Callable[[], Any]) -> None:
+        self._next_step = next_step
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self._next_step()
+
+    def get_next(self) -> Any:
+        """The next step's per-replica values (TF's `DistributedIterator.get_next`)."""
+        return self._next_step()
+
+
+class DistributedDataset:
+    """Global batches split across replicas (`strategy.experimental_distribute_dataset`).
+
+    Each global batch is split along its first axis across the `num_workers * len(devices)`
+    replicas of the job (see `crossdevice._input.batching` for the rule); this worker
+    keeps the slices of its own replicas `[worker_index * R, (worker_index + 1) * R)`.
+    Every worker must read the same global batches in the same order.
+
+    Args:
+        dataset: an iterable of global batches, each a nest of NumPy arrays or torch
+            tensors with a common leading dimension.
+        devices: this worker's replica devices, in replica order.
+        num_workers: the number of workers in the job.
+        worker_index: this worker's index in `[0, num_workers)`.
+        options: `InputOptions`; `PER_REPLICA` mode is NotImplementedError here, as in TF.
+
+    Example:
+        >>> import numpy as np
+        >>> dist = DistributedDataset([np.arange(4)], devices=("CPU:0", "CPU:1"))
+        >>> [v.tolist() for v in next(iter(dist)).values]
+        [[0, 1], [2, 3]]
+    """
+
+    def __init__(
+        self,
+        dataset: Iterable[Any],
+        *,
+        devices: Sequence[str],
+        num_workers: int = 1,
+        worker_index: int = 0,
+        options: InputOptions | None = None,
+    ) -> None:
+        _check_iterable(dataset, "dataset")
+        self._options = check_options(options, from_function=False)
+        self._layout = _Layout(
+            devices, num_workers, worker_index, self._options.experimental_fetch_to_device
+        )
+        self._dataset = dataset
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas across all workers that each batch is split over."""
+        return self._layout.num_global
+
+    def __iter__(self) -> DistributedIterator:
+        batches = iter(self._dataset)
+        layout = self._layout
+
+        def next_step() -> Any:
+            batch = next(batches)
+            structure, sliced = split_batch_leaves(batch, layout.num_global, layout.replica_ids)
+            per_replica = [
+                optree.tree_unflatten(structure, [components[j] for components in sliced])
+                for j in range(layout.num_local)
+            ]
+            return layout.regroup(per_replica)
+
+        return DistributedIterator(next_step)
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedDataset(dataset={self._dataset!r}, devices={self._layout.devices!r}, "
+            f"num_workers={self._layout.num_workers}, worker_index={self._layout.worker_index})"
+        )
+
+
+class DistributedDatasetsFromFunction:
+    """Per-replica batches from a user's `dataset_fn` (`distribute_datasets_from_function`).
+
+    In `PER_WORKER` mode (the default) `dataset_fn(InputContext(num_workers, worker_index,
+    num_replicas_in_sync))` is called once, here, and each step every local replica takes
+    the next element in turn. In `PER_REPLICA` mode it is called once per local replica
+    with `InputContext(num_workers * R, worker_index * R + i, num_replicas_in_sync)` and
+    each replica reads its own iterable. Elements are per-replica batches: nothing is
+    rebatched or sharded, so `dataset_fn` should shard by `input_pipeline_id` and batch by
+    `get_per_replica_batch_size`.
+
+    Args:
+        dataset_fn: a function from `InputContext` to an iterable of per-replica batches.
+        devices: this worker's replica devices, in replica order.
+        num_workers: the number of workers (input pipelines in `PER_WORKER` mode).
+        worker_index: this worker's index.
+        num_replicas_in_sync: the number of replicas across all workers.
+        options: `InputOptions`.
+
+    Example:
+        >>> import numpy as np
+        >>> def dataset_fn(ctx):
+        ...     size = ctx.get_per_replica_batch_size(4)
+        ...     return [np.arange(i, i + size) for i in range(0, 8, size)]
+        >>> dist = DistributedDatasetsFromFunction(
+        ...     dataset_fn, devices=("CPU:0", "CPU:1"), num_replicas_in_sync=2
+        ... )
+        >>> [[v.tolist() for v in step.values] for step in dist]
+        [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    """
+
+    def __init__(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        *,
+        devices: Sequence[str],
+        num_workers: int = 1,
+        worker_index: int = 0,
+        num_replicas_in_sync: int,
+        options: InputOptions | None = None,
+    ) -> None:
+        if not callable(dataset_fn):
+            raise TypeError(
+                f"dataset_fn must be a function taking an InputContext, got {dataset_fn!r}"
+            )
+        self._options = check_options(options, from_function=True)
+        self._layout = _Layout(
+            devices, num_workers, worker_index, self._options.experimental_fetch_to_device
+        )
+        layout = self._layout
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            self._input_contexts = tuple(
+                InputContext(layout.num_global, replica, num_replicas_in_sync)
+                for replica in layout.replica_ids
+            )
+        else:
+            self._input_contexts = (InputContext(num_workers, worker_index, num_replicas_in_sync),)
+        self._datasets = tuple(self._call(dataset_fn, ctx) for ctx in self._input_contexts)
+
+    @staticmethod
+    def _call(dataset_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext) -> Any:
+        dataset = dataset_fn(ctx)
+        _check_iterable(dataset, f"dataset_fn({ctx!r})'s result")
+        return dataset
+
+    @property
+    def input_contexts(self) -> tuple[InputContext, ...]:
+        """The `InputContext` of each call of `dataset_fn` on this worker."""
+        return self._input_contexts
+
+    def __iter__(self) -> DistributedIterator:
+        layout = self._layout
+        iterators = [iter(dataset) for dataset in self._datasets]
+        per_worker = len(iterators) == 1
+        exhausted = [False] * len(iterators)
+
+        def pull(source: int) -> Any:
+            if exhausted[source]:
+                return _END
+            try:
+                return next(iterators[source])
+            except StopIteration:
+                exhausted[source] = True
+                return _END
+
+        def next_step() -> Any:
+            if per_worker:
+                # Each local replica takes the next element in turn; once the pipeline
+                # runs dry, the rest of the step is padded and the next step stops.
+                elements = [pull(0) for _ in range(layout.num_local)]
+            else:
+                elements = [pull(i) for i in range(layout.num_local)]
+            present = [e for e in elements if e is not _END]
+            if not present:
+                raise StopIteration
+            template = present[0]
+            per_replica = [
+                _empty_like(template, i) if e is _END else e for i, e in enumerate(elements)
+            ]
+            return layout.regroup(per_replica)
+
+        return DistributedIterator(next_step)
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedDatasetsFromFunction(input_contexts={self._input_contexts!r}, "
+            f"devices={self._layout.devices!r})"
+        )
