@@ -1,1 +1,87 @@
-"""crossdevice: TensorFlow's tf.distribute API for NumPy and PyTorch (being built)."""
+"""crossdevice: TensorFlow's `tf.distribute` data-parallel API for NumPy and PyTorch.
+
+A `tf.distribute` program ports by replacing `tf.distribute` with `crossdevice`,
+`tf.constant(x)` with a NumPy array or torch tensor and `tf.Variable` with
+`crossdevice.Variable`:
+
+    >>> import crossdevice, numpy as np
+    >>> strategy = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+    >>> def step():
+    ...     ctx = crossdevice.get_replica_context()
+    ...     return ctx.all_reduce("sum", np.float32(ctx.replica_id_in_sync_group + 1))
+    >>> strategy.experimental_local_results(strategy.run(step))[0]
+    np.float32(3.0)
+
+Layers (DESIGN.md §2), each importing only those below it: `_core` (devices, config,
+reduce ops, options, context stack) → `_arrays` (NumPy, lazy torch) → `_values`
+(distributed values and variables) → `_collectives` (algorithms, communicators) →
+`_cross_device` (TF's CrossDeviceOps classes) → `_replica` (threads, merge_call) →
+`_strategies` → `_input` → `_cli`. This file only re-exports.
+"""
+
+from crossdevice import config as config
+from crossdevice import experimental as experimental
+from crossdevice._core.devices import device_scope as device
+from crossdevice._core.errors import CollectiveTimeoutError as CollectiveTimeoutError
+from crossdevice._core.reduce_op import ReduceOp as ReduceOp
+from crossdevice._core.reduce_op import VariableAggregation as VariableAggregation
+from crossdevice._core.reduce_op import VariableSynchronization as VariableSynchronization
+from crossdevice._cross_device import CrossDeviceOps as CrossDeviceOps
+from crossdevice._cross_device import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+from crossdevice._cross_device import NcclAllReduce as NcclAllReduce
+from crossdevice._cross_device import ReductionToOneDevice as ReductionToOneDevice
+from crossdevice._input.input_context import InputContext as InputContext
+from crossdevice._input.input_context import InputOptions as InputOptions
+from crossdevice._replica.context import ReplicaContext as ReplicaContext
+from crossdevice._replica.context import experimental_set_strategy as experimental_set_strategy
+from crossdevice._replica.context import get_cross_replica_context as get_cross_replica_context
+from crossdevice._replica.context import get_replica_context as get_replica_context
+from crossdevice._replica.context import get_strategy as get_strategy
+from crossdevice._replica.context import has_strategy as has_strategy
+from crossdevice._replica.context import in_cross_replica_context as in_cross_replica_context
+from crossdevice._strategies.base import Strategy as Strategy
+from crossdevice._strategies.base import StrategyExtended as StrategyExtended
+from crossdevice._strategies.mirrored import MirroredStrategy as MirroredStrategy
+from crossdevice._strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from crossdevice._values.distributed_variables import MirroredVariable as MirroredVariable
+from crossdevice._values.distributed_variables import SyncOnReadVariable as SyncOnReadVariable
+from crossdevice._values.values import DistributedValues as DistributedValues
+from crossdevice._values.values import Mirrored as Mirrored
+from crossdevice._values.values import PerReplica as PerReplica
+from crossdevice._values.variables import Variable as Variable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "CrossDeviceOps",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "Mirrored",
+    "MirroredStrategy",
+    "MirroredVariable",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "SyncOnReadVariable",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "__version__",
+    "config",
+    "device",
+    "experimental",
+    "experimental_set_strategy",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

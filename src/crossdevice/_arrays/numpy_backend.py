@@ -74,7 +74,8 @@ class NumpyBackend:
             np.copyto(out, arrays[0])
             return out
         if out is None:
-            out = np.add(arrays[0], arrays[1])
+            # np.add of 0-d arrays returns a scalar, which cannot take `out=` below.
+            out = np.asarray(np.add(arrays[0], arrays[1]))
         else:
             np.add(arrays[0], arrays[1], out=out)
         for x in arrays[2:]:

@@ -31,6 +31,7 @@ __all__ = [
     "local_host_device",
     "num_gpus",
     "set_logical_cpu_devices",
+    "swap_device_stack",
 ]
 
 #: Logical CPU devices offered when neither `config.set_logical_cpu_devices` nor the
@@ -285,6 +286,13 @@ def current_device() -> str | None:
     """The canonical device of the innermost `device_scope` on this thread, or None."""
     stack: list[str] | None = getattr(_DEVICE_STACK, "stack", None)
     return stack[-1] if stack else None
+
+
+def swap_device_stack(stack: list[str]) -> list[str]:
+    """Replace this thread's device-scope stack, returning the old one (for merge_fn)."""
+    old: list[str] = getattr(_DEVICE_STACK, "stack", None) or []
+    _DEVICE_STACK.stack = stack
+    return old
 
 
 class device_scope:  # noqa: N801 (a context manager named like `tf.device`)

@@ -16,7 +16,12 @@ ported `except` clauses keep working:
 
 from __future__ import annotations
 
-__all__ = ["CROSS_REPLICA_REQUIRED", "CollectiveTimeoutError", "ReplicaAbortedError"]
+__all__ = [
+    "CROSS_REPLICA_REQUIRED",
+    "ArgumentAssertionError",
+    "CollectiveTimeoutError",
+    "ReplicaAbortedError",
+]
 
 CROSS_REPLICA_REQUIRED = (
     "Method requires being in cross-replica context, use get_replica_context().merge_call()"
@@ -36,4 +41,12 @@ class ReplicaAbortedError(BaseException):
 
     It derives from BaseException so that a user's `except Exception` in a step function
     cannot swallow it; it never reaches the caller of `run`, which gets the original error.
+    """
+
+
+class ArgumentAssertionError(ValueError, AssertionError):
+    """A bad argument where TF raises AssertionError (duplicate devices, list destinations).
+
+    It is also a ValueError, which is what it is: `except AssertionError` in ported code
+    and `except ValueError` in new code both catch it.
     """

@@ -1,0 +1,1 @@
+"""Layer 7: replica execution (threads, merge_call) and the replica context."""

@@ -1,0 +1,1 @@
+"""Layer 8: strategies (default, OneDevice, Mirrored, CentralStorage, MultiWorkerMirrored)."""

@@ -24,10 +24,13 @@ def _regroup_leaf(
     wrap_class: type[DistributedValues],
     always_wrap: bool,
     devices: Sequence[str] | None,
+    collapse_arrays: bool,
 ) -> Any:
     first = components[0]
-    if all(c is first for c in components) and (
-        not always_wrap or isinstance(first, Variable | DistributedValues)
+    if (
+        all(c is first for c in components)
+        and (not always_wrap or isinstance(first, Variable | DistributedValues))
+        and (collapse_arrays or not _is_tensor(first))
     ):
         return first
     if isinstance(first, Variable):
@@ -39,11 +42,20 @@ def _regroup_leaf(
     return wrap_class(components, devices)
 
 
+def _is_tensor(x: Any) -> bool:
+    import numpy as np
+
+    from crossdevice._arrays import is_torch
+
+    return isinstance(x, np.ndarray) or is_torch(x)
+
+
 def regroup(
     per_replica: Sequence[Any],
     wrap_class: type[DistributedValues] = PerReplica,
     always_wrap: bool = False,
     devices: Sequence[str] | None = None,
+    collapse_arrays: bool = True,
 ) -> Any:
     """Turn one structure per replica into one structure of distributed values.
 
@@ -52,6 +64,9 @@ def regroup(
         wrap_class: the class for leaves that differ across replicas.
         always_wrap: wrap identical leaves too (variables are never wrapped).
         devices: the devices of the replicas (default: see `DistributedValues`).
+        collapse_arrays: False keeps an array that every replica returns as a per-replica
+            value. Replicas share one read-only buffer for an all-reduce result, where TF
+            gives each its own tensor; `run` results keep TF's shape this way.
 
     Returns:
         A structure whose leaves are plain objects, distributed variables or
@@ -73,7 +88,7 @@ def regroup(
             )
         flats.append(leaves)
     regrouped = [
-        _regroup_leaf(column, wrap_class, always_wrap, devices)
+        _regroup_leaf(column, wrap_class, always_wrap, devices, collapse_arrays)
         for column in zip(*flats, strict=True)
     ]
     return nest.unflatten(structure, regrouped)

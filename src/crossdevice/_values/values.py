@@ -119,7 +119,8 @@ class DistributedValues:
         body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
         return f"{type(self).__name__}:{{\n{body}\n}}"
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return self.__repr__()
 
 
 class PerReplica(DistributedValues):

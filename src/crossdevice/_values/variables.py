@@ -9,9 +9,7 @@ not import the layers above it.
 
 from __future__ import annotations
 
-import itertools
 import operator
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +30,6 @@ __all__ = [
 
 VariableCreator = Callable[..., Any]
 _CREATOR: dict[str, VariableCreator | None] = {"creator": None}
-_NAME_LOCK = threading.Lock()
-_NAME_COUNTS: dict[str, itertools.count[int]] = {}
 
 
 def set_variable_creator(creator: VariableCreator) -> None:
@@ -42,14 +38,12 @@ def set_variable_creator(creator: VariableCreator) -> None:
 
 
 def unique_name(name: str | None) -> str:
-    """`Variable`, `Variable_1`, ... as TF uniquifies names in eager mode (per process)."""
-    base = name or "Variable"
-    if name is not None:
-        return base
-    with _NAME_LOCK:
-        counter = _NAME_COUNTS.setdefault(base, itertools.count())
-        n = next(counter)
-    return base if n == 0 else f"{base}_{n}"
+    """The variable's name: `"Variable"` by default.
+
+    TF 2 does not make eager variable names unique (every `tf.Variable(0.)` is named
+    `'Variable:0'`), so neither do we.
+    """
+    return name or "Variable"
 
 
 def as_synchronization(value: Any) -> VariableSynchronization:
@@ -180,6 +174,7 @@ class Variable(metaclass=_VariableMeta):
         self._name = unique_name(name)
         self._trainable = bool(trainable)
         self._distributed_container: Any = None
+        self._distribute_strategy: Any = None
 
     # --- properties -------------------------------------------------------------------
     @property

@@ -1,0 +1,264 @@
+"""`ReplicaContext` and the functions that say which strategy and mode are current.
+
+The per-thread stack lives in `crossdevice._core.context`. An empty stack is the default
+replica context of the default strategy (replica id 0); `strategy.scope()` pushes a
+cross-replica frame; `strategy.run` pushes a replica frame on each replica's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from crossdevice._core import context
+from crossdevice._core.errors import CROSS_REPLICA_REQUIRED
+from crossdevice._core.options import CommunicationOptions
+from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+
+__all__ = [
+    "ReplicaContext",
+    "experimental_set_strategy",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "require_cross_replica",
+]
+
+_DEFAULT: dict[str, Any] = {}
+
+
+def _default_strategy() -> Any:
+    strategy = _DEFAULT.get("strategy")
+    if strategy is None:
+        from crossdevice._strategies.default import default_strategy
+
+        strategy = default_strategy()
+        _DEFAULT["strategy"] = strategy
+    return strategy
+
+
+class ReplicaContext:
+    """The `tf.distribute.Strategy` API inside a replica (`tf.distribute.ReplicaContext`).
+
+    Get it with `crossdevice.get_replica_context()` inside a function passed to
+    `strategy.run`. Collective methods (`all_reduce`, `all_gather`, `merge_call`) must be
+    called by every replica, in the same order.
+
+    Args:
+        strategy: the strategy running this replica.
+        replica_id_in_sync_group: the replica's id among all replicas in sync.
+    """
+
+    def __init__(self, strategy: Any, replica_id_in_sync_group: int) -> None:
+        if isinstance(replica_id_in_sync_group, bool) or not isinstance(
+            replica_id_in_sync_group, int
+        ):
+            raise ValueError(
+                "replica_id_in_sync_group can only be an integer, got "
+                f"{type(replica_id_in_sync_group).__name__}: {replica_id_in_sync_group!r}"
+            )
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+
+    @property
+    def strategy(self) -> Any:
+        """The current strategy."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas over which values are aggregated."""
+        return int(self._strategy.num_replicas_in_sync)
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's id, in `range(num_replicas_in_sync)`."""
+        return self._replica_id
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices this replica runs on, as a tuple of strings."""
+        return self._strategy.extended._replica_devices(self._replica_id)
+
+    def _check_current(self) -> None:
+        frame = context.current_frame()
+        current = frame.replica_context if frame is not None else _default_replica_context()
+        if current is not self:
+            raise RuntimeError(
+                "Mismatching ReplicaContext: this method must be called in the replica "
+                "context it belongs to (inside the `strategy.run` function that got it from "
+                "`get_replica_context()`), not from another thread or context"
+            )
+
+    def merge_call(
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Merge `args` across replicas and run `merge_fn` once in cross-replica context.
+
+        Arguments that are the same object on every replica stay as they are; the others
+        become `PerReplica` values. `merge_fn(strategy, *args, **kwargs)` runs once, and
+        each replica gets back its own component of the result (`Mirrored` and
+        `PerReplica` values are unpacked).
+
+        Args:
+            merge_fn: called as `merge_fn(strategy, *args, **kwargs)`.
+            args: positional per-replica arguments (a list or tuple).
+            kwargs: keyword per-replica arguments.
+
+        Returns:
+            The return value of `merge_fn`, with per-replica values unpacked.
+        """
+        if not isinstance(args, list | tuple):
+            raise ValueError(
+                f"merge_call args must be a list or tuple, got {type(args).__name__}: {args!r}"
+            )
+        self._check_current()
+        return self._strategy.extended._merge_call(
+            self._replica_id, merge_fn, tuple(args), dict(kwargs or {}), always_wrap=False
+        )
+
+    def all_reduce(
+        self, reduce_op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None
+    ) -> Any:
+        """All-reduce a nest of arrays across replicas; every replica gets the result.
+
+        The whole nest is reduced in one batched call. Example with two replicas:
+        replica 0 passes `{'a': 1, 'b': [40, 1]}`, replica 1 `{'a': 3, 'b': [2, 98]}`;
+        SUM gives `{'a': 4, 'b': [42, 99]}` and MEAN `{'a': 2, 'b': [21, 49.5]}` on both.
+
+        Args:
+            reduce_op: `ReduceOp.SUM`, `ReduceOp.MEAN`, or `"sum"`/`"mean"`.
+            value: a nest of arrays, the same structure and shapes on every replica.
+            options: a `CommunicationOptions`.
+
+        Returns:
+            The reduced nest (host results may be read-only arrays shared by replicas).
+        """
+        op = as_reduce_op(reduce_op)
+        if options is not None and not isinstance(options, CommunicationOptions):
+            raise ValueError(f"options must be a CommunicationOptions or None, got {options!r}")
+        self._check_current()
+        return self._strategy.extended._replica_all_reduce(self._replica_id, op, value, options)
+
+    def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
+        """Concatenate a nest of arrays from every replica along `axis`.
+
+        Sizes may differ along `axis` only.
+
+        Args:
+            value: a nest of arrays.
+            axis: the axis to concatenate along.
+            options: a `CommunicationOptions`.
+
+        Returns:
+            The gathered nest, the same on every replica.
+        """
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"axis must be an int, got {type(axis).__name__}: {axis!r}")
+        self._check_current()
+        return self._strategy.extended._replica_all_gather(self._replica_id, value, axis, options)
+
+    def __enter__(self) -> ReplicaContext:
+        self._frame = context.Frame(self._strategy, self, self._replica_id)
+        context.push_frame(self._frame)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        context.pop_frame(self._frame)
+
+    def __repr__(self) -> str:
+        return (
+            f"<crossdevice.ReplicaContext replica_id_in_sync_group={self._replica_id} "
+            f"of {type(self._strategy).__name__}>"
+        )
+
+
+def _default_replica_context() -> ReplicaContext:
+    ctx = _DEFAULT.get("replica_context")
+    if ctx is None:
+        ctx = ReplicaContext(_default_strategy(), 0)
+        _DEFAULT["replica_context"] = ctx
+    return ctx
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current `ReplicaContext`, or None in cross-replica context.
+
+    Outside any strategy this is the default replica context (replica 0 of the default
+    strategy); inside `strategy.scope()` (and in `merge_fn`) it is None; inside
+    `strategy.run` it is the running replica's context.
+    """
+    frame = context.current_frame()
+    if frame is None:
+        return _default_replica_context()
+    return frame.replica_context
+
+
+def in_cross_replica_context() -> bool:
+    """True inside `strategy.scope()` or `merge_fn`, False in a replica or the default context."""
+    frame = context.current_frame()
+    return frame is not None and frame.replica_context is None
+
+
+def get_cross_replica_context() -> Any:
+    """The current strategy in cross-replica context, else None."""
+    frame = context.current_frame()
+    if frame is not None and frame.replica_context is None:
+        return frame.strategy
+    return None
+
+
+def get_strategy() -> Any:
+    """The current strategy: the one whose scope or replica we are in, else the default."""
+    frame = context.current_frame()
+    return frame.strategy if frame is not None else _default_strategy()
+
+
+def has_strategy() -> bool:
+    """Whether a strategy other than the default one is current."""
+    return get_strategy() is not _default_strategy()
+
+
+_SET_STRATEGY: dict[str, Any] = {}
+
+
+def experimental_set_strategy(strategy: Any) -> None:
+    """Make `strategy` current without `with strategy.scope()` (None to undo).
+
+    Raises:
+        RuntimeError: inside a `strategy.scope()` block.
+    """
+    previous = _SET_STRATEGY.get("scope")
+    depth = _SET_STRATEGY.get("depth", 0)
+    if context.stack_depth() != depth:
+        raise RuntimeError(
+            "Must not be called inside a `crossdevice.Strategy` scope; leave the "
+            "`with strategy.scope():` block first"
+        )
+    if previous is not None:
+        previous.__exit__(None, None, None)
+        _SET_STRATEGY.clear()
+    if strategy is not None:
+        scope = strategy.scope()
+        scope.__enter__()
+        _SET_STRATEGY["scope"] = scope
+        _SET_STRATEGY["depth"] = context.stack_depth()
+
+
+def require_cross_replica(strategy: Any) -> None:
+    """Raise TF's RuntimeError unless in `strategy`'s cross-replica (or the default) context."""
+    frame = context.current_frame()
+    if frame is None:
+        return
+    if frame.replica_context is not None:
+        raise RuntimeError(CROSS_REPLICA_REQUIRED)
+    if frame.strategy is not strategy:
+        raise RuntimeError(
+            f"Mixing different crossdevice.Strategy objects: {frame.strategy!r} is not "
+            f"{strategy!r}; use each strategy's API inside its own scope"
+        )

@@ -1,0 +1,316 @@
+"""Run a function once per replica, concurrently, with a `merge_call` rendezvous.
+
+TF's `mirrored_run` creates a thread per replica on every call and runs them one after
+another. Here each strategy keeps N-1 long-lived worker threads and runs replica 0 on the
+calling thread, so a `run` costs a few thread hand-offs, and replicas really run in
+parallel (NumPy and torch release the GIL in their kernels).
+
+Rendezvous rules (DESIGN.md §3):
+* `merge_call`: every replica pauses; the last to arrive runs `merge_fn` once, in
+  cross-replica context, with arguments regrouped; each replica gets its own component.
+* A replica that returns while its peers wait in a `merge_call` is a RuntimeError
+  (TF: "Some replicas made a different number of replica_context().merge_call() calls.").
+* An exception anywhere (a replica, `merge_fn`) breaks the run: peers blocked in a
+  rendezvous are released with `ReplicaAbortedError`, every thread is joined, and the
+  caller gets the original exception. The runner is reset and usable for the next run.
+
+Invariants (guarded by `self._cond`):
+* `_arrived` replicas wait in the current merge; `_finished` replicas have returned.
+* `_arrived + _finished <= N`; when both are positive and add up to N, the merge can
+  never complete: that is the mismatched-merge_call error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from crossdevice._core import context, devices
+from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
+
+__all__ = ["MERGE_CALL_MISMATCH", "ReplicaRunner"]
+
+MERGE_CALL_MISMATCH: Final = (
+    "Some replicas made a different number of replica_context().merge_call() calls: "
+    "replicas {done} returned while replicas {waiting} wait in merge_call #{seq}. Every "
+    "replica must make the same merge_call (and all_reduce) calls in the same order."
+)
+
+#: How often idle waits wake to check for shutdown or a broken run. Waits are woken by
+#: notifications; this only bounds how long a missed wake-up could delay them.
+_POLL_SECONDS: Final = 1.0
+
+
+@dataclasses.dataclass
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class _Abortable:
+    """Something a failed run must release (communicators)."""
+
+    def abort(self, exc: BaseException) -> None:  # pragma: no cover - interface
+        """Release every waiter."""
+        raise NotImplementedError
+
+    def reset(self) -> None:  # pragma: no cover - interface
+        """Make it usable again after an abort."""
+        raise NotImplementedError
+
+
+class ReplicaRunner:
+    """Runs replica functions on long-lived threads (replica 0 on the caller's thread).
+
+    Args:
+        num_replicas: local replicas.
+        make_frame: `make_frame(i)` returns the context `Frame` of replica `i`.
+        replica_devices: the device of each replica (its thread's device scope).
+        name: used in thread names and error messages.
+    """
+
+    def __init__(
+        self,
+        num_replicas: int,
+        make_frame: Callable[[int], context.Frame],
+        replica_devices: Sequence[str],
+        name: str,
+    ) -> None:
+        self._n = num_replicas
+        self._make_frame = make_frame
+        self._devices = tuple(replica_devices)
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._run_lock = threading.Lock()
+        self._abortables: list[_Abortable] = []
+        # Per-run state (guarded by _cond).
+        self._jobs: list[_Job | None] = [None] * num_replicas
+        self._job_generation = 0
+        self._results: list[Any] = [None] * num_replicas
+        self._errors: list[tuple[float, int, BaseException]] = []
+        self._done = 0
+        self._broken: BaseException | None = None
+        self._closed = False
+        # merge_call state (guarded by _cond).
+        self._arrived = 0
+        self._finished = 0
+        self._merge_seq = 0
+        self._merge_inputs: list[Any] = [None] * num_replicas
+        self._merge_outputs: list[Any] = [None] * num_replicas
+        self._merge_timeout: float | None = None
+        self._caller_devices: list[str] = []
+        self._threads = [
+            threading.Thread(
+                target=self._worker, args=(i,), name=f"{name}-replica-{i}", daemon=True
+            )
+            for i in range(1, num_replicas)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # --- public ---------------------------------------------------------------------------
+    def add_abortable(self, abortable: Any) -> None:
+        """Register a communicator to abort when a run breaks and reset afterwards."""
+        self._abortables.append(abortable)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+        merge_timeout: float | None = None,
+    ) -> list[Any]:
+        """Call `fn(*args_i, **kwargs_i)` on every replica; return the results in order.
+
+        Raises:
+            BaseException: the first exception raised by a replica or a `merge_fn`.
+        """
+        with self._run_lock:
+            with self._cond:
+                if self._closed:
+                    raise RuntimeError(f"{self._name}: the strategy's replica threads are closed")
+                for i in range(1, self._n):
+                    args, kwargs = per_replica_args[i]
+                    self._jobs[i] = _Job(fn, args, kwargs)
+                self._results = [None] * self._n
+                self._errors = []
+                self._done = 0
+                self._merge_timeout = merge_timeout
+                self._caller_devices = [d for d in [devices.current_device()] if d]
+                self._job_generation += 1
+                self._cond.notify_all()
+            args0, kwargs0 = per_replica_args[0]
+            self._run_replica(0, _Job(fn, args0, kwargs0))
+            self._wait_all_done()
+            return self._finish_run()
+
+    def merge_call(
+        self,
+        replica_id: int,
+        merge: Callable[[list[Any]], list[Any]],
+        value: Any,
+    ) -> Any:
+        """Rendezvous of all replicas; `merge(inputs)` runs once and returns one output each.
+
+        Args:
+            replica_id: the local replica calling.
+            merge: called by the last replica to arrive with every replica's `value`, in
+                replica order; returns the value for each replica.
+            value: this replica's input.
+        """
+        with self._cond:
+            self._raise_if_broken()
+            seq = self._merge_seq
+            self._merge_inputs[replica_id] = value
+            self._arrived += 1
+            self._check_mismatch_locked()
+            if self._arrived == self._n:
+                inputs = list(self._merge_inputs)
+                self._merge_inputs = [None] * self._n
+                last = True
+            else:
+                last = False
+        if last:
+            # merge_fn sees the caller's device scope, not this replica thread's.
+            replica_devices = devices.swap_device_stack(list(self._caller_devices))
+            try:
+                outputs = merge(inputs)
+            except BaseException as exc:
+                self._fail(replica_id, exc)
+                raise ReplicaAbortedError() from exc
+            finally:
+                devices.swap_device_stack(replica_devices)
+            with self._cond:
+                self._merge_outputs = list(outputs)
+                self._arrived = 0
+                self._merge_seq += 1
+                self._cond.notify_all()
+                return self._merge_outputs[replica_id]
+        return self._wait_merge(replica_id, seq)
+
+    def close(self) -> None:
+        """Stop the worker threads (they are daemons; this only lets them exit early)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # --- replica side ---------------------------------------------------------------------
+    def _worker(self, replica_id: int) -> None:
+        device_stack = [self._devices[replica_id]]
+        devices.swap_device_stack(device_stack)
+        seen = 0
+        while True:
+            with self._cond:
+                while self._job_generation == seen and not self._closed:
+                    self._cond.wait(_POLL_SECONDS)
+                if self._closed:
+                    return
+                seen = self._job_generation
+                job = self._jobs[replica_id]
+                self._jobs[replica_id] = None
+            if job is not None:
+                self._run_replica(replica_id, job)
+
+    def _run_replica(self, replica_id: int, job: _Job) -> None:
+        frame = self._make_frame(replica_id)
+        context.push_frame(frame)
+        old_devices = None
+        if replica_id == 0:
+            old_devices = devices.swap_device_stack([self._devices[0]])
+        try:
+            result = job.fn(*job.args, **job.kwargs)
+        except ReplicaAbortedError:
+            result = None
+        except BaseException as exc:  # every error reaches the caller of run
+            self._fail(replica_id, exc)
+            result = None
+        finally:
+            context.pop_frame(frame)
+            if old_devices is not None:
+                devices.swap_device_stack(old_devices)
+        with self._cond:
+            self._results[replica_id] = result
+            self._finished += 1
+            self._done += 1
+            self._check_mismatch_locked()
+            self._cond.notify_all()
+
+    def _wait_merge(self, replica_id: int, seq: int) -> Any:
+        timeout = self._merge_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._merge_seq == seq:
+                self._raise_if_broken()
+                remaining = _POLL_SECONDS
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        missing: list[Any] = [
+                            i for i in range(self._n) if self._merge_inputs[i] is None
+                        ]
+                        exc = CollectiveTimeoutError(
+                            f"{self._name}: merge_call #{seq} timed out after {timeout} s on "
+                            f"replica {replica_id}; replicas that did not arrive: "
+                            f"{missing or '(none: merge_fn is still running)'}"
+                        )
+                        self._fail_locked(replica_id, exc)
+                        raise ReplicaAbortedError() from exc
+                    remaining = min(remaining, _POLL_SECONDS)
+                self._cond.wait(remaining)
+            return self._merge_outputs[replica_id]
+
+    # --- failure handling -----------------------------------------------------------------
+    def _check_mismatch_locked(self) -> None:
+        if self._arrived > 0 and self._finished > 0 and self._arrived + self._finished == self._n:
+            waiting = [i for i in range(self._n) if self._merge_inputs[i] is not None]
+            done = [i for i in range(self._n) if i not in waiting]
+            exc = RuntimeError(
+                MERGE_CALL_MISMATCH.format(done=done, waiting=waiting, seq=self._merge_seq)
+            )
+            self._fail_locked(-1, exc)
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise ReplicaAbortedError()
+
+    def _fail(self, replica_id: int, exc: BaseException) -> None:
+        with self._cond:
+            self._fail_locked(replica_id, exc)
+
+    def _fail_locked(self, replica_id: int, exc: BaseException) -> None:
+        self._errors.append((time.monotonic(), replica_id, exc))
+        if self._broken is None:
+            self._broken = exc
+            for abortable in self._abortables:
+                abortable.abort(exc)
+        self._cond.notify_all()
+
+    def _wait_all_done(self) -> None:
+        with self._cond:
+            while self._done < self._n:
+                self._cond.wait(_POLL_SECONDS)
+
+    def _finish_run(self) -> list[Any]:
+        with self._cond:
+            errors = sorted(self._errors, key=lambda e: e[0])
+            broken = self._broken
+            results = list(self._results)
+            # Reset for the next run, whatever happened in this one.
+            self._broken = None
+            self._errors = []
+            self._arrived = 0
+            self._finished = 0
+            self._merge_inputs = [None] * self._n
+            self._merge_outputs = [None] * self._n
+        if broken is not None:
+            for abortable in self._abortables:
+                abortable.reset()
+            first = errors[0][2] if errors else broken
+            for _, replica, other in errors[1:]:
+                if other is not first:
+                    first.add_note(f"replica {replica} also raised {type(other).__name__}: {other}")
+            raise first
+        return results

@@ -1,0 +1,612 @@
+"""`Strategy` and `StrategyExtended`: the public template methods of every strategy.
+
+Template methods validate their arguments and context, then call a hook that the
+concrete strategy implements (`_call_for_each_replica`, `_reduce_to`, `_batch_reduce_to`,
+`_update`, `_gather_to`, `_create_variable`, ...). Concrete strategies override hooks only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from crossdevice._arrays import backend_for
+from crossdevice._core import context, nest
+from crossdevice._core.devices import canonicalize, device_scope
+from crossdevice._core.errors import CROSS_REPLICA_REQUIRED, ArgumentAssertionError
+from crossdevice._core.options import CommunicationOptions
+from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+from crossdevice._replica.context import get_replica_context, require_cross_replica
+from crossdevice._values.distributed_variables import DistributedVariable
+from crossdevice._values.regroup import regroup, select_replica
+from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
+from crossdevice._values.variables import Variable, set_variable_creator
+
+__all__ = ["Strategy", "StrategyExtended"]
+
+GATHER_REQUIRES_CROSS_REPLICA = (
+    "`tf.distribute.Strategy.gather` method requires cross-replica context, use "
+    "`get_replica_context().all_gather()` instead"
+)
+
+
+class _Scope:
+    """`with strategy.scope():` — enter the strategy's cross-replica context."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
+        self._frames: list[context.Frame] = []
+
+    def __enter__(self) -> Strategy:
+        frame = context.current_frame()
+        if (
+            frame is not None
+            and frame.strategy is not self._strategy
+            and not frame.strategy.extended._is_default
+        ):
+            raise RuntimeError(
+                f"Mixing different crossdevice.Strategy objects: {self._strategy!r} is not "
+                f"{frame.strategy!r}; leave the other strategy's scope first"
+            )
+        if frame is not None and frame.replica_context is not None:
+            raise RuntimeError(CROSS_REPLICA_REQUIRED)
+        new = context.Frame(self._strategy)
+        context.push_frame(new)
+        self._frames.append(new)
+        return self._strategy
+
+    def __exit__(self, *exc: object) -> None:
+        context.pop_frame(self._frames.pop())
+
+
+class StrategyExtended:
+    """Additional, lower-level strategy API (`tf.distribute.StrategyExtended`).
+
+    Reached as `strategy.extended`. Concrete strategies implement the `_`-hooks.
+    """
+
+    _is_default = False
+
+    def __init__(self, container_strategy: Strategy) -> None:
+        self._container_strategy_ref = container_strategy
+
+    # --- facts a concrete strategy provides ------------------------------------------------
+    @property
+    def _local_devices(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    @property
+    def _num_replicas_in_sync(self) -> int:
+        return len(self._local_devices)
+
+    @property
+    def _replica_id_offset(self) -> int:
+        """Global id of this worker's first replica (0 on one worker)."""
+        return 0
+
+    @property
+    def _host_device(self) -> str:
+        return canonicalize("CPU:0")
+
+    def _replica_devices(self, replica_id: int) -> tuple[str, ...]:
+        return (self._local_devices[replica_id - self._replica_id_offset],)
+
+    # --- public properties -----------------------------------------------------------------
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """The devices this worker runs replicas on, in replica order."""
+        return self._local_devices
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """The devices variables are placed on."""
+        return self._local_devices
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        """Whether static shapes are required (False: eager values have real shapes)."""
+        return False
+
+    # --- template methods ------------------------------------------------------------------
+    def reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        destinations: Any,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """Combine `value` across replicas and put the result on `destinations`.
+
+        Args:
+            reduce_op: `ReduceOp.SUM`/`MEAN` or `"sum"`/`"mean"`.
+            value: a distributed value, a plain array, or a nest of them.
+            destinations: a device string, a `DistributedValues`, or a variable (whose
+                devices are used; the variable is not updated).
+            options: a `CommunicationOptions`.
+
+        Returns:
+            A `Mirrored` value on the destinations (the plain value for one device).
+        """
+        require_cross_replica(self._container_strategy_ref)
+        if isinstance(destinations, list | tuple):
+            raise ArgumentAssertionError(
+                "destinations can not be a list or tuple; pass a device string, a "
+                f"DistributedValues or a variable, got {destinations!r}"
+            )
+        op = as_reduce_op(reduce_op)
+        return self._reduce_to(op, value, destinations, _check_options(options))
+
+    def batch_reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Sequence[tuple[Any, Any]],
+        options: CommunicationOptions | None = None,
+    ) -> list[Any]:
+        """Reduce several `(value, destinations)` pairs at once; faster than one at a time.
+
+        Args:
+            reduce_op: `ReduceOp.SUM`/`MEAN` or `"sum"`/`"mean"`.
+            value_destination_pairs: a sequence of `(value, destinations)` pairs.
+            options: a `CommunicationOptions`; overrides the strategy's defaults.
+
+        Returns:
+            A list of reduced values, one per pair.
+
+        Example (the TF docs' example; `v` is a `MirroredVariable` on two devices)::
+
+            def merge_fn(strategy, value, var):
+                reduced = strategy.extended.batch_reduce_to("sum", [(value, var)])[0]
+                strategy.extended.update(var, lambda var, value: var.assign(value),
+                                         args=(reduced,))
+        """
+        require_cross_replica(self._container_strategy_ref)
+        op = as_reduce_op(reduce_op)
+        pairs = _check_pairs(value_destination_pairs)
+        return self._batch_reduce_to(op, pairs, _check_options(options))
+
+    def update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Run `fn(component, *args, **kwargs)` on each component of `var`, on its device.
+
+        In a replica context this goes through `merge_call`, so per-replica arguments
+        reach the matching component.
+
+        Args:
+            var: a variable created in this strategy's scope.
+            fn: the update function.
+            args: positional arguments; distributed values are split per component.
+            kwargs: keyword arguments, likewise.
+            group: False returns a tuple of per-component results for each output.
+
+        Returns:
+            The updated variable or `fn`'s results regrouped.
+        """
+        if not isinstance(args, list | tuple):
+            raise ValueError(f"update args must be a list or tuple, got {type(args).__name__}")
+        kwargs = dict(kwargs or {})
+        replica_context = get_replica_context()
+        frame = context.current_frame()
+        if (
+            replica_context is not None
+            and frame is not None
+            and frame.strategy is self._container_strategy_ref
+        ):
+
+            def merge_fn(strategy: Strategy, var: Any, *args: Any, **kwargs: Any) -> Any:
+                return strategy.extended.update(var, fn, args, kwargs, group)
+
+            return replica_context.merge_call(merge_fn, args=(var, *args), kwargs=kwargs)
+        require_cross_replica(self._container_strategy_ref)
+        with self._container_strategy_ref.scope():
+            return self._update(var, fn, tuple(args), kwargs, group)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Create variables inside this block on the same devices as `colocate_with_variable`.
+
+        Raises:
+            ValueError: the variable was not created in this strategy's scope.
+        """
+        if not self.variable_created_in_scope(colocate_with_variable):
+            raise ValueError(
+                "colocate_vars_with must only be passed a variable created in this "
+                f"strategy.scope(), got {colocate_with_variable!r}"
+            )
+        yield
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether `v` was created while this strategy's scope was active."""
+        return getattr(v, "_distribute_strategy", None) is self._container_strategy_ref
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable `value` is a component of, else `value` itself."""
+        if isinstance(value, Variable) and not isinstance(value, DistributedVariable):
+            container = value._distributed_container
+            if container is not None:
+                return container
+        return value
+
+    # --- hooks -----------------------------------------------------------------------------
+    def _call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        raise NotImplementedError
+
+    def _reduce_to(
+        self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None
+    ) -> Any:
+        raise NotImplementedError
+
+    def _batch_reduce_to(
+        self, op: ReduceOp, pairs: list[tuple[Any, Any]], options: CommunicationOptions | None
+    ) -> list[Any]:
+        return [self._reduce_to(op, v, d, options) for v, d in pairs]
+
+    def _update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        raise NotImplementedError
+
+    def _gather_to(
+        self, value: Any, destinations: Any, axis: int, options: CommunicationOptions | None
+    ) -> Any:
+        raise NotImplementedError
+
+    def _create_variable(self, frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _merge_call(
+        self,
+        replica_id: int,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        always_wrap: bool,
+    ) -> Any:
+        """Single-replica merge_call: run `merge_fn` in cross-replica context."""
+        del replica_id
+        strategy = self._container_strategy_ref
+        if always_wrap:
+            args, kwargs = regroup([(args, kwargs)], PerReplica, True, self._local_devices)
+        frame = context.Frame(strategy)
+        context.push_frame(frame)
+        try:
+            return merge_fn(strategy, *args, **kwargs)
+        finally:
+            context.pop_frame(frame)
+
+    def _replica_all_reduce(
+        self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
+    ) -> Any:
+        """All-reduce through one batched `merge_call` (TF's path)."""
+        leaves, structure = nest.flatten(value)
+        if not leaves:
+            return value
+        arrays = tuple(_as_reducible_leaf(x) for x in leaves)
+
+        def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
+            return strategy.extended.batch_reduce_to(op, [(v, v) for v in per_replica], options)
+
+        reduced = self._merge_call(replica_id, merge_fn, arrays, {}, always_wrap=True)
+        return nest.unflatten(structure, list(reduced))
+
+    def _replica_all_gather(
+        self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
+    ) -> Any:
+        """All-gather through one `merge_call`."""
+        leaves, structure = nest.flatten(value)
+        if not leaves:
+            return value
+        arrays = tuple(_as_reducible_leaf(x) for x in leaves)
+
+        def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
+            return [strategy.extended._gather_to(v, v, axis, options) for v in per_replica]
+
+        gathered = self._merge_call(replica_id, merge_fn, arrays, {}, always_wrap=True)
+        return nest.unflatten(structure, list(gathered))
+
+    def _local_results(self, value: Any) -> tuple[Any, ...]:
+        if isinstance(value, DistributedValues):
+            return value.values
+        leaves, _ = nest.flatten(value)
+        if len(leaves) > 1 or (leaves and leaves[0] is not value):
+            return tuple(select_replica(i, value) for i in range(len(self._local_devices)))
+        return (value,)
+
+    def _distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
+        from crossdevice._input.input_context import ValueContext
+
+        n = self._num_replicas_in_sync
+        values = []
+        for i, device in enumerate(self._local_devices):
+            with device_scope(device):
+                values.append(value_fn(ValueContext(self._replica_id_offset + i, n)))
+        return regroup(values, PerReplica, True, self._local_devices)
+
+    def _input_workers(self) -> tuple[int, int]:
+        """(number of input pipelines, this worker's index)."""
+        return 1, 0
+
+
+class Strategy:
+    """A way to distribute computation across devices (`tf.distribute.Strategy`).
+
+    Use a concrete strategy: `MirroredStrategy`, `OneDeviceStrategy`,
+    `experimental.CentralStorageStrategy` or `MultiWorkerMirroredStrategy`.
+    """
+
+    def __init__(self, extended: StrategyExtended) -> None:
+        self._extended = extended
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """The lower-level API (`StrategyExtended`)."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas over which values are aggregated."""
+        return self._extended._num_replicas_in_sync
+
+    def scope(self) -> _Scope:
+        """Context manager making this strategy current (cross-replica context).
+
+        Variables created inside are distributed variables of this strategy.
+        """
+        return _Scope(self)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: Any = None,
+    ) -> Any:
+        """Run `fn` once on each replica, concurrently, with the replica's arguments.
+
+        Distributed values in `args`/`kwargs` are split: replica i gets component i.
+
+        Args:
+            fn: the function to run on each replica.
+            args: positional arguments (a list or tuple).
+            kwargs: keyword arguments.
+            options: accepted for compatibility (`tf.distribute.RunOptions`); unused.
+
+        Returns:
+            The results regrouped: a value identical on all replicas stays plain,
+            differing values become `PerReplica`, variables come back as themselves.
+
+        Example:
+            >>> import crossdevice, numpy as np
+            >>> strategy = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> def step():
+            ...     ctx = crossdevice.get_replica_context()
+            ...     return ctx.all_reduce("sum", np.float32(ctx.replica_id_in_sync_group + 1))
+            >>> float(strategy.experimental_local_results(strategy.run(step))[0])
+            3.0
+        """
+        del options
+        if not isinstance(args, list | tuple):
+            raise ValueError(
+                f"positional args must be a list or tuple, got {type(args)}; wrap a single "
+                "argument as args=(x,)"
+            )
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"kwargs must be a dict or None, got {type(kwargs)}")
+        frame = context.current_frame()
+        if frame is not None and frame.replica_context is not None:
+            raise RuntimeError(
+                "strategy.run was called inside a replica context (from inside another "
+                "strategy.run); call it from cross-replica context"
+            )
+        with self.scope():
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
+        """Reduce `value` across replicas to this worker's host (cross-replica context).
+
+        With `axis=None` the replicas' values are combined element-wise. With an axis
+        (usually the batch axis 0), each replica first sums over it, so SUM gives the
+        total over the global batch and MEAN the true mean: per-replica sums and element
+        counts are reduced, then divided, which is right for a partial last batch too.
+
+        Args:
+            reduce_op: `ReduceOp.SUM`/`MEAN` or `"sum"`/`"mean"`.
+            value: a `PerReplica`/`Mirrored` value, a plain array, or a nest of them.
+            axis: None, an int, or a tuple/list of ints.
+
+        Returns:
+            The reduced value (a nest if `value` is one).
+        """
+        require_cross_replica(self)
+        op = as_reduce_op(reduce_op)
+        extended = self._extended
+        if axis is None:
+            reduced = extended.reduce_to(op, value, destinations=extended._host_device)
+            return nest.map_structure(lambda x: extended._local_results(x)[0], reduced)
+        return nest.map_structure(lambda leaf: self._reduce_with_axis(op, leaf, axis), value)
+
+    def _reduce_with_axis(self, op: ReduceOp, value: Any, axis: Any) -> Any:
+        extended = self._extended
+        if isinstance(value, DistributedVariable):
+            value = PerReplica([c._value for c in value.values], devices=value._devices)
+        components = value.values if isinstance(value, DistributedValues) else (value,)
+        components = tuple(backend_for(c).asarray(c) for c in components)
+        rank = len(backend_for(components[0]).shape(components[0]))
+        axes = _normalize_axis(axis, rank)
+        sums = [backend_for(c).reduce_sum(c, axes) for c in components]
+        if isinstance(value, DistributedValues):
+            numer: Any = PerReplica(sums, devices=value._devices)
+        else:
+            numer = sums[0]
+        if op == ReduceOp.SUM:
+            reduced = extended.reduce_to(op, numer, destinations=extended._host_device)
+            return extended._local_results(reduced)[0]
+        counts = [
+            np.asarray(math.prod(backend_for(c).shape(c)[a] for a in axes), dtype=np.int64)
+            for c in components
+        ]
+        if isinstance(value, DistributedValues):
+            denom: Any = PerReplica(counts, devices=value._devices)
+            numer_total, denom_total = extended.batch_reduce_to(
+                ReduceOp.SUM, [(numer, extended._host_device), (denom, extended._host_device)]
+            )
+        else:
+            # A plain value is the same on every replica: its mean is its own mean.
+            numer_total, denom_total = numer, counts[0]
+        numer_total = extended._local_results(numer_total)[0]
+        count = int(np.asarray(extended._local_results(denom_total)[0]))
+        return backend_for(numer_total).divide(numer_total, count)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate the replicas' values along `axis` on this worker's host.
+
+        Sizes may differ along `axis` only. Cross-replica context only; in a replica use
+        `get_replica_context().all_gather()`.
+        """
+        frame = context.current_frame()
+        if frame is not None and frame.replica_context is not None:
+            raise RuntimeError(GATHER_REQUIRES_CROSS_REPLICA)
+        require_cross_replica(self)
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"axis must be an int, got {type(axis).__name__}: {axis!r}")
+        extended = self._extended
+
+        def gather_leaf(x: Any) -> Any:
+            if isinstance(x, DistributedVariable):
+                x = PerReplica([c._value for c in x.values], devices=x._devices)
+            gathered = extended._gather_to(x, extended._host_device, axis, None)
+            return extended._local_results(gathered)[0]
+
+        return nest.map_structure(gather_leaf, value)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The components of `value` on this worker's replicas, as a tuple."""
+        return self._extended._local_results(value)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
+        """Call `value_fn(ValueContext)` once per replica and make a `PerReplica` of the results.
+
+        Args:
+            value_fn: takes a `crossdevice.experimental.ValueContext` (replica id and
+                count) and returns that replica's value.
+        """
+        return self._extended._distribute_values_from_function(value_fn)
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
+        """Split each global batch of `dataset` across the replicas.
+
+        Args:
+            dataset: any iterable of global batches (nests of arrays or tensors).
+            options: a `crossdevice.InputOptions`.
+
+        Returns:
+            An iterable of per-replica batches (`PerReplica` leaves).
+        """
+        from crossdevice._input.distributed import DistributedDataset
+
+        workers, index = self._extended._input_workers()
+        return DistributedDataset(
+            dataset,
+            devices=self._extended._local_devices,
+            num_workers=workers,
+            worker_index=index,
+            options=options,
+        )
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[..., Any], options: Any = None
+    ) -> Any:
+        """Call `dataset_fn(InputContext)` once per input pipeline.
+
+        Each replica takes the next element of its worker's pipeline each step.
+        """
+        from crossdevice._input.distributed import DistributedDatasetsFromFunction
+
+        workers, index = self._extended._input_workers()
+        return DistributedDatasetsFromFunction(
+            dataset_fn,
+            devices=self._extended._local_devices,
+            num_workers=workers,
+            worker_index=index,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+            options=options,
+        )
+
+    def __repr__(self) -> str:
+        return f"<crossdevice.{type(self).__name__} devices={list(self._extended.worker_devices)}>"
+
+
+def _check_options(options: Any) -> CommunicationOptions | None:
+    if options is not None and not isinstance(options, CommunicationOptions):
+        raise ValueError(
+            f"options must be a crossdevice.experimental.CommunicationOptions or None, got "
+            f"{options!r}"
+        )
+    return options
+
+
+def _check_pairs(pairs: Any) -> list[tuple[Any, Any]]:
+    if isinstance(pairs, DistributedValues) or not isinstance(pairs, Sequence | Iterable):
+        raise ValueError(
+            f"value_destination_pairs must be a list of (value, destinations) tuples, got {pairs!r}"
+        )
+    checked = []
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(
+                "Each element of value_destination_pairs should be a tuple of size 2 "
+                f"(value, destinations), got {pair!r}"
+            )
+        checked.append(pair)
+    return checked
+
+
+def _normalize_axis(axis: Any, rank: int) -> tuple[int, ...]:
+    axes = axis if isinstance(axis, list | tuple) else (axis,)
+    out = []
+    for a in axes:
+        if isinstance(a, bool) or not isinstance(a, int | np.integer):
+            raise TypeError(
+                f"axis must be an int or a tuple/list of ints, got {type(axis).__name__}: {axis!r}"
+            )
+        if not -rank <= a < rank:
+            raise ValueError(f"axis = {axis!r} out of range for value with rank {rank}")
+        out.append(int(a) % rank)
+    return tuple(out)
+
+
+def _as_reducible_leaf(x: Any) -> Any:
+    """A replica's leaf as an array of its own (Python numbers become new arrays)."""
+    if isinstance(x, Variable):
+        return x.read_value()
+    if isinstance(x, DistributedValues):
+        x = x._get()
+        if isinstance(x, Variable):
+            return x.read_value()
+        return x
+    if isinstance(x, Mirrored):
+        return x._get()
+    return backend_for(x).asarray(x)
+
+
+def _variable_creator(frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
+    return frame.strategy.extended._create_variable(frame, *args, **kwargs)
+
+
+set_variable_creator(_variable_creator)

@@ -1,0 +1,268 @@
+"""The machinery shared by strategies with several local replicas (Mirrored, CentralStorage).
+
+One `ReplicaRunner` (long-lived replica threads) per strategy, a `CrossDeviceOps` for the
+reductions, and TF's reduce/update rules for distributed values.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from crossdevice._core import context, nest
+from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists
+from crossdevice._core.errors import ArgumentAssertionError
+from crossdevice._core.options import CommunicationOptions
+from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._replica.context import ReplicaContext
+from crossdevice._replica.runner import ReplicaRunner
+from crossdevice._strategies.base import Strategy, StrategyExtended
+from crossdevice._values.distributed_variables import DistributedVariable
+from crossdevice._values.regroup import regroup, select_replica
+from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
+
+__all__ = ["ReplicatedExtended", "canonical_devices"]
+
+
+def canonical_devices(devices: Sequence[Any], what: str) -> tuple[str, ...]:
+    """Canonicalise a device list; duplicates, mixed jobs and unknown devices are errors."""
+    if isinstance(devices, str):
+        raise ValueError(f"{what} must be a list of device strings, got the string {devices!r}")
+    canonical = []
+    for device in devices:
+        name = getattr(device, "name", device)  # LogicalDevice objects are accepted
+        canonical.append(canonicalize(name))
+    if len(set(canonical)) != len(canonical):
+        duplicates = sorted({d for d in canonical if canonical.count(d) > 1})
+        raise ArgumentAssertionError(
+            f"No duplicates allowed in `{what}` argument: {list(devices)!r} repeats {duplicates}"
+        )
+    jobs = {DeviceSpec.from_string(d).job for d in canonical}
+    if len(jobs) > 1:
+        raise ValueError(
+            f"{what} mixes devices of jobs {sorted(map(str, jobs))}: {canonical}; local "
+            "strategies take devices of one worker (use MultiWorkerMirroredStrategy across "
+            "workers)"
+        )
+    for device in canonical:
+        check_device_exists(device)
+    return tuple(canonical)
+
+
+class ReplicatedExtended(StrategyExtended):
+    """Base for strategies that run several local replicas on threads."""
+
+    def __init__(
+        self, container_strategy: Strategy, devices: tuple[str, ...], cross_device_ops: Any
+    ) -> None:
+        super().__init__(container_strategy)
+        self._devices = devices
+        self._cross_device_ops = cross_device_ops
+        offset = self._replica_id_offset
+        self._frames = [
+            context.Frame(container_strategy, ReplicaContext(container_strategy, offset + i), i)
+            for i in range(len(devices))
+        ]
+        self._runner: ReplicaRunner | None = None
+        self._runner_lock = threading.Lock()
+
+    @property
+    def _local_devices(self) -> tuple[str, ...]:
+        return self._devices
+
+    def _communication_options(self) -> CommunicationOptions | None:
+        return None
+
+    def _get_runner(self) -> ReplicaRunner:
+        runner = self._runner
+        if runner is not None:
+            return runner
+        with self._runner_lock:
+            return self._make_runner()
+
+    def _make_runner(self) -> ReplicaRunner:
+        if self._runner is None:
+            # The threads hold the runner, the runner holds only a weak reference to this
+            # object: a strategy nobody uses any more is collected and its threads end.
+            ref = weakref.ref(self)
+
+            def make_frame(i: int) -> context.Frame:
+                extended = ref()
+                if extended is None:
+                    raise RuntimeError("the strategy of these replica threads was collected")
+                return extended._frames[i]
+
+            self._runner = ReplicaRunner(
+                len(self._devices),
+                make_frame,
+                self._devices,
+                name=type(self._container_strategy_ref).__name__,
+            )
+            weakref.finalize(self, self._runner.close)
+        return self._runner
+
+    # --- replica execution ---------------------------------------------------------------
+    def _call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        n = len(self._devices)
+        leaves, _ = nest.flatten((args, kwargs))
+        if any(isinstance(x, DistributedValues) for x in leaves):
+            per_replica = [(select_replica(i, args), select_replica(i, kwargs)) for i in range(n)]
+        else:
+            per_replica = [(args, kwargs)] * n
+        options = self._communication_options()
+        timeout = options.timeout_seconds if options is not None else None
+        results = self._get_runner().run(fn, per_replica, merge_timeout=timeout)
+        return regroup(results, PerReplica, False, self._devices, collapse_arrays=False)
+
+    def _merge_call(
+        self,
+        replica_id: int,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        always_wrap: bool,
+    ) -> Any:
+        n = len(self._devices)
+        if n == 1:
+            return super()._merge_call(replica_id, merge_fn, args, kwargs, always_wrap)
+        strategy = self._container_strategy_ref
+        devices = self._devices
+
+        def merge(inputs: list[Any]) -> list[Any]:
+            margs = regroup([i[0] for i in inputs], PerReplica, always_wrap, devices)
+            mkwargs = regroup([i[1] for i in inputs], PerReplica, always_wrap, devices)
+            frame = context.Frame(strategy)
+            context.push_frame(frame)
+            try:
+                result = merge_fn(strategy, *margs, **mkwargs)
+            finally:
+                context.pop_frame(frame)
+            return [select_replica(i, result) for i in range(n)]
+
+        local_id = replica_id - self._replica_id_offset
+        return self._get_runner().merge_call(local_id, merge, (args, kwargs))
+
+    # --- reductions ----------------------------------------------------------------------
+    def _merged_options(self, options: CommunicationOptions | None) -> CommunicationOptions | None:
+        defaults = self._communication_options()
+        if defaults is None:
+            return options
+        return defaults.merge(options)
+
+    def _reduce_to(
+        self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None
+    ) -> Any:
+        from crossdevice._cross_device import reduce_non_distributed_value
+
+        options = self._merged_options(options)
+        n = self._num_replicas_in_sync
+
+        def reduce_leaf(leaf: Any) -> Any:
+            leaf = _readable(leaf, op)
+            if isinstance(leaf, Mirrored) or (
+                isinstance(leaf, DistributedVariable) and isinstance(leaf, Mirrored)
+            ):
+                return leaf
+            if not isinstance(leaf, DistributedValues):
+                return reduce_non_distributed_value(op, leaf, destinations, n)
+            return self._cross_device_ops.reduce(op, leaf, destinations, options)
+
+        return nest.map_structure(reduce_leaf, value)
+
+    def _batch_reduce_to(
+        self, op: ReduceOp, pairs: list[tuple[Any, Any]], options: CommunicationOptions | None
+    ) -> list[Any]:
+        from crossdevice._cross_device import reduce_non_distributed_value
+
+        options = self._merged_options(options)
+        n = self._num_replicas_in_sync
+        results: list[Any] = [None] * len(pairs)
+        batch: list[tuple[int, Any, Any]] = []
+        for index, (given, destinations) in enumerate(pairs):
+            value = _readable(given, op)
+            if isinstance(value, Mirrored):
+                results[index] = value
+            elif isinstance(value, DistributedValues):
+                batch.append((index, value, destinations))
+            else:
+                results[index] = reduce_non_distributed_value(op, value, destinations, n)
+        if batch:
+            reduced = self._cross_device_ops.batch_reduce(
+                op, [(v, d) for _, v, d in batch], options
+            )
+            for (index, _, _), result in zip(batch, reduced, strict=True):
+                results[index] = result
+        return results
+
+    def _gather_to(
+        self, value: Any, destinations: Any, axis: int, options: CommunicationOptions | None
+    ) -> Any:
+        if not isinstance(value, DistributedValues):
+            return value
+        return self._cross_device_ops._gather(
+            value, destinations, axis, self._merged_options(options)
+        )
+
+    # --- updates -------------------------------------------------------------------------
+    def _update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        if not isinstance(var, DistributedVariable) or var._strategy is not (
+            self._container_strategy_ref
+        ):
+            raise ValueError(
+                "extended.update expects a variable created in this strategy's scope, got "
+                f"{var!r}; create it inside `with strategy.scope():`"
+            )
+        strategy = self._container_strategy_ref
+        results = []
+        from crossdevice._core.devices import device_scope
+
+        for i, component in enumerate(var.values):
+            frame = context.Frame(strategy, None, None, i)
+            context.push_frame(frame)
+            try:
+                with device_scope(component.device):
+                    results.append(
+                        fn(component, *select_replica(i, args), **select_replica(i, kwargs))
+                    )
+            finally:
+                context.pop_frame(frame)
+        regrouped = regroup(results, Mirrored, False, var._devices)
+        if group:
+            return regrouped
+        return nest.map_structure(self._local_results, regrouped)
+
+
+def _readable(value: Any, op: ReduceOp) -> Any:
+    """Distributed variables as values: MirroredVariable → Mirrored, others → PerReplica."""
+    from crossdevice._values.distributed_variables import AggregatingVariable, MirroredVariable
+
+    if isinstance(value, MirroredVariable):
+        if op == ReduceOp.SUM:
+            raise ArgumentAssertionError(
+                f"cannot SUM-reduce mirrored variable {value.name!r}: its components are "
+                "identical copies, not per-replica values (TF asserts here too); use MEAN, or "
+                "reduce the per-replica values that produced it"
+            )
+        return Mirrored([c._value for c in value.values], devices=value._devices)
+    if isinstance(value, AggregatingVariable):
+        return value._primary._value
+    if isinstance(value, DistributedVariable):
+        return PerReplica([c._value for c in value.values], devices=value._devices)
+    if isinstance(value, Mirrored) and op == ReduceOp.SUM:
+        raise ArgumentAssertionError(
+            f"cannot SUM-reduce a Mirrored value (the same value on every replica; TF "
+            f"asserts here too): {value!r}; use MEAN to get it back, or reduce the "
+            "per-replica values"
+        )
+    return value

@@ -1,0 +1,374 @@
+"""Distributed variables: `MirroredVariable`, `SyncOnReadVariable`, `AggregatingVariable`.
+
+Each holds one plain `Variable` per local replica (`AggregatingVariable`: one on the
+parameter device) and applies TF's synchronisation and aggregation rules (reference §9).
+The strategy they belong to provides `extended.update`, `extended.reduce_to` and the
+replica context's `merge_call`; this layer only calls them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from crossdevice._arrays import backend_for
+from crossdevice._core import context
+from crossdevice._core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
+from crossdevice._values.values import DistributedValues, PerReplica
+from crossdevice._values.variables import Variable
+
+__all__ = [
+    "AggregatingVariable",
+    "DistributedVariable",
+    "MirroredVariable",
+    "SyncOnReadVariable",
+]
+
+
+def _mode(strategy: Any) -> tuple[str, int | None]:
+    """("update", i), ("replica", i) or ("cross", None) for a variable of `strategy`.
+
+    Outside any scope a distributed variable behaves as in its strategy's cross-replica
+    context (TF enters the variable's strategy implicitly).
+    """
+    frame = context.current_frame()
+    if frame is None or frame.strategy is not strategy:
+        return "cross", None
+    if frame.update_replica_id is not None:
+        return "update", frame.update_replica_id
+    if frame.replica_context is not None:
+        return "replica", frame.local_replica_id
+    return "cross", None
+
+
+def _read_op(op: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: DistributedVariable, *args: Any) -> Any:
+        return op(self._read_array(), *args)
+
+    return method
+
+
+def _read_op_reflected(op: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: DistributedVariable, other: Any) -> Any:
+        return op(other, self._read_array())
+
+    return method
+
+
+class DistributedVariable(DistributedValues):
+    """Base of variables with one component per replica; `isinstance(v, Variable)` holds."""
+
+    __slots__ = ("_aggregation", "_strategy", "_synchronization")
+    _is_distributed_variable = True
+
+    def __init__(
+        self,
+        strategy: Any,
+        components: Sequence[Variable],
+        aggregation: VariableAggregation,
+        synchronization: VariableSynchronization,
+    ) -> None:
+        super().__init__(components, devices=[c.device for c in components])
+        self._strategy = strategy
+        self._aggregation = aggregation
+        self._synchronization = synchronization
+        for component in components:
+            component._distributed_container = self
+            component._distribute_strategy = strategy
+
+    # --- attributes of the primary ----------------------------------------------------
+    @property
+    def _distribute_strategy(self) -> Any:
+        return self._strategy
+
+    @property
+    def name(self) -> str:
+        """The primary component's name."""
+        return self._primary.name
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype of the components."""
+        return self._primary.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the components."""
+        return self._primary.shape
+
+    @property
+    def device(self) -> str:
+        """The device of the current replica's component (the primary's outside replicas)."""
+        return self._get_on_device_or_primary().device
+
+    @property
+    def trainable(self) -> bool:
+        """Whether optimisers should update it."""
+        return self._primary.trainable
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        """How replica-context updates combine."""
+        return self._aggregation
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        """When components are synchronised."""
+        return self._synchronization
+
+    def _local_id(self) -> int | None:
+        mode, replica = _mode(self._strategy)
+        return None if mode == "cross" else replica
+
+    # --- reads ----------------------------------------------------------------------------
+    def _read_array(self) -> Any:
+        """The array a read sees in the current context (not copied)."""
+        return self._get()._value
+
+    def read_value(self) -> Any:
+        """A snapshot of the value seen in the current context."""
+        array = self._read_array()
+        return backend_for(array).copy(array)
+
+    def value(self) -> Any:
+        """Same as `read_value()`."""
+        return self.read_value()
+
+    def numpy(self) -> Any:
+        """The value seen in the current context, as NumPy."""
+        arr = np.array(backend_for(self._read_array()).to_numpy(self._read_array()), copy=True)
+        return arr[()] if arr.ndim == 0 else arr
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self._read_array()
+        return np.asarray(backend_for(array).to_numpy(array), dtype=dtype)
+
+    __add__ = _read_op(operator.add)
+    __sub__ = _read_op(operator.sub)
+    __mul__ = _read_op(operator.mul)
+    __truediv__ = _read_op(operator.truediv)
+    __floordiv__ = _read_op(operator.floordiv)
+    __pow__ = _read_op(operator.pow)
+    __matmul__ = _read_op(operator.matmul)
+    __radd__ = _read_op_reflected(operator.add)
+    __rsub__ = _read_op_reflected(operator.sub)
+    __rmul__ = _read_op_reflected(operator.mul)
+    __rtruediv__ = _read_op_reflected(operator.truediv)
+    __rpow__ = _read_op_reflected(operator.pow)
+    __rmatmul__ = _read_op_reflected(operator.matmul)
+    __neg__ = _read_op(operator.neg)
+    __getitem__ = _read_op(operator.getitem)
+    __lt__ = _read_op(operator.lt)
+    __gt__ = _read_op(operator.gt)
+    __le__ = _read_op(operator.le)
+    __ge__ = _read_op(operator.ge)
+
+    def __float__(self) -> float:
+        return float(self._read_array())
+
+    def __int__(self) -> int:
+        return int(self._read_array())
+
+    # --- writes: the subclasses' rules ----------------------------------------------------
+    def assign(
+        self,
+        value: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Assign under this variable's synchronisation and aggregation rules."""
+        del use_locking, name
+        self._update("assign", value)
+        return self if read_value else None
+
+    def assign_add(
+        self,
+        delta: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Add under this variable's synchronisation and aggregation rules."""
+        del use_locking, name
+        self._update("assign_add", delta)
+        return self if read_value else None
+
+    def assign_sub(
+        self,
+        delta: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Subtract under this variable's synchronisation and aggregation rules."""
+        del use_locking, name
+        self._update("assign_sub", delta)
+        return self if read_value else None
+
+    def _update(self, method: str, value: Any) -> None:
+        raise NotImplementedError
+
+    def _update_all(self, method: str, value: Any) -> None:
+        """Cross-replica: apply `method` to every component through `extended.update`."""
+        self._strategy.extended.update(
+            self,
+            lambda v, x: getattr(v, method)(x, read_value=False),
+            args=(value,),
+            group=False,
+        )
+
+
+class MirroredVariable(DistributedVariable):
+    """A variable kept identical on every replica (synchronisation ON_WRITE).
+
+    In cross-replica context an assign updates every component. In a replica, with
+    aggregation NONE only the local component changes (components may then diverge, as
+    in TF 2); otherwise the replicas' values are combined (SUM, MEAN, or replica 0's for
+    ONLY_FIRST_REPLICA) through a `merge_call` and every component gets the result.
+    """
+
+    __slots__ = ()
+
+    def _get_cross_replica(self) -> Any:
+        return self._get_on_device_or_primary()
+
+    def _update(self, method: str, value: Any) -> None:
+        mode, replica = _mode(self._strategy)
+        if mode == "update":
+            assert replica is not None
+            getattr(self._values[replica], method)(value, read_value=False)
+            return
+        if mode == "cross":
+            self._update_all(method, value)
+            return
+        assert replica is not None
+        if self._aggregation == VariableAggregation.NONE:
+            getattr(self._values[replica], method)(value, read_value=False)
+            return
+        aggregation = self._aggregation
+
+        def merge_fn(strategy: Any, value: Any) -> None:
+            if aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
+                first = value.values[0] if isinstance(value, PerReplica) else value
+                self._update_all(method, first)
+                return
+            if (
+                aggregation == VariableAggregation.MEAN
+                and not backend_for(self._primary._value).is_floating(self._primary._value)
+                and isinstance(value, PerReplica)
+            ):
+                raise ValueError(
+                    "Cannot update non-float variables with VariableAggregation.MEAN "
+                    f"aggregation in replica context; variable {self.name!r} has dtype "
+                    f"{self.dtype}. Use VariableAggregation.SUM or ONLY_FIRST_REPLICA, or "
+                    "update it in cross-replica context."
+                )
+            op = ReduceOp.from_variable_aggregation(aggregation)
+            reduced = strategy.extended.reduce_to(op, value, destinations=self)
+            self._update_all(method, reduced)
+
+        context.current_frame().replica_context.merge_call(merge_fn, args=(value,))  # type: ignore[union-attr]
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """A variable written locally by each replica and aggregated when read (ON_READ).
+
+    Used for metrics and batch-norm statistics.
+
+    In a replica, reads and writes see the local component. A cross-replica read
+    combines the components with the aggregation (SUM, MEAN, or replica 0's value for
+    ONLY_FIRST_REPLICA; NONE is an error).
+    """
+
+    __slots__ = ()
+
+    def _get_cross_replica(self) -> Any:
+        raise AssertionError("SyncOnReadVariable reads go through _read_array")
+
+    def _read_array(self) -> Any:
+        mode, replica = _mode(self._strategy)
+        if mode != "cross":
+            assert replica is not None
+            return self._values[replica]._value
+        if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._primary._value
+        if self._aggregation == VariableAggregation.NONE:
+            raise ValueError(
+                f"Could not convert from VariableAggregation.NONE to a reduce op: reading "
+                f"SyncOnReadVariable {self.name!r} in cross-replica context needs an "
+                "aggregation (SUM, MEAN or ONLY_FIRST_REPLICA); read it inside strategy.run "
+                "to get the local value"
+            )
+        op = ReduceOp.from_variable_aggregation(self._aggregation)
+        per_replica = PerReplica([c._value for c in self._values], devices=self._devices)
+        return self._strategy.reduce(op, per_replica, axis=None)
+
+    def _update(self, method: str, value: Any) -> None:
+        mode, replica = _mode(self._strategy)
+        if mode != "cross":
+            assert replica is not None
+            getattr(self._values[replica], method)(value, read_value=False)
+            return
+        if self._aggregation == VariableAggregation.SUM:
+            if method != "assign":
+                raise ValueError(
+                    f"SyncOnReadVariable does not support `{method}` in cross-replica "
+                    "context when aggregation is set to VariableAggregation.SUM; assign "
+                    "the new total with `assign` instead"
+                )
+            n = len(self._values)
+            array = backend_for(value).asarray(value)
+            value = backend_for(array).divide(array, n)
+        for component in self._values:
+            getattr(component, method)(value, read_value=False)
+
+
+class AggregatingVariable(DistributedVariable):
+    """One variable on the parameter device, shared by the replicas (CentralStorageStrategy).
+
+    In a replica, an assign with an aggregation combines the replicas' values through a
+    `merge_call` and updates the single variable once; with aggregation NONE it is an
+    error, because the replicas would race on one variable.
+    """
+
+    __slots__ = ()
+
+    def _get(self) -> Any:
+        return self._primary
+
+    def _get_cross_replica(self) -> Any:
+        return self._primary
+
+    def _update(self, method: str, value: Any) -> None:
+        mode, _ = _mode(self._strategy)
+        if mode != "replica" or self._strategy.num_replicas_in_sync == 1:
+            self._strategy.extended.update(
+                self, lambda v, x: getattr(v, method)(x, read_value=False), args=(value,)
+            )
+            return
+        aggregation = self._aggregation
+        if aggregation == VariableAggregation.NONE:
+            raise ValueError(
+                f"You must specify an aggregation method to update variable {self.name!r} "
+                "in replica context: create it with aggregation=VariableAggregation.SUM, "
+                "MEAN or ONLY_FIRST_REPLICA, or update it in cross-replica context"
+            )
+
+        def merge_fn(strategy: Any, value: Any) -> None:
+            if aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
+                reduced = value.values[0] if isinstance(value, PerReplica) else value
+            else:
+                op = ReduceOp.from_variable_aggregation(aggregation)
+                reduced = strategy.extended.reduce_to(op, value, destinations=self)
+            strategy.extended.update(
+                self, lambda v, x: getattr(v, method)(x, read_value=False), args=(reduced,)
+            )
+
+        context.current_frame().replica_context.merge_call(merge_fn, args=(value,))  # type: ignore[union-attr]
+
+    def __repr__(self) -> str:
+        return repr(self._primary)

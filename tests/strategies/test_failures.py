@@ -1,0 +1,177 @@
+"""Failures in replicas and merge_fn reach the caller as themselves; nothing hangs.
+
+Every test here runs against MirroredStrategy on several device counts; each would hang
+forever if a peer were not released, so each also proves that it returns (pytest's
+faulthandler_timeout turns a hang into a failure with stacks).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import crossdevice as cd
+
+
+class BoomError(Exception):
+    """A distinctive error type."""
+
+
+@pytest.fixture(params=[2, 3, 4, 8], ids=lambda n: f"mirrored{n}")
+def strategy(request: pytest.FixtureRequest) -> Any:
+    return cd.MirroredStrategy([f"CPU:{i}" for i in range(request.param)])
+
+
+def _works(strategy: Any) -> None:
+    """The strategy still runs a collective step correctly."""
+    n = strategy.num_replicas_in_sync
+    result = strategy.run(lambda: cd.get_replica_context().all_reduce("sum", np.float32(1)))
+    assert [float(x) for x in strategy.experimental_local_results(result)] == [n] * n
+
+
+def _timed_raises(exc_type: type[BaseException], strategy: Any, fn: Any, **kw: Any) -> Any:
+    start = time.monotonic()
+    with pytest.raises(exc_type) as info:
+        strategy.run(fn, **kw)
+    assert time.monotonic() - start < 5.0
+    return info
+
+
+def test_exception_in_every_replica(strategy: Any) -> None:
+    def fn() -> None:
+        raise BoomError("in fn")
+
+    _timed_raises(BoomError, strategy, fn)
+    _works(strategy)
+
+
+def test_exception_in_one_replica_while_others_wait_in_merge_call(strategy: Any) -> None:
+    def fn() -> Any:
+        ctx = cd.get_replica_context()
+        if ctx.replica_id_in_sync_group == strategy.num_replicas_in_sync - 1:
+            raise BoomError("only the last replica")
+        return ctx.all_reduce("sum", np.float32(1))
+
+    info = _timed_raises(BoomError, strategy, fn)
+    assert "only the last replica" in str(info.value)
+    _works(strategy)
+
+
+def test_exception_in_replica_zero_only(strategy: Any) -> None:
+    def fn() -> Any:
+        ctx = cd.get_replica_context()
+        if ctx.replica_id_in_sync_group == 0:
+            raise BoomError("replica 0")
+        return ctx.merge_call(lambda s: None)
+
+    _timed_raises(BoomError, strategy, fn)
+    _works(strategy)
+
+
+def test_exception_in_merge_fn(strategy: Any) -> None:
+    calls = []
+
+    def merge_fn(s: Any) -> None:
+        calls.append(1)
+        raise BoomError("in merge_fn")
+
+    def fn() -> None:
+        try:
+            cd.get_replica_context().merge_call(merge_fn)
+        except Exception:  # a replica cannot swallow the failure of its peers
+            pytest.fail("the merge_fn failure must not be catchable as Exception in a replica")
+
+    _timed_raises(BoomError, strategy, fn)
+    assert calls == [1]
+    _works(strategy)
+
+
+def test_exception_after_a_merge_call(strategy: Any) -> None:
+    def fn() -> None:
+        ctx = cd.get_replica_context()
+        ctx.all_reduce("sum", np.float32(1))
+        if ctx.replica_id_in_sync_group == 1:
+            raise BoomError("after")
+        ctx.all_reduce("sum", np.float32(1))
+
+    _timed_raises(BoomError, strategy, fn)
+    _works(strategy)
+
+
+def test_mismatched_merge_call_counts(strategy: Any) -> None:
+    def fn() -> None:
+        ctx = cd.get_replica_context()
+        if ctx.replica_id_in_sync_group == 0:
+            ctx.merge_call(lambda s: None)
+
+    info = _timed_raises(RuntimeError, strategy, fn)
+    assert "different number of replica_context().merge_call() calls" in str(info.value)
+    _works(strategy)
+
+
+def test_extra_merge_call_in_one_replica(strategy: Any) -> None:
+    def fn() -> None:
+        ctx = cd.get_replica_context()
+        ctx.merge_call(lambda s: None)
+        if ctx.replica_id_in_sync_group == 1:
+            ctx.merge_call(lambda s: None)
+
+    _timed_raises(RuntimeError, strategy, fn)
+    _works(strategy)
+
+
+def test_keyboard_interrupt_like_base_exceptions_propagate(strategy: Any) -> None:
+    class Stop(BaseException):
+        pass
+
+    def fn() -> None:
+        if cd.get_replica_context().replica_id_in_sync_group == 1:
+            raise Stop()
+        cd.get_replica_context().merge_call(lambda s: None)
+
+    _timed_raises(Stop, strategy, fn)
+    _works(strategy)
+
+
+def test_failed_run_leaves_variables_unchanged(strategy: Any) -> None:
+    with strategy.scope():
+        v = cd.Variable(np.zeros(2, np.float32), aggregation="sum")
+
+    def fn() -> None:
+        if cd.get_replica_context().replica_id_in_sync_group == 0:
+            raise BoomError("before the update")
+        v.assign_add(np.ones(2, np.float32))
+
+    _timed_raises(BoomError, strategy, fn)
+    for component in v.values:
+        np.testing.assert_array_equal(component.numpy(), [0, 0])
+
+
+def test_replicas_run_concurrently(strategy: Any) -> None:
+    """Every replica is inside fn at the same time (TF runs them one after another)."""
+    n = strategy.num_replicas_in_sync
+    barrier = threading.Barrier(n, timeout=10)
+    strategy.run(barrier.wait)
+
+
+def test_concurrent_callers_are_serialised(strategy: Any) -> None:
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            for _ in range(20):
+                _works(strategy)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors
