@@ -118,7 +118,7 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert args.func(args) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert "MirroredStrategy on 2 logical CPU replicas" in out
+    assert "MirroredStrategy on 2 replicas (logical CPU devices" in out
     assert out.count("held-out accuracy ") == 3  # one line per epoch
     accuracy = float(out.split("held-out accuracy: ")[1].split()[0])
     assert accuracy >= 0.9

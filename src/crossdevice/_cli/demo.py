@@ -231,7 +231,7 @@ def train(
         )
         # One batched all-reduce: the summed gradients and the number of examples of
         # the global batch (which is short in the last step), then the global mean.
-        count = np.full(1, len(labels), dtype=DTYPE)
+        count = np.asarray(len(labels), dtype=DTYPE)
         *summed, total = ctx.all_reduce(crossdevice.ReduceOp.SUM, [*grad_sums, count])
         grads = [g / total for g in summed]
         ctx.merge_call(apply_gradients, args=(list(zip(grads, variables, strict=True)),))
@@ -343,9 +343,14 @@ def register(subparsers: Any) -> None:
 
 
 def _set_logical_cpus(n: int) -> None:
-    from crossdevice._core import devices
+    import crossdevice
 
-    devices.set_logical_cpu_devices(max(n, devices.get_logical_cpu_devices()))
+    config = crossdevice.config
+    config.set_logical_cpu_devices(max(n, config.get_logical_cpu_devices()))
+
+
+def _replicas(n: int) -> str:
+    return f"{n} replica" if n == 1 else f"{n} replicas"
 
 
 def _max_difference(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
@@ -393,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"crossdevice demo: MLP {NUM_FEATURES}-{HIDDEN_UNITS}-{NUM_CLASSES} on the UCI digits "
         f"({len(x_train)} training / {len(x_test)} held-out examples)\n"
-        f"MirroredStrategy on {args.replicas} logical CPU replicas ({ops_used}), "
+        f"MirroredStrategy on {_replicas(args.replicas)} (logical CPU devices; {ops_used}), "
         f"global batch {args.batch_size} "
         f"(~{args.batch_size / args.replicas:g} per replica), {args.epochs} epochs, "
         f"SGD lr {LEARNING_RATE}, seed {args.seed}",
@@ -406,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
         (x_test, y_test),
         progress=progress,
         report=report,
-        label=f"{args.replicas} replicas: ",
+        label=f"{_replicas(args.replicas)}: ",
     )
     final_accuracy = parallel.test_accuracy[-1]
     accuracy_ok = final_accuracy >= MIN_ACCURACY
@@ -434,17 +439,17 @@ def run(args: argparse.Namespace) -> int:
         for copies in zip(*parallel.replica_params, strict=True)
     )
     print(
-        f"single-replica check: max |{args.replicas} replicas - 1 replica| = {difference:.3g} "
+        f"single-replica check: max |{_replicas(args.replicas)} - 1 replica| = {difference:.3g} "
         f"over {sum(p.size for p in parallel.params)} parameters "
         f"(rtol {PARAM_RTOL:g}, atol {PARAM_ATOL:g}): "
         f"{'parameters match' if params_ok else 'MISMATCH'}"
     )
     print(
         f"replica copies: {'identical on all' if replicas_ok else 'DIVERGED across'} "
-        f"{args.replicas} replicas"
+        f"{_replicas(args.replicas)}"
     )
     print(
-        f"time: {args.replicas} replicas {parallel.seconds:.2f} s ({parallel.steps} steps, "
+        f"time: {_replicas(args.replicas)} {parallel.seconds:.2f} s ({parallel.steps} steps, "
         f"{parallel.steps / parallel.seconds:.0f} steps/s); "
         f"1 replica {single.seconds:.2f} s"
     )
