@@ -1,0 +1,60 @@
+"""`HierarchicalCopyAllReduce`: TF's DGX-1 hierarchical copy, correct for every N."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, final
+
+from crossdevice._collectives import algorithms
+from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._cross_device.all_reduce import AllReduceCrossDeviceOps
+
+__all__ = ["HierarchicalCopyAllReduce"]
+
+
+@final
+class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
+    """Hierarchical copy all-reduce (`tf.distribute.HierarchicalCopyAllReduce`).
+
+    It reduces to one device along the edges of a hierarchy and broadcasts back along
+    the same path: the devices split into two halves, each half is summed on its root,
+    the roots exchange, and every device copies from its half's root. The roots rotate
+    from one tensor (or pack) to the next to spread the load. The hierarchy was made for
+    NVIDIA DGX-1 (GPUs 0-3 and 4-7 fully connected, i <-> i+4 links between them); on
+    other interconnects it is likely slower than `ReductionToOneDevice`.
+
+    Unlike TF, which silently drops the last device's value for an odd number of
+    devices, every device is summed for any N. Reduces that are not all-reduces (the
+    destinations are not the value's devices) fall back to `ReductionToOneDevice`.
+
+    Args:
+        num_packs: a non-negative int: the number of flat buffers per dtype that a batch
+            is packed into; 0 means one all-reduce per array.
+
+    Raises:
+        ValueError: `num_packs` is negative.
+
+    Example:
+        >>> import numpy as np
+        >>> from crossdevice._values.values import PerReplica
+        >>> value = PerReplica([np.array([1, 2]), np.array([3, 4]), np.array([5, 6])])
+        >>> HierarchicalCopyAllReduce().reduce("sum", value, value).values[2].tolist()
+        [9, 12]
+    """
+
+    _NUM_PACKS_ERROR: ClassVar[str] = (
+        "HierarchicalCopy requires num_packs >= 0, but {} is specified"
+    )
+    _ALGORITHM: ClassVar[str] = "hierarchical_copy"
+
+    def _all_reduce_pieces(
+        self, reduce_op: ReduceOp, pieces: list[list[Any]], devices: tuple[str, ...]
+    ) -> list[list[Any]]:
+        """Hierarchical copy of each piece, rotating the roots with the piece index."""
+        out: list[list[Any]] = [[] for _ in devices]
+        for k in range(len(pieces[0])):
+            reduced = algorithms.hierarchical_copy_all_reduce(
+                [device_pieces[k] for device_pieces in pieces], devices, reduce_op, index=k
+            )
+            for device_out, value in zip(out, reduced, strict=True):
+                device_out.append(value)
+        return out

@@ -1,0 +1,187 @@
+"""Input checks for cross-device ops: values, options, pairs and axes.
+
+Everything here runs before any work, so a call that fails has changed nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from crossdevice._arrays import backend_for, is_array, is_torch
+from crossdevice._core.options import CommunicationOptions
+from crossdevice._cross_device.destinations import host_device
+from crossdevice._values.values import DistributedValues, PerReplica
+from crossdevice._values.variables import Variable
+
+__all__ = [
+    "as_array",
+    "check_axis",
+    "check_options",
+    "check_pairs",
+    "component_arrays",
+    "make_per_replica",
+]
+
+
+def _describe(x: object) -> str:
+    text = repr(x)
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"{type(x).__name__}: {text}"
+
+
+def as_array(x: Any) -> Any:
+    """A component as an array: a Variable's buffer, Python numbers as NumPy (TF's dtypes)."""
+    if isinstance(x, Variable) and not isinstance(x, DistributedValues):
+        return x._value
+    if is_torch(x) or isinstance(x, np.ndarray):
+        return x
+    if is_array(x):
+        return backend_for(x).asarray(x)
+    raise ValueError(
+        "expected an array (a NumPy array, a torch tensor or a Python number) or a "
+        f"Variable; got {_describe(x)}. Convert the value to an array first"
+    )
+
+
+def make_per_replica(value: Any) -> DistributedValues:
+    """`value` as a distributed value (TF's `_make_tensor_into_per_replica`).
+
+    A `DistributedValues` passes; an array or a `Variable` becomes a one-component
+    `PerReplica` on its device (a host array: the current `device_scope`, else CPU:0).
+
+    Raises:
+        ValueError: a list or tuple (TF says so in `reduce` but silently returns None in
+            places; we are strict everywhere), or anything without a device.
+    """
+    if isinstance(value, DistributedValues):
+        return value
+    if isinstance(value, list | tuple):
+        raise ValueError(
+            "Cannot convert `input_tensor` to a `PerReplica` object, got "
+            f"{_describe(value)} but expected an object that is not a tuple or list. "
+            "Pass a PerReplica (one component per replica) or a single array"
+        )
+    if isinstance(value, Variable):
+        return PerReplica((value._value,), devices=(value.device,))
+    if is_array(value):
+        array = as_array(value)
+        own = backend_for(array).device_of(array)
+        return PerReplica((array,), devices=(own or host_device(),))
+    raise ValueError(
+        "Cannot convert `input_tensor` to a `PerReplica` object because it doesn't have a "
+        f"device set: expected a DistributedValues, an array or a Variable, got {_describe(value)}"
+    )
+
+
+def component_arrays(value: DistributedValues, *, gather_axis: int | None = None) -> list[Any]:
+    """The components of `value` as arrays, checked to agree.
+
+    Args:
+        value: the distributed value.
+        gather_axis: None for a reduction (shapes must be equal); an axis for a gather
+            (shapes may differ along it only).
+
+    Returns:
+        One array per component.
+
+    Raises:
+        ValueError: no components, mixed array libraries, or mismatched dtypes or shapes.
+    """
+    arrays = [as_array(c) for c in value.values]
+    if not arrays:
+        raise ValueError("`per_replica_value` must be non-empty; got a value with no components")
+    first = arrays[0]
+    backend = backend_for(first)
+    dtype, shape = backend.dtype_name(first), backend.shape(first)
+    for i, array in enumerate(arrays[1:], start=1):
+        other = backend_for(array)
+        if other is not backend:
+            raise ValueError(
+                f"all components of a distributed value must be of one array library; "
+                f"component 0 is a {backend.name} array and component {i} a {other.name} one. "
+                "Convert them to one library first"
+            )
+        other_dtype, other_shape = other.dtype_name(array), other.shape(array)
+        if other_dtype != dtype or not _shapes_agree(shape, other_shape, gather_axis):
+            what = "shape" if gather_axis is None else f"shape except along axis {gather_axis}"
+            raise ValueError(
+                f"all components of a distributed value must have the same dtype and {what}; "
+                f"component 0 on {value._devices[0]} is {dtype}{list(shape)} but component {i} "
+                f"on {value._devices[i]} is {other_dtype}{list(other_shape)}"
+            )
+    return arrays
+
+
+def _shapes_agree(a: tuple[int, ...], b: tuple[int, ...], axis: int | None) -> bool:
+    if axis is None:
+        return a == b
+    if len(a) != len(b):
+        return False
+    axis %= len(a)
+    return all(x == y for k, (x, y) in enumerate(zip(a, b, strict=True)) if k != axis)
+
+
+def check_axis(axis: Any, rank: int) -> int:
+    """A gather axis as a non-negative int (TF's messages: TypeError or ValueError)."""
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise TypeError(f"axis must be an int, got {_describe(axis)}")
+    axis = int(axis)
+    if rank == 0:
+        raise ValueError(
+            f"axis = {axis!r} out of range for value with rank 0: scalars cannot be gathered; "
+            "give each replica's value at least one dimension"
+        )
+    if not -rank <= axis < rank:
+        raise ValueError(
+            f"axis = {axis!r} out of range for value with rank {rank}; "
+            f"expected an int in [{-rank}, {rank})"
+        )
+    return axis % rank
+
+
+def check_options(options: Any) -> CommunicationOptions:
+    """`options` or the default options; TypeError for anything else."""
+    if options is None:
+        return CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise TypeError(
+            "options must be a crossdevice.experimental.CommunicationOptions or None; got "
+            f"{_describe(options)}"
+        )
+    return options
+
+
+def check_pairs(value_destination_pairs: Any) -> list[tuple[DistributedValues, Any]]:
+    """Validate and normalise `batch_reduce`'s pairs (TF's `_normalize_value_destination_pairs`).
+
+    Returns:
+        A new list of `(distributed value, destinations)` pairs.
+
+    Raises:
+        ValueError: not a sequence of 2-tuples, or a value that cannot be converted.
+    """
+    if isinstance(value_destination_pairs, str | bytes | DistributedValues) or not isinstance(
+        value_destination_pairs, Sequence
+    ):
+        raise ValueError(
+            "value_destination_pairs should be a list or tuple of (value, destinations) "
+            f"tuples; got {_describe(value_destination_pairs)}"
+        )
+    pairs = []
+    for i, pair in enumerate(value_destination_pairs):
+        if not isinstance(pair, tuple):
+            raise ValueError(
+                "Each element of `value_destination_pairs` should be a tuple; element "
+                f"{i} is {_describe(pair)}. Write [(value, destinations), ...]"
+            )
+        if len(pair) != 2:
+            raise ValueError(
+                "Each element of `value_destination_pairs` should be a tuple of size 2; "
+                f"element {i} has {len(pair)} items: {_describe(pair)}"
+            )
+        pairs.append((make_per_replica(pair[0]), pair[1]))
+    return pairs

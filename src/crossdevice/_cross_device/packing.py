@@ -1,0 +1,132 @@
+"""Packing a batch of arrays into `num_packs` flat buffers per dtype, and back.
+
+TF's `_ConcatAndSplitPacker` concatenates every tensor of a device into one 1-D buffer
+and splits it into `num_packs` pieces of sizes `[s] * (k - 1) + [total - s * (k - 1)]`
+with `s = total // k`; `k > total` gives empty pieces, which still reduce correctly.
+TF needs all tensors to share one dtype (concat fails otherwise); we group the tensors
+by dtype, in order of first appearance, and pack each group separately. `num_packs=0`
+means no packing: each array is its own piece.
+
+A `PackPlan` depends only on the shapes and dtypes, so it is computed once for a
+batch and used on every device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from crossdevice._arrays import backend_for
+
+__all__ = ["PackPlan", "pack", "plan_packs", "unpack"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackPlan:
+    """How a batch of arrays is packed.
+
+    Attributes:
+        num_packs: pieces per dtype group; 0 means every array is its own piece.
+        shapes: the shape of each array of the batch, in order.
+        groups: per dtype group, the indices of its arrays in the batch (empty when
+            `num_packs` is 0).
+        piece_sizes: per dtype group, the element count of each piece.
+    """
+
+    num_packs: int
+    shapes: tuple[tuple[int, ...], ...]
+    groups: tuple[tuple[int, ...], ...]
+    piece_sizes: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_pieces(self) -> int:
+        """How many buffers one device sends."""
+        if self.num_packs == 0:
+            return len(self.shapes)
+        return sum(len(sizes) for sizes in self.piece_sizes)
+
+
+def split_sizes(total: int, num_packs: int) -> tuple[int, ...]:
+    """TF's piece sizes: `[s] * (k - 1) + [total - s * (k - 1)]` with `s = total // k`.
+
+    Example:
+        >>> split_sizes(10, 3)
+        (3, 3, 4)
+        >>> split_sizes(2, 4)
+        (0, 0, 0, 2)
+    """
+    if num_packs < 1:
+        raise ValueError(f"split_sizes needs num_packs >= 1, got {num_packs}")
+    size = total // num_packs
+    return (size,) * (num_packs - 1) + (total - size * (num_packs - 1),)
+
+
+def plan_packs(arrays: Sequence[Any], num_packs: int) -> PackPlan:
+    """The plan to pack `arrays` (one device's batch) into `num_packs` pieces per dtype.
+
+    Args:
+        arrays: the batch of one device, in order.
+        num_packs: pieces per dtype group, >= 0.
+
+    Returns:
+        The plan; use it for every device of the batch.
+    """
+    if num_packs < 0:
+        raise ValueError(f"num_packs must be >= 0, got {num_packs}")
+    shapes = tuple(backend_for(a).shape(a) for a in arrays)
+    if num_packs == 0:
+        return PackPlan(0, shapes, (), ())
+    by_dtype: dict[str, list[int]] = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(backend_for(a).dtype_name(a), []).append(i)
+    groups = tuple(tuple(indices) for indices in by_dtype.values())
+    sizes = tuple(
+        split_sizes(sum(math.prod(shapes[i]) for i in group), num_packs) for group in groups
+    )
+    return PackPlan(num_packs, shapes, groups, sizes)
+
+
+def pack(plan: PackPlan, arrays: Sequence[Any]) -> list[Any]:
+    """One device's arrays as the plan's pieces (new buffers; `arrays` are not modified).
+
+    With `num_packs=0` the pieces are the arrays themselves.
+    """
+    if plan.num_packs == 0:
+        return list(arrays)
+    pieces: list[Any] = []
+    for group, sizes in zip(plan.groups, plan.piece_sizes, strict=True):
+        members = [arrays[i] for i in group]
+        backend = backend_for(members[0])
+        flat = backend.pack(members)
+        if len(sizes) == 1:
+            pieces.append(flat)
+        else:
+            pieces.extend(backend.unpack(flat, [(n,) for n in sizes]))
+    return pieces
+
+
+def unpack(plan: PackPlan, pieces: Sequence[Any]) -> list[Any]:
+    """The arrays of the batch, in order and shape, from the plan's (reduced) pieces.
+
+    Results may be views into one buffer per dtype group.
+    """
+    if len(pieces) != plan.num_pieces:
+        raise ValueError(
+            f"unpack expected {plan.num_pieces} pieces for this plan, got {len(pieces)}"
+        )
+    if plan.num_packs == 0:
+        return list(pieces)
+    out: list[Any] = [None] * len(plan.shapes)
+    start = 0
+    for group, sizes in zip(plan.groups, plan.piece_sizes, strict=True):
+        members = pieces[start : start + len(sizes)]
+        start += len(sizes)
+        backend = backend_for(members[0])
+        flat = members[0] if len(members) == 1 else backend.concat(members, 0)
+        for i, array in zip(
+            group, backend.unpack(flat, [plan.shapes[i] for i in group]), strict=True
+        ):
+            out[i] = array
+    return out

@@ -1,0 +1,1 @@
+"""Tests of the cross-device ops layer (`crossdevice._cross_device`, `_collectives.algorithms`)."""
