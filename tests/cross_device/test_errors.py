@@ -6,7 +6,6 @@ have done nothing: no arithmetic ran and the inputs are unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,7 @@ BAD_DESTINATIONS: list[tuple[Any, type[Exception], str]] = [
 
 
 @pytest.fixture
-def no_arithmetic(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+def no_arithmetic(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts additions; a validation failure must leave the count at zero."""
     calls: list[int] = []
     real = algorithms.sum_n
@@ -51,7 +50,7 @@ def no_arithmetic(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         return real(values)
 
     monkeypatch.setattr(algorithms, "sum_n", counting)
-    yield calls
+    return calls
 
 
 @pytest.mark.parametrize(("destinations", "error", "message"), BAD_DESTINATIONS)
@@ -126,7 +125,7 @@ def test_bad_reduce_ops_and_options(ops: CrossDeviceOps, backend: Backend) -> No
         ops.reduce("max", value, value)
     with pytest.raises(TypeError, match=r"Expected reduce_op to be .* not: 1"):
         ops.batch_reduce(1, [(value, value)])
-    with pytest.raises(TypeError, match="not: <VariableAggregation.SUM: 1>"):
+    with pytest.raises(TypeError, match=r"not: <VariableAggregation\.SUM: 1>"):
         ops.reduce(VariableAggregation.SUM, value, value)
     with pytest.raises(
         TypeError, match=r"options must be a .*CommunicationOptions or None; got str"
@@ -184,7 +183,7 @@ def test_broadcast_needs_one_value(ops: CrossDeviceOps, backend: Backend) -> Non
         ops.broadcast(value, "CPU:0")
     with pytest.raises(ValueError, match="expects one array, got a list"):
         ops.broadcast([1.0, 2.0], "CPU:0")
-    with pytest.raises(ValueError, match="expected an array .* got object"):
+    with pytest.raises(ValueError, match=r"expected an array .* got object"):
         ops.broadcast(object(), "CPU:0")
 
 
@@ -218,7 +217,7 @@ def test_reduction_to_one_device_arguments(backend: Backend) -> None:
     with pytest.raises(ValueError, match=r"CPU:40' does not exist; the devices of this host"):
         ReductionToOneDevice(reduce_to_device="CPU:40").reduce("sum", value, "CPU:0")
     bad_fn = ReductionToOneDevice(accumulation_fn=lambda xs: [len(xs)])
-    with pytest.raises(TypeError, match="must return an array .* it returned list"):
+    with pytest.raises(TypeError, match=r"must return an array .* it returned list"):
         bad_fn.reduce("mean", value, "CPU:0")
     assert_unchanged(before, value)
 

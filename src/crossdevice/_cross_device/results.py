@@ -73,10 +73,11 @@ def mirror(
     """
     by_device: dict[str, Any] = {}
     scalars: dict[int, np.ndarray] = {}
-    for device, value in zip(result_devices, per_device, strict=True):
+    for device, computed in zip(result_devices, per_device, strict=True):
+        value = computed
         if isinstance(value, np.generic):
             # NumPy ufuncs turn 0-d arrays into scalars; hand back 0-d arrays like the inputs.
-            value = scalars.setdefault(id(value), np.asarray(value))
+            value = scalars.setdefault(id(computed), np.asarray(computed))
         by_device.setdefault(device, value)
     handed_out: set[int] = set()
     out = []
