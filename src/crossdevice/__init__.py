@@ -16,7 +16,7 @@ Layers (DESIGN.md §2), each importing only those below it: `_core` (devices, co
 reduce ops, options, context stack) → `_arrays` (NumPy, lazy torch) → `_values`
 (distributed values and variables) → `_collectives` (algorithms, communicators) →
 `_cross_device` (TF's CrossDeviceOps classes) → `_replica` (threads, merge_call) →
-`_strategies` → `_input` → `_cli`. This file only re-exports.
+`_strategies` → `_input` → `_cli`. This file only re-exports (and fixes `__module__`).
 """
 
 from crossdevice import config as config
@@ -32,6 +32,7 @@ from crossdevice._cross_device import NcclAllReduce as NcclAllReduce
 from crossdevice._cross_device import ReductionToOneDevice as ReductionToOneDevice
 from crossdevice._input.input_context import InputContext as InputContext
 from crossdevice._input.input_context import InputOptions as InputOptions
+from crossdevice._input.input_context import InputReplicationMode as InputReplicationMode
 from crossdevice._replica.context import ReplicaContext as ReplicaContext
 from crossdevice._replica.context import experimental_set_strategy as experimental_set_strategy
 from crossdevice._replica.context import get_cross_replica_context as get_cross_replica_context
@@ -59,6 +60,7 @@ __all__ = [
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
+    "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
@@ -85,3 +87,18 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
 ]
+
+
+def _fixup_module_metadata() -> None:
+    """Point `__module__` of re-exported names at `crossdevice` (trio's fixup).
+
+    Tracebacks and reprs then say `crossdevice.MirroredStrategy`, not a private module.
+    """
+    for name in __all__:
+        obj = globals()[name]
+        if getattr(obj, "__module__", "").startswith("crossdevice._"):
+            obj.__module__ = "crossdevice"
+
+
+_fixup_module_metadata()
+del _fixup_module_metadata

@@ -1,0 +1,7 @@
+"""`python -m crossdevice <command>`."""
+
+import sys
+
+from crossdevice._cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,93 @@
+"""The public face: `__all__`, docstrings, `__module__`, the command line."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+import crossdevice
+
+TF_NAMES = {
+    "CrossDeviceOps",
+    "ReductionToOneDevice",
+    "HierarchicalCopyAllReduce",
+    "NcclAllReduce",
+    "ReduceOp",
+    "Strategy",
+    "StrategyExtended",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "ReplicaContext",
+    "get_replica_context",
+    "get_cross_replica_context",
+    "in_cross_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "experimental_set_strategy",
+    "DistributedValues",
+    "PerReplica",
+    "Mirrored",
+    "Variable",
+    "MirroredVariable",
+    "SyncOnReadVariable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "InputContext",
+    "InputOptions",
+    "experimental",
+    "config",
+}
+
+
+def test_all_lists_every_public_name() -> None:
+    public = {n for n in dir(crossdevice) if not n.startswith("_")}
+    assert set(crossdevice.__all__) - {"__version__"} == public
+    assert set(crossdevice.__all__) >= TF_NAMES
+
+
+def test_experimental_names() -> None:
+    for name in [
+        "CentralStorageStrategy",
+        "CommunicationOptions",
+        "CommunicationImplementation",
+        "ValueContext",
+    ]:
+        assert hasattr(crossdevice.experimental, name)
+
+
+@pytest.mark.parametrize("name", sorted(set(crossdevice.__all__) - {"__version__"}))
+def test_every_public_name_has_a_docstring(name: str) -> None:
+    obj = getattr(crossdevice, name)
+    assert inspect.getdoc(obj), f"crossdevice.{name} has no docstring"
+    if inspect.isclass(obj):
+        for attr, member in vars(obj).items():
+            if attr.startswith("_") or (not callable(member) and not isinstance(member, property)):
+                continue
+            assert inspect.getdoc(member), f"crossdevice.{name}.{attr} has no docstring"
+
+
+def test_torch_is_not_imported_by_the_library() -> None:
+    code = "import crossdevice, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cli_devices() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "crossdevice", "devices", "--logical-cpus", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "logical CPU devices: 3" in out.stdout
+    assert "/job:localhost/replica:0/task:0/device:CPU:2" in out.stdout
+    assert "numpy" in out.stdout
+
+
+def test_public_classes_report_the_public_module() -> None:
+    assert crossdevice.MirroredStrategy.__module__ == "crossdevice"
+    assert crossdevice.ReductionToOneDevice.__module__ == "crossdevice"
