@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from crossdevice._core.devices import canonicalize, device_type
+from crossdevice._cross_device import nccl
 from crossdevice._cross_device.base import CrossDeviceOps
-from crossdevice._cross_device.nccl import NcclAllReduce, nccl_status
 from crossdevice._cross_device.reduce_to_one import ReductionToOneDevice
 
 __all__ = ["select_cross_device_ops"]
@@ -43,9 +43,9 @@ def select_cross_device_ops(devices: Sequence[Any]) -> CrossDeviceOps:
     names = tuple(canonicalize(d if isinstance(d, str) else d.name) for d in devices)
     if any(device_type(name) != "GPU" for name in names):
         return ReductionToOneDevice()
-    ok, reason = nccl_status(names)
+    ok, reason = nccl.nccl_status(names)
     if ok:
-        return NcclAllReduce(num_packs=1)
+        return nccl.NcclAllReduce(num_packs=1)
     _LOG.warning(
         "NCCL cannot all-reduce between %s: %s. Using ReductionToOneDevice instead.",
         list(names),
