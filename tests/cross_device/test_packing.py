@@ -68,7 +68,8 @@ def test_pack_then_unpack_is_identity(
     before = snapshot(*arrays)
     plan = plan_packs(arrays, num_packs)
     pieces = pack(plan, arrays)
-    assert len(pieces) == plan.num_pieces
+    assert len(pieces) == plan.num_pieces == len(plan.borrowed_pieces())
+    assert plan.borrows == any(plan.borrowed_pieces()) or (num_packs == 0 and not arrays)
     if num_packs:
         groups = {dtype: [i for i, d in enumerate(dtypes) if d == dtype] for dtype in dtypes}
         assert plan.num_pieces == num_packs * len(groups)
@@ -118,3 +119,17 @@ def test_packed_all_reduce_equals_numpy(
                 to_numpy(c).astype(np.float64), reference(value, op), rtol=rtol, atol=atol
             )
     assert_unchanged(before, *values)
+
+
+def test_a_lone_array_is_packed_as_a_view(backend: Backend) -> None:
+    big = make(backend, np.arange(12).reshape(3, 4), "float32")
+    pair = [make(backend, np.ones(2), "int32"), make(backend, np.ones(3), "int32")]
+    plan = plan_packs([big, *pair], num_packs=2)
+    pieces = pack(plan, [big, *pair])
+    assert plan.borrowed_pieces() == [True, True, False, False]
+    flat_big = to_numpy(big).reshape(-1)
+    np.testing.assert_array_equal(np.concatenate([to_numpy(p) for p in pieces[:2]]), flat_big)
+    if backend.name == "numpy":
+        assert np.shares_memory(pieces[0], big)  # no copy of a large single tensor
+    else:
+        assert pieces[0].data_ptr() == big.data_ptr()

@@ -77,15 +77,21 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 
     @abc.abstractmethod
     def _all_reduce_pieces(
-        self, reduce_op: ReduceOp, pieces: list[list[Any]], devices: tuple[str, ...]
+        self,
+        reduce_op: ReduceOp,
+        pieces: list[list[Any]],
+        devices: tuple[str, ...],
+        borrowed: Sequence[bool],
     ) -> list[list[Any]]:
         """All-reduce `pieces[device][k]` across devices for every k.
 
         Args:
             reduce_op: SUM or MEAN.
             pieces: per device, its pieces (all devices have the same count, shapes and
-                dtypes). With `num_packs=0` they are the user's arrays: never write them.
+                dtypes).
             devices: the device of each entry of `pieces`.
+            borrowed: per piece index, whether the pieces are (views of) the user's
+                arrays: those must never be written.
 
         Returns:
             Per device, its reduced pieces.
@@ -175,7 +181,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
             self.num_packs,
         )
         pieces = [packing.pack(plan, batch) for batch in per_device]
-        reduced = self._all_reduce_pieces(reduce_op, pieces, devices)
+        reduced = self._all_reduce_pieces(reduce_op, pieces, devices, plan.borrowed_pieces())
         # On host devices every device's pieces are the same objects: unpack them once.
         unpacked: dict[tuple[int, ...], list[Any]] = {}
         per_device_out = []
@@ -187,7 +193,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         out = []
         for i, arrays in enumerate(per_value):
             column = [per_device_out[j][i] for j in range(len(devices))]
-            if plan.num_packs == 0:
+            if plan.borrows:
                 column = _owned_column(column, arrays)
             out.append(
                 results.mirror(
@@ -216,7 +222,7 @@ def _arrays_in_order(value: DistributedValues, devices: tuple[str, ...]) -> list
 
 
 def _owned_column(column: list[Any], user_arrays: Sequence[Any]) -> list[Any]:
-    """Copy results that are the user's arrays (no packing and one device)."""
+    """Copy results that are (views of) the user's arrays (borrowed pieces, one device)."""
     copies: dict[int, Any] = {}
     out = []
     for x in column:

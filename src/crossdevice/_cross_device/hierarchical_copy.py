@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar, final
 
 from crossdevice._collectives import algorithms
@@ -47,9 +48,14 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
     _ALGORITHM: ClassVar[str] = "hierarchical_copy"
 
     def _all_reduce_pieces(
-        self, reduce_op: ReduceOp, pieces: list[list[Any]], devices: tuple[str, ...]
+        self,
+        reduce_op: ReduceOp,
+        pieces: list[list[Any]],
+        devices: tuple[str, ...],
+        borrowed: Sequence[bool],
     ) -> list[list[Any]]:
         """Hierarchical copy of each piece, rotating the roots with the piece index."""
+        del borrowed  # the algorithm never writes its inputs
         out: list[list[Any]] = [[] for _ in devices]
         for k in range(len(pieces[0])):
             reduced = algorithms.hierarchical_copy_all_reduce(

@@ -35,10 +35,12 @@ def _describe(x: object) -> str:
 
 def as_array(x: Any) -> Any:
     """A component as an array: a Variable's buffer, Python numbers as NumPy (TF's dtypes)."""
+    if type(x) is np.ndarray or is_torch(x):  # the common case first: this runs per component
+        return x
+    if isinstance(x, np.ndarray):
+        return x
     if isinstance(x, Variable) and not isinstance(x, DistributedValues):
         return x._value
-    if is_torch(x) or isinstance(x, np.ndarray):
-        return x
     if is_array(x):
         return backend_for(x).asarray(x)
     raise ValueError(
@@ -95,25 +97,36 @@ def component_arrays(value: DistributedValues, *, gather_axis: int | None = None
     if not arrays:
         raise ValueError("`per_replica_value` must be non-empty; got a value with no components")
     first = arrays[0]
-    backend = backend_for(first)
-    dtype, shape = backend.dtype_name(first), backend.shape(first)
+    kind, dtype, shape = type(first), first.dtype, tuple(first.shape)
     for i, array in enumerate(arrays[1:], start=1):
-        other = backend_for(array)
-        if other is not backend:
-            raise ValueError(
-                f"all components of a distributed value must be of one array library; "
-                f"component 0 is a {backend.name} array and component {i} a {other.name} one. "
-                "Convert them to one library first"
-            )
-        other_dtype, other_shape = other.dtype_name(array), other.shape(array)
-        if other_dtype != dtype or not _shapes_agree(shape, other_shape, gather_axis):
-            what = "shape" if gather_axis is None else f"shape except along axis {gather_axis}"
-            raise ValueError(
-                f"all components of a distributed value must have the same dtype and {what}; "
-                f"component 0 on {value._devices[0]} is {dtype}{list(shape)} but component {i} "
-                f"on {value._devices[i]} is {other_dtype}{list(other_shape)}"
-            )
+        # Compare dtype and shape objects directly (fast); names only for the message.
+        if type(array) is kind and array.dtype == dtype and array.shape == shape:
+            continue
+        _raise_mismatch(value, arrays, i, gather_axis)
     return arrays
+
+
+def _raise_mismatch(
+    value: DistributedValues, arrays: list[Any], i: int, gather_axis: int | None
+) -> None:
+    """Raise ValueError for component `i`, unless it only differs along `gather_axis`."""
+    backend, other = backend_for(arrays[0]), backend_for(arrays[i])
+    if other is not backend:
+        raise ValueError(
+            f"all components of a distributed value must be of one array library; "
+            f"component 0 is a {backend.name} array and component {i} a {other.name} one. "
+            "Convert them to one library first"
+        )
+    dtype, shape = backend.dtype_name(arrays[0]), backend.shape(arrays[0])
+    other_dtype, other_shape = other.dtype_name(arrays[i]), other.shape(arrays[i])
+    if other_dtype == dtype and _shapes_agree(shape, other_shape, gather_axis):
+        return
+    what = "shape" if gather_axis is None else f"shape except along axis {gather_axis}"
+    raise ValueError(
+        f"all components of a distributed value must have the same dtype and {what}; "
+        f"component 0 on {value._devices[0]} is {dtype}{list(shape)} but component {i} "
+        f"on {value._devices[i]} is {other_dtype}{list(other_shape)}"
+    )
 
 
 def _shapes_agree(a: tuple[int, ...], b: tuple[int, ...], axis: int | None) -> bool:

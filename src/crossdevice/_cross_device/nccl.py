@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from collections.abc import Sequence
 from typing import Any, ClassVar, final
 
 from crossdevice._arrays import backend_for
@@ -63,7 +64,7 @@ def _nccl_all_reduce(pieces: list[Any], devices: tuple[str, ...], user_owned: bo
     Args:
         pieces: one array per device (torch tensors, or NumPy arrays to be moved).
         devices: the GPU of each piece.
-        user_owned: the pieces are the user's arrays (no packing): never write them.
+        user_owned: the pieces are (views of) the user's arrays: never write them.
     """
     import torch
     import torch.cuda.nccl
@@ -123,13 +124,17 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
         return ok
 
     def _all_reduce_pieces(
-        self, reduce_op: ReduceOp, pieces: list[list[Any]], devices: tuple[str, ...]
+        self,
+        reduce_op: ReduceOp,
+        pieces: list[list[Any]],
+        devices: tuple[str, ...],
+        borrowed: Sequence[bool],
     ) -> list[list[Any]]:
         """One NCCL all-reduce per piece; MEAN divides on every device."""
         out: list[list[Any]] = [[] for _ in devices]
         for k in range(len(pieces[0])):
             summed = _nccl_all_reduce(
-                [device_pieces[k] for device_pieces in pieces], devices, self.num_packs == 0
+                [device_pieces[k] for device_pieces in pieces], devices, borrowed[k]
             )
             if reduce_op is ReduceOp.MEAN:
                 summed = [backend_for(t).divide(t, len(devices)) for t in summed]

@@ -41,6 +41,25 @@ class PackPlan:
     piece_sizes: tuple[tuple[int, ...], ...]
 
     @property
+    def borrows(self) -> bool:
+        """Whether some pieces are views of the caller's arrays (never write into them).
+
+        With `num_packs=0` every piece is an input; a dtype group of one array is packed as
+        a flat view of it instead of a copy (large single tensors are not copied twice).
+        """
+        return self.num_packs == 0 or any(len(group) == 1 for group in self.groups)
+
+    def borrowed_pieces(self) -> list[bool]:
+        """For each piece, whether it is (a view of) one of the caller's arrays."""
+        if self.num_packs == 0:
+            return [True] * len(self.shapes)
+        return [
+            len(group) == 1
+            for group, sizes in zip(self.groups, self.piece_sizes, strict=True)
+            for _ in sizes
+        ]
+
+    @property
     def num_pieces(self) -> int:
         """How many buffers one device sends."""
         if self.num_packs == 0:
@@ -89,9 +108,10 @@ def plan_packs(arrays: Sequence[Any], num_packs: int) -> PackPlan:
 
 
 def pack(plan: PackPlan, arrays: Sequence[Any]) -> list[Any]:
-    """One device's arrays as the plan's pieces (new buffers; `arrays` are not modified).
+    """One device's arrays as the plan's pieces; `arrays` are not modified.
 
-    With `num_packs=0` the pieces are the arrays themselves.
+    Pieces of several arrays are new buffers; see `PackPlan.borrowed_pieces` for the
+    ones that are views of `arrays` (with `num_packs=0`, the arrays themselves).
     """
     if plan.num_packs == 0:
         return list(arrays)
@@ -99,7 +119,8 @@ def pack(plan: PackPlan, arrays: Sequence[Any]) -> list[Any]:
     for group, sizes in zip(plan.groups, plan.piece_sizes, strict=True):
         members = [arrays[i] for i in group]
         backend = backend_for(members[0])
-        flat = backend.pack(members)
+        # One array needs no concatenation: its flat view (a copy only if not contiguous).
+        flat = members[0].reshape(-1) if len(members) == 1 else backend.pack(members)
         if len(sizes) == 1:
             pieces.append(flat)
         else:

@@ -71,6 +71,17 @@ def mirror(
     Returns:
         The bare array for one destination device, else a `Mirrored` over `destinations`.
     """
+    first = per_device[0]
+    if (
+        type(first) is np.ndarray
+        and all(x is first for x in per_device)
+        and not any("GPU" in d for d in destinations)
+    ):
+        # The common host case: one read-only buffer serves every destination.
+        shared = NUMPY.freeze(first)
+        if len(destinations) == 1:
+            return shared
+        return Mirrored([shared] * len(destinations), devices=destinations)
     by_device: dict[str, Any] = {}
     scalars: dict[int, np.ndarray] = {}
     for device, computed in zip(result_devices, per_device, strict=True):
