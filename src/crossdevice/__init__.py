@@ -19,6 +19,7 @@ reduce ops, options, context stack) → `_arrays` (NumPy, lazy torch) → `_valu
 `_strategies` → `_input` → `_cli`. This file only re-exports (and fixes `__module__`).
 """
 
+from crossdevice import cluster_resolver as cluster_resolver
 from crossdevice import config as config
 from crossdevice import experimental as experimental
 from crossdevice._core.devices import device_scope as device
@@ -43,6 +44,9 @@ from crossdevice._replica.context import in_cross_replica_context as in_cross_re
 from crossdevice._strategies.base import Strategy as Strategy
 from crossdevice._strategies.base import StrategyExtended as StrategyExtended
 from crossdevice._strategies.mirrored import MirroredStrategy as MirroredStrategy
+from crossdevice._strategies.multi_worker import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
 from crossdevice._strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from crossdevice._values.distributed_variables import MirroredVariable as MirroredVariable
 from crossdevice._values.distributed_variables import SyncOnReadVariable as SyncOnReadVariable
@@ -64,6 +68,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
@@ -77,6 +82,7 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "__version__",
+    "cluster_resolver",
     "config",
     "device",
     "experimental",

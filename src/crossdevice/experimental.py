@@ -5,11 +5,15 @@ from crossdevice._core.options import CommunicationImplementation as Communicati
 from crossdevice._core.options import CommunicationOptions as CommunicationOptions
 from crossdevice._input.input_context import ValueContext as ValueContext
 from crossdevice._strategies.central_storage import CentralStorageStrategy as CentralStorageStrategy
+from crossdevice._strategies.multi_worker import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
 
 __all__ = [
     "CentralStorageStrategy",
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "MultiWorkerMirroredStrategy",
     "ValueContext",
 ]

@@ -1,0 +1,128 @@
+"""Worker-side scenarios for the MultiWorkerMirroredStrategy tests (run in child processes)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _strategy(local: int, timeout: float | None = 30.0) -> Any:
+    import crossdevice as cd
+
+    cd.config.set_logical_cpu_devices(max(local, 2))
+    options = cd.experimental.CommunicationOptions(timeout_seconds=timeout, bytes_per_pack=64)
+    return cd.MultiWorkerMirroredStrategy(
+        communication_options=options, devices=[f"CPU:{i}" for i in range(local)]
+    )
+
+
+def _np(x: Any) -> Any:
+    return np.asarray(x).tolist()
+
+
+def scenarios(rank: int, world_size: int, local: int, use_torch: bool) -> dict[str, Any]:
+    """Every collective through the strategy API; results go back to the test as lists."""
+    import crossdevice as cd
+
+    strategy = _strategy(local)
+    make: Any = np.asarray
+    if use_torch:
+        import torch
+
+        def make(x: Any) -> Any:
+            return torch.as_tensor(np.asarray(x))
+
+    out: dict[str, Any] = {"num_replicas": strategy.num_replicas_in_sync}
+
+    def step() -> Any:
+        ctx = cd.get_replica_context()
+        r = ctx.replica_id_in_sync_group
+        x = make(np.full((2, 3), r + 1.0, np.float32))
+        return (
+            r,
+            ctx.all_reduce("sum", {"x": x, "y": [x * 2, make(np.int32(r))]}),
+            ctx.all_reduce("mean", x),
+            ctx.all_gather(make(np.full((r + 1, 2), r, np.int32)), axis=0),
+        )
+
+    results = strategy.experimental_local_results(strategy.run(step))
+    out["ids"] = [r[0] for r in results]
+    out["sum_x"] = [_np(r[1]["x"]) for r in results]
+    out["sum_y"] = [_np(r[1]["y"][0]) for r in results]
+    out["sum_int"] = [_np(r[1]["y"][1]) for r in results]
+    out["mean"] = [_np(r[2]) for r in results]
+    out["gather"] = [_np(r[3]) for r in results]
+
+    # batch_reduce_to inside merge_call, several values in one batch.
+    def batch_step() -> Any:
+        ctx = cd.get_replica_context()
+        r = ctx.replica_id_in_sync_group
+
+        def merge_fn(s: Any, a: Any, b: Any) -> Any:
+            return s.extended.batch_reduce_to("sum", [(a, a), (b, b)])
+
+        return ctx.merge_call(merge_fn, args=(make(np.float32(r)), make(np.arange(3.0) * r)))
+
+    batch = strategy.experimental_local_results(strategy.run(batch_step))
+    out["batch"] = [[_np(x) for x in b] for b in batch]
+
+    # Strategy.reduce with and without an axis, on a partial batch: replica r holds r + 1
+    # elements valued r.
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: make(
+            np.full(ctx.replica_id_in_sync_group + 1, float(ctx.replica_id_in_sync_group))
+        )
+    )
+    out["reduce_sum_axis0"] = _np(strategy.reduce("sum", value, axis=0))
+    out["reduce_mean_axis0"] = _np(strategy.reduce("mean", value, axis=0))
+    scalar = strategy.experimental_distribute_values_from_function(
+        lambda ctx: make(np.float32(ctx.replica_id_in_sync_group))
+    )
+    out["reduce_sum_none"] = _np(strategy.reduce("sum", scalar, axis=None))
+    out["gather_cross_replica"] = _np(strategy.gather(value, axis=0))
+    out["plain_sum"] = _np(strategy.reduce("sum", make(np.float32(1.0)), axis=None))
+
+    # Variables start from the chief's value; replica updates aggregate over all workers.
+    with strategy.scope():
+        v = cd.Variable(make(np.full(2, float(rank + 7), np.float32)), aggregation="sum")
+    out["initial"] = [_np(c.numpy()) for c in v.values]
+
+    def update() -> None:
+        r = cd.get_replica_context().replica_id_in_sync_group
+        v.assign_add(make(np.full(2, r + 1.0, np.float32)))
+
+    strategy.run(update)
+    out["updated"] = [_np(c.numpy()) for c in v.values]
+
+    # Dataset sharding: every worker reads the same global batches, keeps its replicas'.
+    batches = [np.arange(14)[i : i + 8] for i in (0, 8)]
+    shards = []
+    for per_replica in strategy.experimental_distribute_dataset(batches):
+        shards.append([_np(x) for x in strategy.experimental_local_results(per_replica)])
+    out["shards"] = shards
+    return out
+
+
+def stall_in_all_reduce(rank: int, world_size: int, culprit: int, how: str) -> Any:
+    """Every worker all-reduces; the culprit sleeps (or dies) instead."""
+    import os
+
+    import crossdevice as cd
+
+    strategy = _strategy(1, timeout=3.0)
+    if rank == culprit:
+        if how == "die":
+            os._exit(3)
+        time.sleep(60)
+    start = time.monotonic()
+    try:
+        strategy.run(lambda: cd.get_replica_context().all_reduce("sum", np.float32(1)))
+    except Exception as exc:
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "elapsed": time.monotonic() - start,
+        }
+    return {"type": None, "elapsed": time.monotonic() - start}

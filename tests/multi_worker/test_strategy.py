@@ -1,0 +1,70 @@
+"""MultiWorkerMirroredStrategy across 2 and 3 worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.multi_worker.harness import run_workers
+from tests.multi_worker.strategy_workers import scenarios, stall_in_all_reduce
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _split(batch: np.ndarray, n: int) -> list[list[int]]:
+    sizes = [len(batch) // n + (1 if i < len(batch) % n else 0) for i in range(n)]
+    bounds = np.cumsum([0, *sizes])
+    return [batch[bounds[i] : bounds[i + 1]].tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "local", "use_torch"),
+    [(2, 1, False), (2, 2, True), (3, 1, True), (3, 2, False)],
+    ids=["2x1-numpy", "2x2-torch", "3x1-torch", "3x2-numpy"],
+)
+def test_collectives_match_numpy(world_size: int, local: int, use_torch: bool) -> None:
+    results = run_workers(scenarios, world_size, args=(local, use_torch), timeout=120)
+    outs: list[dict[str, Any]] = [r.unwrap() for r in results]
+    n = world_size * local
+    ids = np.arange(n)
+    for rank, out in enumerate(outs):
+        assert out["num_replicas"] == n
+        assert out["ids"] == list(range(rank * local, (rank + 1) * local))
+        total = float(np.sum(ids + 1))
+        for i in range(local):
+            np.testing.assert_array_equal(out["sum_x"][i], np.full((2, 3), total))
+            np.testing.assert_array_equal(out["sum_y"][i], np.full((2, 3), 2 * total))
+            assert out["sum_int"][i] == int(ids.sum())
+            np.testing.assert_allclose(out["mean"][i], np.full((2, 3), total / n))
+            expected_gather = np.concatenate([np.full((r + 1, 2), r) for r in ids])
+            np.testing.assert_array_equal(out["gather"][i], expected_gather)
+            assert out["batch"][i][0] == float(ids.sum())
+            np.testing.assert_allclose(out["batch"][i][1], np.arange(3.0) * ids.sum())
+        weights = ids + 1  # replica r holds r + 1 elements valued r
+        assert out["reduce_sum_axis0"] == pytest.approx(float(np.sum(ids * weights)))
+        assert out["reduce_mean_axis0"] == pytest.approx(
+            float(np.sum(ids * weights) / np.sum(weights))
+        )
+        assert out["reduce_sum_none"] == float(ids.sum())
+        expected = np.concatenate([np.full(r + 1, float(r)) for r in ids])
+        np.testing.assert_array_equal(out["gather_cross_replica"], expected)
+        assert out["plain_sum"] == float(world_size)  # a true cross-worker reduce (TF)
+        # Variables start from the chief's value (7) on every worker and replica.
+        assert out["initial"] == [[7.0, 7.0]] * local
+        assert out["updated"] == [[7.0 + float(np.sum(ids + 1))] * 2] * local
+        # Sharding: each global batch is split over all n replicas; this worker keeps its own.
+        for step, batch in enumerate([np.arange(0, 8), np.arange(8, 14)]):
+            assert out["shards"][step] == _split(batch, n)[rank * local : (rank + 1) * local]
+
+
+@pytest.mark.parametrize("how", ["stall", "die"])
+def test_missing_worker_times_out_naming_the_collective(how: str) -> None:
+    results = run_workers(stall_in_all_reduce, 3, args=(2, how), timeout=60, required=[0, 1])
+    for rank in (0, 1):
+        out = results[rank].unwrap()
+        assert out["type"] == "CollectiveTimeoutError", out
+        assert "all_reduce" in out["message"]
+        assert "2" in out["message"]  # the missing rank is named
+        assert out["elapsed"] < 3.0 + 5.0
