@@ -66,9 +66,11 @@ class _MultiWorkerExtended(ReplicatedExtended):
         return self._num_workers, self._worker_index
 
     def _as_per_worker(self, value: Any) -> Any:
-        """Plain leaves as one-component values: on several workers a plain value is each
-        worker's own, and reducing it is a true cross-worker reduce (TF: 1. on two workers
-        SUMs to 2.), not the single-worker non-distributed rule.
+        """Plain leaves as one-component values.
+
+        On several workers a plain value is each worker's own, and reducing it is a true
+        cross-worker reduce (TF: 1. on two workers SUMs to 2.), not the single-worker
+        non-distributed rule.
         """
         if self._num_workers == 1:
             return value
