@@ -70,7 +70,9 @@ class CrossDeviceOps(abc.ABC):
             destinations: a device string, a `DistributedValues`, a `Variable` or an
                 array: the devices to reduce to. Pass the value itself for an all-reduce.
                 A variable is never updated.
-            options: `CommunicationOptions`, or None for the defaults.
+            options: `CommunicationOptions`, or None for the defaults. These in-process
+                ops never wait on other threads, so `timeout_seconds` has nothing to bound;
+                `bytes_per_pack` is ignored as in TF (only collective ops use it).
 
         Returns:
             The reduced array for one destination device, else a `Mirrored` over the

@@ -37,9 +37,9 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
     Example:
         >>> import numpy as np
         >>> from crossdevice._values.values import PerReplica
-        >>> value = PerReplica([np.array([1, 2]), np.array([3, 4]), np.array([5, 6])])
-        >>> HierarchicalCopyAllReduce().reduce("sum", value, value).values[2].tolist()
-        [9, 12]
+        >>> value = PerReplica([np.array([1, 2]), np.array([3, 4])])  # on CPU:0 and CPU:1
+        >>> HierarchicalCopyAllReduce().reduce("sum", value, value).values[1].tolist()
+        [4, 6]
     """
 
     _NUM_PACKS_ERROR: ClassVar[str] = (
