@@ -18,6 +18,7 @@ data parallelism only changes the order in which per-example gradients are added
 from __future__ import annotations
 
 import argparse
+import builtins
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -339,6 +340,15 @@ def register(subparsers: Any) -> None:
         "--seed", type=int, default=DEFAULT_SEED, help="seed of split, init and shuffles"
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument(
+        "--multi-worker",
+        action="store_true",
+        help=(
+            "run as one worker of a MultiWorkerMirroredStrategy job; launch with "
+            "`torchrun --nproc-per-node 2 -m crossdevice demo --multi-worker` (or set "
+            "TF_CONFIG in each process); --replicas is then the replicas per worker"
+        ),
+    )
     parser.set_defaults(func=run)
 
 
@@ -369,9 +379,18 @@ def run(args: argparse.Namespace) -> int:
     """
     import crossdevice
 
+    strategy: Any = None
+    chief = True
+    if getattr(args, "multi_worker", False):
+        _set_logical_cpus(args.replicas)
+        strategy = crossdevice.MultiWorkerMirroredStrategy(
+            devices=[f"CPU:{i}" for i in range(args.replicas)]
+        )
+        chief = strategy.extended._worker_index == 0
+    print = builtins.print if chief else _quiet  # only the chief reports
     progress: Callable[..., Any] | None = None
     report: Callable[[str], None] = print
-    if not args.no_progress:
+    if not args.no_progress and chief:
         from tqdm import tqdm
 
         progress = tqdm
@@ -391,16 +410,24 @@ def run(args: argparse.Namespace) -> int:
     initial = init_params(args.seed)
 
     ops_name = CROSS_DEVICE_OPS[args.cross_device_ops]
-    cross_device_ops = getattr(crossdevice, ops_name)() if ops_name else None
-    devices = [f"CPU:{i}" for i in range(args.replicas)]
-    strategy = crossdevice.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
-    ops_used = ops_name or "the strategy's default CrossDeviceOps"
+    if strategy is None:
+        cross_device_ops = getattr(crossdevice, ops_name)() if ops_name else None
+        devices = [f"CPU:{i}" for i in range(args.replicas)]
+        strategy = crossdevice.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
+        where = f"MirroredStrategy on {_replicas(args.replicas)} (logical CPU devices; "
+        where += f"{ops_name or 'the strategy' + chr(39) + 's default CrossDeviceOps'})"
+    else:
+        workers = strategy.num_replicas_in_sync // args.replicas
+        where = (
+            f"MultiWorkerMirroredStrategy: {workers} workers x {_replicas(args.replicas)} "
+            "(torch.distributed, Gloo)"
+        )
+    total = strategy.num_replicas_in_sync
     print(
         f"crossdevice demo: MLP {NUM_FEATURES}-{HIDDEN_UNITS}-{NUM_CLASSES} on the UCI digits "
         f"({len(x_train)} training / {len(x_test)} held-out examples)\n"
-        f"MirroredStrategy on {_replicas(args.replicas)} (logical CPU devices; {ops_used}), "
-        f"global batch {args.batch_size} "
-        f"(~{args.batch_size / args.replicas:g} per replica), {args.epochs} epochs, "
+        f"{where}, global batch {args.batch_size} "
+        f"(~{args.batch_size / total:g} per replica), {args.epochs} epochs, "
         f"SGD lr {LEARNING_RATE}, seed {args.seed}",
         flush=True,
     )
@@ -411,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
         (x_test, y_test),
         progress=progress,
         report=report,
-        label=f"{_replicas(args.replicas)}: ",
+        label=f"{_replicas(total)}: ",
     )
     final_accuracy = parallel.test_accuracy[-1]
     accuracy_ok = final_accuracy >= MIN_ACCURACY
@@ -439,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
         for copies in zip(*parallel.replica_params, strict=True)
     )
     print(
-        f"single-replica check: max |{_replicas(args.replicas)} - 1 replica| = {difference:.3g} "
+        f"single-replica check: max |{_replicas(total)} - 1 replica| = {difference:.3g} "
         f"over {sum(p.size for p in parallel.params)} parameters "
         f"(rtol {PARAM_RTOL:g}, atol {PARAM_ATOL:g}): "
         f"{'parameters match' if params_ok else 'MISMATCH'}"
@@ -449,10 +476,17 @@ def run(args: argparse.Namespace) -> int:
         f"{_replicas(args.replicas)}"
     )
     print(
-        f"time: {_replicas(args.replicas)} {parallel.seconds:.2f} s ({parallel.steps} steps, "
+        f"time: {_replicas(total)} {parallel.seconds:.2f} s ({parallel.steps} steps, "
         f"{parallel.steps / parallel.seconds:.0f} steps/s); "
         f"1 replica {single.seconds:.2f} s"
     )
     ok = accuracy_ok and params_ok and replicas_ok
+    if not chief and not ok:  # a worker that disagrees says so, chief or not
+        builtins.print(f"demo: FAILED on worker {strategy.extended._worker_index}")
     print("demo: OK" if ok else "demo: FAILED")
     return 0 if ok else 1
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """`print` for workers other than the chief: they train and check, silently."""
+    del args, kwargs
