@@ -1,0 +1,140 @@
+"""The blocked host kernel equals the naive in-order `np.add` chain, bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossdevice._arrays import NUMPY, host_kernels
+from tests.helpers import parametrize
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.complex64]
+
+
+def naive_chain(xs: list[np.ndarray]) -> np.ndarray:
+    """The reference: x0 + x1, then += x2, ... one full pass per input."""
+    out = np.array(xs[0], copy=True)
+    if len(xs) > 1:
+        out = np.add(xs[0], xs[1])
+    for x in xs[2:]:
+        out = np.add(out, x)
+    return np.asarray(out)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@st.composite
+def operand_lists(draw: Any) -> list[np.ndarray]:
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=40))
+    n = draw(st.integers(1, 7))
+    if dtype.kind == "f":
+        elements = st.floats(-1e4, 1e4, width=dtype.itemsize * 8, allow_subnormal=False)
+    elif dtype.kind == "c":
+        elements = st.complex_numbers(max_magnitude=1e4, width=64, allow_subnormal=False)
+    else:
+        elements = None  # hypothesis picks values across the whole integer range
+    return [draw(hnp.arrays(dtype, shape, elements=elements)) for _ in range(n)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(xs=operand_lists(), block=st.integers(1, 50), split=st.integers(0, 60))
+def test_sum_slice_in_blocks_is_bitwise_the_naive_chain(
+    xs: list[np.ndarray], block: int, split: int
+) -> None:
+    flats = [x.reshape(-1) for x in xs]
+    size = flats[0].shape[0]
+    split = min(split, size)
+    out = np.empty_like(flats[0])
+    # Two "replicas" reduce disjoint slices of one output, in blocks of `block` elements.
+    host_kernels.sum_slice(flats, out, 0, split, block_elements=block)
+    host_kernels.sum_slice(flats, out, split, size, block_elements=block)
+    assert same_bits(out.reshape(xs[0].shape), naive_chain(xs))
+
+
+@settings(max_examples=60, deadline=None)
+@given(xs=operand_lists())
+def test_sum_n_fast_paths_are_bitwise_the_naive_chain(xs: list[np.ndarray]) -> None:
+    # Take the blocked, pooled path for tiny arrays, in tiny blocks.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host_kernels, "BLOCKED_MIN_BYTES", 0)
+        mp.setattr(host_kernels, "PARALLEL_MIN_BYTES", 0)
+        mp.setattr(host_kernels, "BLOCK_BYTES", 16)
+        assert same_bits(host_kernels.sum_n(xs), naive_chain(xs))
+        assert same_bits(NUMPY.sum_n(xs), naive_chain(xs))
+
+
+@parametrize(dtype=[np.float16, np.float32, np.float64, np.complex64], divisor=[3, 4])
+def test_divisor_matches_true_divide_of_the_sum(dtype: Any, divisor: int) -> None:
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(1000).astype(dtype) for _ in range(4)]
+    out = np.empty_like(xs[0])
+    host_kernels.sum_slice(xs, out, 0, 1000, divisor=divisor, block_elements=37)
+    assert same_bits(out, NUMPY.divide(naive_chain(xs), divisor))
+
+
+@pytest.mark.parametrize("n", [2, 4, 5])
+def test_large_arrays_use_every_path_and_stay_bitwise(n: int) -> None:
+    rng = np.random.default_rng(n)
+    size = host_kernels.PARALLEL_MIN_BYTES // 4 + 12345  # pooled, uneven split
+    xs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    assert same_bits(host_kernels.sum_n(xs), naive_chain(xs))
+    assert same_bits(host_kernels.sum_n(xs, parallel=False), naive_chain(xs))
+    out = np.full_like(xs[0], np.nan)
+    assert host_kernels.sum_n(xs, out) is out
+    assert same_bits(out, naive_chain(xs))
+
+
+def test_in_place_accumulation_into_the_first_input() -> None:
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(300_000).astype(np.float32) for _ in range(4)]
+    expected = naive_chain(xs)
+    host_kernels.sum_n(xs, xs[0])
+    assert same_bits(xs[0], expected)
+
+
+def test_partially_overlapping_out_takes_the_plain_path() -> None:
+    base = np.arange(600_000, dtype=np.float64)
+    xs = [base[:500_000], base[1:500_001], base[2:500_002]]
+    expected = naive_chain([x.copy() for x in xs])
+    out = base[50:500_050]  # overlaps every input at an offset
+    assert not host_kernels.can_sum_fast(xs, out)
+    reference = base.copy()
+    host_kernels.plain_sum(
+        [reference[:500_000], reference[1:500_001], reference[2:500_002]],
+        reference[50:500_050],
+    )
+    host_kernels.sum_n(xs, out)
+    assert same_bits(base, reference)
+    assert expected.shape == out.shape
+
+
+def test_broadcasting_and_mixed_dtypes_follow_numpy() -> None:
+    xs = [np.ones((3, 4), np.float32), np.arange(4, dtype=np.float32), np.float32(2)]
+    assert same_bits(host_kernels.sum_n(xs), naive_chain(xs))
+    mixed = [np.ones(5, np.int32), np.ones(5, np.float64)]
+    assert same_bits(host_kernels.sum_n(mixed), naive_chain(mixed))
+
+
+def test_scalars_give_0d_arrays_and_one_input_is_copied() -> None:
+    result = NUMPY.sum_n([np.float32(1), np.float32(2)])
+    assert isinstance(result, np.ndarray)
+    assert result.shape == ()
+    x = np.arange(3.0)
+    copy = host_kernels.sum_n([x])
+    assert copy is not x
+    np.testing.assert_array_equal(copy, x)
+
+
+def test_empty_input_list_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        host_kernels.sum_n([])
+    with pytest.raises(ValueError, match="at least one"):
+        host_kernels.sum_slice([], np.empty(3), 0, 3)
