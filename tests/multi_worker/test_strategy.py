@@ -20,12 +20,27 @@ def _split(batch: np.ndarray, n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("world_size", "local", "use_torch"),
-    [(2, 1, False), (2, 2, True), (3, 1, True), (3, 2, False)],
-    ids=["2x1-numpy", "2x2-torch", "3x1-torch", "3x2-numpy"],
+    ("world_size", "local", "use_torch", "launcher"),
+    [
+        (2, 1, False, "torchrun"),
+        (2, 2, True, "torchrun"),
+        (3, 1, True, "torchrun"),
+        (3, 2, False, "torchrun"),
+        (2, 1, False, "tf_config"),
+    ],
+    ids=["2x1-numpy", "2x2-torch", "3x1-torch", "3x2-numpy", "2x1-tf_config-chief"],
 )
-def test_collectives_match_numpy(world_size: int, local: int, use_torch: bool) -> None:
-    results = run_workers(scenarios, world_size, args=(local, use_torch), timeout=120)
+def test_collectives_match_numpy(
+    world_size: int, local: int, use_torch: bool, launcher: Any
+) -> None:
+    results = run_workers(
+        scenarios,
+        world_size,
+        args=(local, use_torch),
+        timeout=120,
+        launcher=launcher,
+        chief=launcher == "tf_config",
+    )
     outs: list[dict[str, Any]] = [r.unwrap() for r in results]
     n = world_size * local
     ids = np.arange(n)
