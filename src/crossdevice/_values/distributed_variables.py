@@ -8,8 +8,7 @@ replica context's `merge_call`; this layer only calls them.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from crossdevice._arrays import backend_for
 from crossdevice._core import context
 from crossdevice._core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
+from crossdevice._values.operators import ArrayOperators
 from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import Variable
 
@@ -44,21 +44,7 @@ def _mode(strategy: Any) -> tuple[str, int | None]:
     return "cross", None
 
 
-def _read_op(op: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: DistributedVariable, *args: Any) -> Any:
-        return op(self._read_array(), *args)
-
-    return method
-
-
-def _read_op_reflected(op: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: DistributedVariable, other: Any) -> Any:
-        return op(other, self._read_array())
-
-    return method
-
-
-class DistributedVariable(DistributedValues):
+class DistributedVariable(ArrayOperators, DistributedValues):
     """Base of variables with one component per replica; `isinstance(v, Variable)` holds."""
 
     __slots__ = ("_aggregation", "_strategy", "_synchronization")
@@ -142,35 +128,8 @@ class DistributedVariable(DistributedValues):
         arr = np.array(backend_for(self._read_array()).to_numpy(self._read_array()), copy=True)
         return arr[()] if arr.ndim == 0 else arr
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        array = self._read_array()
-        return np.asarray(backend_for(array).to_numpy(array), dtype=dtype)
-
-    __add__ = _read_op(operator.add)
-    __sub__ = _read_op(operator.sub)
-    __mul__ = _read_op(operator.mul)
-    __truediv__ = _read_op(operator.truediv)
-    __floordiv__ = _read_op(operator.floordiv)
-    __pow__ = _read_op(operator.pow)
-    __matmul__ = _read_op(operator.matmul)
-    __radd__ = _read_op_reflected(operator.add)
-    __rsub__ = _read_op_reflected(operator.sub)
-    __rmul__ = _read_op_reflected(operator.mul)
-    __rtruediv__ = _read_op_reflected(operator.truediv)
-    __rpow__ = _read_op_reflected(operator.pow)
-    __rmatmul__ = _read_op_reflected(operator.matmul)
-    __neg__ = _read_op(operator.neg)
-    __getitem__ = _read_op(operator.getitem)
-    __lt__ = _read_op(operator.lt)
-    __gt__ = _read_op(operator.gt)
-    __le__ = _read_op(operator.le)
-    __ge__ = _read_op(operator.ge)
-
-    def __float__(self) -> float:
-        return float(self._read_array())
-
-    def __int__(self) -> int:
-        return int(self._read_array())
+    def _operand(self) -> Any:
+        return self._read_array()
 
     # --- writes: the subclasses' rules ----------------------------------------------------
     def assign(

@@ -8,13 +8,13 @@ their own GPU); values made by a strategy carry the strategy's devices.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from crossdevice._arrays import backend_for
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize
+from crossdevice._values.operators import ArrayOperators
 
 __all__ = ["DistributedValues", "Mirrored", "PerReplica", "default_devices"]
 
@@ -141,21 +141,7 @@ class PerReplica(DistributedValues):
         )
 
 
-def _forward(op: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: Mirrored, *args: Any) -> Any:
-        return op(self._get(), *args)
-
-    return method
-
-
-def _forward_reflected(op: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: Mirrored, other: Any) -> Any:
-        return op(other, self._get())
-
-    return method
-
-
-class Mirrored(DistributedValues):
+class Mirrored(ArrayOperators, DistributedValues):
     """The same value on every replica (what a reduction to all devices returns).
 
     It behaves as its local component: attributes, operators and `numpy.asarray`
@@ -173,44 +159,5 @@ class Mirrored(DistributedValues):
             raise AttributeError(name)
         return getattr(self._get(), name)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
-        import numpy as np
-
-        value = backend_for(self._get()).to_numpy(self._get())
-        return np.asarray(value, dtype=dtype)
-
-    __add__ = _forward(operator.add)
-    __sub__ = _forward(operator.sub)
-    __mul__ = _forward(operator.mul)
-    __truediv__ = _forward(operator.truediv)
-    __floordiv__ = _forward(operator.floordiv)
-    __mod__ = _forward(operator.mod)
-    __pow__ = _forward(operator.pow)
-    __matmul__ = _forward(operator.matmul)
-    __radd__ = _forward_reflected(operator.add)
-    __rsub__ = _forward_reflected(operator.sub)
-    __rmul__ = _forward_reflected(operator.mul)
-    __rtruediv__ = _forward_reflected(operator.truediv)
-    __rfloordiv__ = _forward_reflected(operator.floordiv)
-    __rmod__ = _forward_reflected(operator.mod)
-    __rpow__ = _forward_reflected(operator.pow)
-    __rmatmul__ = _forward_reflected(operator.matmul)
-    __neg__ = _forward(operator.neg)
-    __abs__ = _forward(operator.abs)
-    __lt__ = _forward(operator.lt)
-    __le__ = _forward(operator.le)
-    __gt__ = _forward(operator.gt)
-    __ge__ = _forward(operator.ge)
-    __getitem__ = _forward(operator.getitem)
-
-    def __float__(self) -> float:
-        return float(self._get())
-
-    def __int__(self) -> int:
-        return int(self._get())
-
-    def __bool__(self) -> bool:
-        return bool(self._get())
-
-    def __len__(self) -> int:
-        return len(self._get())
+    def _operand(self) -> Any:
+        return self._get()

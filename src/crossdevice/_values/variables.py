@@ -9,7 +9,6 @@ not import the layers above it.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from crossdevice._arrays import backend_for, is_torch
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize, current_device
 from crossdevice._core.reduce_op import VariableAggregation, VariableSynchronization
+from crossdevice._values.operators import ArrayOperators
 
 __all__ = [
     "Variable",
@@ -111,21 +111,7 @@ class _VariableMeta(type):
         return super().__instancecheck__(instance)
 
 
-def _read_op(op: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: Variable, *args: Any) -> Any:
-        return op(self._value, *args)
-
-    return method
-
-
-def _read_op_reflected(op: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: Variable, other: Any) -> Any:
-        return op(other, self._value)
-
-    return method
-
-
-class Variable(metaclass=_VariableMeta):
+class Variable(ArrayOperators, metaclass=_VariableMeta):
     """A mutable array with a device and a name (`tf.Variable`).
 
     Under a strategy's `scope()` this creates the strategy's kind of variable instead
@@ -226,8 +212,8 @@ class Variable(metaclass=_VariableMeta):
         arr = np.array(backend_for(self._value).to_numpy(self._value), copy=True)
         return arr[()] if arr.ndim == 0 else arr
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return np.asarray(backend_for(self._value).to_numpy(self._value), dtype=dtype)
+    def _operand(self) -> Any:
+        return self._value
 
     # --- writes -----------------------------------------------------------------------
     def _write(self, new_value: Any) -> None:
@@ -278,39 +264,6 @@ class Variable(metaclass=_VariableMeta):
         del use_locking, name
         self._write(self._value - _as_operand(self._value, delta))
         return self if read_value else None
-
-    # --- arithmetic reads the value ----------------------------------------------------
-    __add__ = _read_op(operator.add)
-    __sub__ = _read_op(operator.sub)
-    __mul__ = _read_op(operator.mul)
-    __truediv__ = _read_op(operator.truediv)
-    __floordiv__ = _read_op(operator.floordiv)
-    __mod__ = _read_op(operator.mod)
-    __pow__ = _read_op(operator.pow)
-    __matmul__ = _read_op(operator.matmul)
-    __radd__ = _read_op_reflected(operator.add)
-    __rsub__ = _read_op_reflected(operator.sub)
-    __rmul__ = _read_op_reflected(operator.mul)
-    __rtruediv__ = _read_op_reflected(operator.truediv)
-    __rfloordiv__ = _read_op_reflected(operator.floordiv)
-    __rpow__ = _read_op_reflected(operator.pow)
-    __rmatmul__ = _read_op_reflected(operator.matmul)
-    __neg__ = _read_op(operator.neg)
-    __abs__ = _read_op(operator.abs)
-    __lt__ = _read_op(operator.lt)
-    __le__ = _read_op(operator.le)
-    __gt__ = _read_op(operator.gt)
-    __ge__ = _read_op(operator.ge)
-    __getitem__ = _read_op(operator.getitem)
-
-    def __float__(self) -> float:
-        return float(self._value)
-
-    def __int__(self) -> int:
-        return int(self._value)
-
-    def __bool__(self) -> bool:
-        return bool(self._value)
 
     def __repr__(self) -> str:
         return (
