@@ -12,11 +12,13 @@ Only data lives here; the strategy and replica layers give it meaning.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Frame", "current_frame", "pop_frame", "push_frame", "stack_depth"]
+__all__ = ["Frame", "current_frame", "entered", "pop_frame", "push_frame", "stack_depth"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,3 +71,13 @@ def pop_frame(frame: Frame) -> None:
 def stack_depth() -> int:
     """How many frames this thread has entered."""
     return len(_LOCAL.stack)
+
+
+@contextlib.contextmanager
+def entered(frame: Frame) -> Iterator[Frame]:
+    """Push `frame` on this thread for the duration of a `with` block."""
+    push_frame(frame)
+    try:
+        yield frame
+    finally:
+        pop_frame(frame)

@@ -283,12 +283,8 @@ class StrategyExtended:
         strategy = self._container_strategy_ref
         if always_wrap:
             args, kwargs = regroup([(args, kwargs)], PerReplica, True, self._local_devices)
-        frame = context.Frame(strategy)
-        context.push_frame(frame)
-        try:
+        with context.entered(context.Frame(strategy)):
             return merge_fn(strategy, *args, **kwargs)
-        finally:
-            context.pop_frame(frame)
 
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None

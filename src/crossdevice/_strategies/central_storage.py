@@ -92,13 +92,9 @@ class _CentralStorageExtended(ReplicatedExtended):
             raise ValueError(
                 f"extended.update expects a variable created in this strategy's scope, got {var!r}"
             )
-        frame = context.Frame(self._container_strategy_ref, None, None, 0)
-        context.push_frame(frame)
-        try:
-            with device_scope(self._parameter_device):
-                result = fn(target, *args, **kwargs)
-        finally:
-            context.pop_frame(frame)
+        update = context.Frame(self._container_strategy_ref, None, None, 0)
+        with context.entered(update), device_scope(self._parameter_device):
+            result = fn(target, *args, **kwargs)
         if result is target:
             result = var
         return result if group else (result,)

@@ -49,12 +49,8 @@ class _DefaultExtended(StrategyExtended):
     ) -> Any:
         from crossdevice._replica.context import get_replica_context
 
-        frame = context.Frame(self._container_strategy_ref, get_replica_context(), 0)
-        context.push_frame(frame)
-        try:
+        with context.entered(context.Frame(self._container_strategy_ref, get_replica_context(), 0)):
             return fn(*args, **kwargs)
-        finally:
-            context.pop_frame(frame)
 
     def _reduce_to(
         self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None

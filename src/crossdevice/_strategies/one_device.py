@@ -31,12 +31,8 @@ class _OneDeviceExtended(StrategyExtended):
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        context.push_frame(self._frame)
-        try:
-            with device_scope(self._device):
-                return fn(*args, **kwargs)
-        finally:
-            context.pop_frame(self._frame)
+        with context.entered(self._frame), device_scope(self._device):
+            return fn(*args, **kwargs)
 
     def _reduce_to(
         self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None
@@ -54,13 +50,9 @@ class _OneDeviceExtended(StrategyExtended):
         kwargs: dict[str, Any],
         group: bool,
     ) -> Any:
-        frame = context.Frame(self._container_strategy_ref, None, None, 0)
-        context.push_frame(frame)
-        try:
-            with device_scope(self._device):
-                result = fn(var, *args, **kwargs)
-        finally:
-            context.pop_frame(frame)
+        update = context.Frame(self._container_strategy_ref, None, None, 0)
+        with context.entered(update), device_scope(self._device):
+            result = fn(var, *args, **kwargs)
         return result if group else self._local_results(result)
 
     def _gather_to(

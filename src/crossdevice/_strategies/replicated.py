@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from crossdevice._core import context, nest
-from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists
+from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -135,12 +135,8 @@ class ReplicatedExtended(StrategyExtended):
         def merge(inputs: list[Any]) -> list[Any]:
             margs = regroup([i[0] for i in inputs], PerReplica, always_wrap, devices)
             mkwargs = regroup([i[1] for i in inputs], PerReplica, always_wrap, devices)
-            frame = context.Frame(strategy)
-            context.push_frame(frame)
-            try:
+            with context.entered(context.Frame(strategy)):
                 result = merge_fn(strategy, *margs, **mkwargs)
-            finally:
-                context.pop_frame(frame)
             return [select_replica(i, result) for i in range(n)]
 
         local_id = replica_id - self._replica_id_offset
@@ -225,18 +221,10 @@ class ReplicatedExtended(StrategyExtended):
             )
         strategy = self._container_strategy_ref
         results = []
-        from crossdevice._core.devices import device_scope
-
         for i, component in enumerate(var.values):
-            frame = context.Frame(strategy, None, None, i)
-            context.push_frame(frame)
-            try:
-                with device_scope(component.device):
-                    results.append(
-                        fn(component, *select_replica(i, args), **select_replica(i, kwargs))
-                    )
-            finally:
-                context.pop_frame(frame)
+            update = context.Frame(strategy, None, None, i)
+            with context.entered(update), device_scope(component.device):
+                results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
         regrouped = regroup(results, Mirrored, False, var._devices)
         if group:
             return regrouped
