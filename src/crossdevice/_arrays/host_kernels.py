@@ -38,23 +38,24 @@ __all__ = [
 ]
 
 #: Bytes of one block of the accumulator. Measured on the 2-core AMD EPYC dev machine
-#: (32 KiB L1d, 1 MiB L2 per core, 32 MiB L3), 4 x 64 MiB float32, one thread, median of 9:
-#: 16 KiB 27.2 ms, 32 KiB 22.5 ms, 64 KiB 18.1 ms, 128 KiB 19.9 ms, 256 KiB 16.9 ms,
-#: 512 KiB 14.3 ms, 1 MiB 13.0 ms; with two threads 128 KiB 14.1 ms, 256 KiB 12.8 ms.
-#: Below ~64 KiB the ~0.5 us cost of each ufunc call dominates; above 256 KiB the
-#: accumulator block plus one input block no longer fit the per-core L2 next to a second
-#: thread's. 256 KiB is the best two-thread point, and one thread is within 20% of its best.
-BLOCK_BYTES: Final = 256 * 1024
+#: (32 KiB L1d, 1 MiB L2 per core, 32 MiB L3; other jobs share it, so minima of 11 runs
+#: are quoted), 4 x 64 MiB float32: one thread, 64 KiB blocks 17.2 ms, 128 KiB 15.5 ms,
+#: 256 KiB 14.5 ms, 512 KiB 12.9 ms (naive chain 14.4 ms); two threads 64 KiB 15.1 ms,
+#: 256 KiB 12.8 ms, 512 KiB 12.0 ms. Small blocks lose to the ~0.5 us of each ufunc call
+#: and to the hardware prefetchers restarting at every block; at 1 MiB the accumulator
+#: block and one input block no longer fit in L2.
+BLOCK_BYTES: Final = 512 * 1024
 
-#: Below this many bytes per input the plain in-order chain runs: every operand fits in
-#: L2, so blocking gains nothing and costs a Python loop. Measured (4 float32 inputs): at
-#: 256 KiB the plain chain took 31 us and the blocked path 33 us; at 1 MiB, 190 us vs 160 us.
-BLOCKED_MIN_BYTES: Final = 512 * 1024
+#: Below this many bytes per input the plain in-order chain runs. On the dev machine one
+#: core's adds, not DRAM, are the bottleneck while the operands fit in the 32 MiB L3, and
+#: there the chain is as fast or faster (minima, 4 float32 inputs: 1 MiB chain 84 us vs
+#: blocked 90 us; 4 MiB 467 vs 527 us; 16 MiB 2.84 vs 3.05 ms; 64 MiB 14.4 vs 12.9 ms).
+BLOCKED_MIN_BYTES: Final = 8 * 1024 * 1024
 
 #: Below this many bytes per input the sum runs in the calling thread only. Handing work
-#: to the pool costs about 30-60 us (submit, wake-up, join); at 4 MiB per input four
-#: float32 inputs take about 700 us in one thread, 450 us split in two.
-PARALLEL_MIN_BYTES: Final = 4 * 1024 * 1024
+#: to the pool costs a thread wake-up and join (medians, 4 float32 inputs, one thread vs
+#: pooled: 4 MiB 0.63 vs 0.74 ms; 8 MiB 1.67 vs 1.58 ms; 16 MiB 3.81 vs 2.96 ms).
+PARALLEL_MIN_BYTES: Final = 8 * 1024 * 1024
 
 
 def available_cpus() -> int:
@@ -90,7 +91,8 @@ def sum_slice(
         divisor: if given, each block of the sum is then divided by it in place (a MEAN
             while the block is still in cache); bitwise equal to `np.true_divide(sum, n)`
             for floating-point `out`.
-        block_elements: elements per block (default: `BLOCK_BYTES` worth).
+        block_elements: elements per block (default: the whole range below
+            `BLOCKED_MIN_BYTES`, else `BLOCK_BYTES` worth).
 
     Example:
         >>> xs = [np.arange(5, dtype=np.float32) for _ in range(3)]
@@ -106,7 +108,12 @@ def sum_slice(
     n = len(inputs)
     if n == 0:
         raise ValueError("sum_slice expected at least one input array, received none")
-    block = block_elements or max(1, BLOCK_BYTES // max(1, out.itemsize))
+    if block_elements is None:
+        # A range that fits in cache is one block (the plain chain is fastest there).
+        itemsize = max(1, out.itemsize)
+        small = (stop - start) * itemsize < BLOCKED_MIN_BYTES
+        block_elements = stop - start if small else max(1, BLOCK_BYTES // itemsize)
+    block = block_elements
     add = np.add
     first = inputs[0]
     if n == 1:

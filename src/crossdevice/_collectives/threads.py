@@ -29,6 +29,7 @@ immutable too; copy a result before mutating it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import threading
 import time
@@ -47,10 +48,19 @@ from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 __all__ = ["PACK_BELOW_BYTES", "PARALLEL_MIN_BYTES", "POOL_MIN_BYTES", "ThreadCommunicator"]
 
 #: Rounds with fewer bytes per replica than this are computed by the last arriving
-#: replica alone: a second rendezvous costs about as much as reducing this many bytes.
-#: Measured, 4 replicas on the 2-core dev machine (float32, median of 2000 calls):
-#: 64 KiB one-thread 48 us vs sharded 61 us; 256 KiB 95 us vs 90 us; 1 MiB 360 us vs 260 us.
-PARALLEL_MIN_BYTES: Final = 256 * 1024
+#: replica alone; from here on every replica reduces pieces of the work (a second
+#: rendezvous and four threads on two cores cost more than they save below it).
+#: Measured, 4 replicas on the 2-core dev machine (float32, one array, median of 7):
+#: 1 MiB one-thread 360 us vs sharded 531 us; 2 MiB 489 vs 608 us; 4 MiB 1181 vs 1071 us;
+#: 16 MiB 4.69 vs 3.30 ms; a second run at 4 MiB gave 0.94 ms sharded, 0.49 ms for the
+#: reduction alone on one thread (the inputs fit in the 32 MiB L3).
+PARALLEL_MIN_BYTES: Final = 8 * 1024 * 1024
+
+#: Bounds of the pieces the replicas take turns reducing (a quarter of an equal share per
+#: replica, within these bounds): small enough to balance four replicas on two busy cores,
+#: large enough that the ~10 us of Python per piece stays below 1% of its time.
+PIECE_MIN_BYTES: Final = 256 * 1024
+PIECE_MAX_BYTES: Final = 4 * 1024 * 1024
 
 #: Arrays smaller than this are packed, per replica, into one flat buffer per dtype before
 #: the reduction: one `np.concatenate` per replica replaces a few ufunc calls per array.
@@ -66,6 +76,9 @@ POOL_MIN_BYTES: Final = 1024 * 1024
 #: Output buffers kept for reuse per (dtype, length), and total bytes kept.
 _POOL_PER_KEY: Final = 2
 _POOL_MAX_BYTES: Final = 2 * 1024**3
+
+#: `sys.getrefcount` of a pooled buffer nobody else holds (see `_output`).
+_UNUSED_REFCOUNT: Final = 3
 
 #: Plans cached per input signature.
 _PLAN_CACHE_SIZE: Final = 64
@@ -105,36 +118,30 @@ class _Plan:
     pack_sizes: tuple[int, ...]
     segments: tuple[_Segment, ...]
     total_bytes: int
-    #: per replica count: per replica, the (segment index, lo, hi) pieces it reduces.
-    splits: dict[int, tuple[tuple[tuple[int, int, int], ...], ...]] = dataclasses.field(
+    #: per piece size: the (segment index, lo, hi) pieces of the work.
+    splits: dict[int, tuple[tuple[int, int, int], ...]] = dataclasses.field(
         default_factory=dict, compare=False
     )
 
-    def split(self, n: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-        """The segment pieces of each of `n` replicas: about equal bytes each."""
-        cached = self.splits.get(n)
+    def pieces(self, piece_bytes: int) -> tuple[tuple[int, int, int], ...]:
+        """The work cut into (segment index, lo, hi) pieces of at most `piece_bytes`.
+
+        Small segments stay whole; boundaries inside a segment fall on cache lines, so
+        replicas writing neighbouring pieces never share one.
+        """
+        cached = self.splits.get(piece_bytes)
         if cached is not None:
             return cached
-        per = -(-self.total_bytes // n)
-        pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
-        replica, filled = 0, 0
+        pieces: list[tuple[int, int, int]] = []
         for index, seg in enumerate(self.segments):
             itemsize = self.dtypes[seg.group].itemsize
             align = max(1, _ALIGN_BYTES // itemsize)
-            lo = 0
-            while lo < seg.length:
-                room = max(0, per - filled) // itemsize
-                hi = seg.length if replica == n - 1 else min(seg.length, lo + room)
-                if hi < seg.length:
-                    hi = max(lo, hi // align * align)
-                if hi > lo:
-                    pieces[replica].append((index, lo, hi))
-                    filled += (hi - lo) * itemsize
-                if hi < seg.length or filled >= per:
-                    replica, filled = min(replica + 1, n - 1), 0
-                lo = hi
-        result = tuple(tuple(p) for p in pieces)
-        self.splits[n] = result
+            step = max(align, piece_bytes // itemsize // align * align)
+            pieces.extend(
+                (index, lo, min(lo + step, seg.length)) for lo in range(0, seg.length, step)
+            )
+        result = tuple(pieces)
+        self.splits[piece_bytes] = result
         return result
 
 
@@ -845,10 +852,20 @@ class ThreadCommunicator:
             )
             self._finalize(rnd)
             return
-        pieces = plan.split(self._n)
+        piece_bytes = min(PIECE_MAX_BYTES, max(PIECE_MIN_BYTES, plan.total_bytes // (4 * self._n)))
+        pieces = plan.pieces(piece_bytes)
+        # Work sharing: each replica takes the next piece until none is left, so the
+        # replicas that are awake (the last arriver at once, the others as they wake)
+        # share the work, and a replica slowed by another process takes fewer pieces.
+        # next() on an itertools.count is atomic under the GIL.
+        taken = itertools.count()
 
         def work(replica_id: int) -> None:
-            self._reduce_pieces(rnd, arrivals, pieces[replica_id])
+            del replica_id
+            for i in taken:
+                if i >= len(pieces):
+                    return
+                self._reduce_pieces(rnd, arrivals, pieces[i : i + 1])
 
         rnd.work = work
 
@@ -1019,9 +1036,10 @@ class ThreadCommunicator:
         if bucket is None:
             bucket = self._pool[key] = []
         for buf in bucket:
-            # Referenced only by `bucket` and getrefcount's argument: no result, view or
-            # tensor uses it any more, so overwriting it cannot change anything visible.
-            if sys.getrefcount(buf) == 2:
+            # Referenced only by `bucket`, the loop variable and getrefcount's argument:
+            # no result, view or tensor uses it any more, so overwriting it cannot change
+            # anything visible.
+            if sys.getrefcount(buf) == _UNUSED_REFCOUNT:
                 return buf
         buf = np.empty(size, dtype=dtype)
         if len(bucket) < _POOL_PER_KEY and self._pool_bytes + nbytes <= _POOL_MAX_BYTES:

@@ -1,0 +1,597 @@
+"""`crossdevice bench`: an nccl-tests style all-reduce benchmark for host replicas.
+
+Prints one row per (size, implementation) with nccl-tests' columns (size, count, type,
+redop, time, algbw, busbw, #wrong) plus the fraction of the memory-bandwidth limit: an
+all-reduce of N host arrays of S bytes must read N·S bytes and write S, so it cannot beat
+(N+1)·S / B at memory bandwidth B, which is measured in the same run (DESIGN.md §4).
+
+Flags follow nccl-tests: `-b/-e` smallest and largest size in bytes (K, M, G suffixes are
+powers of 1024), `-f` the multiplication factor between sizes (`-i` the increment when
+`-f` is 1), `-n` timed iterations, `-w` warm-up iterations, `-o` the reduce op, `-d` the
+data type. Times are medians over the timed iterations.
+
+Example:
+    crossdevice bench -b 1K -e 64M -f 4 --ops sharded,reduce_to_one --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import itertools
+import json
+import platform
+import re
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from crossdevice._arrays import host_kernels
+from crossdevice._collectives.bandwidth import (
+    MemoryBandwidth,
+    all_reduce_limit_seconds,
+    measure_memory_bandwidth,
+)
+from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._core.reduce_op import ReduceOp
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "ReplicaThreads",
+    "parse_size",
+    "register",
+    "run",
+    "sizes_between",
+]
+
+#: nccl-tests' data type names (and NumPy's) -> NumPy dtype name; bfloat16 needs torch.
+DTYPES: Final = {
+    "int8": "int8",
+    "char": "int8",
+    "uint8": "uint8",
+    "int32": "int32",
+    "int": "int32",
+    "uint32": "uint32",
+    "int64": "int64",
+    "uint64": "uint64",
+    "half": "float16",
+    "float16": "float16",
+    "float": "float32",
+    "float32": "float32",
+    "double": "float64",
+    "float64": "float64",
+    "bfloat16": "bfloat16",
+}
+
+#: nccl-tests' reduce op names -> ReduceOp (prod, min and max are not tf.distribute ops).
+REDOPS: Final = {"sum": ReduceOp.SUM, "avg": ReduceOp.MEAN, "mean": ReduceOp.MEAN}
+
+#: Seconds any wait of the benchmark's replica threads may take before it gives up.
+_WAIT_S: Final = 300.0
+
+_SIZE_RE: Final = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A byte count with an optional K, M or G suffix (powers of 1024, as nccl-tests).
+
+    Example:
+        >>> parse_size("64M")
+        67108864
+    """
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 8, 1K, 64M or 1G, received {text!r}"
+        )
+    scale = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[match.group(2).upper()]
+    return int(match.group(1)) * scale
+
+
+def sizes_between(min_bytes: int, max_bytes: int, factor: int, step: int) -> list[int]:
+    """The sizes nccl-tests visits: times `factor` from `min_bytes`, or plus `step`."""
+    if min_bytes < 1 or max_bytes < min_bytes:
+        raise ValueError(
+            f"expected 1 <= minbytes <= maxbytes, received -b {min_bytes} -e {max_bytes}"
+        )
+    sizes = []
+    size = min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size = size * factor if factor > 1 else size + step
+    return sizes
+
+
+class ReplicaThreads:
+    """N persistent threads that each run `fn(replica_id)` on demand (bounded waits)."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._start = threading.Barrier(n + 1, timeout=_WAIT_S)
+        self._done = threading.Barrier(n + 1, timeout=_WAIT_S)
+        self._fn: Callable[[int], Any] | None = None
+        self._results: list[Any] = [None] * n
+        self._errors: list[BaseException | None] = [None] * n
+        self._threads = [
+            threading.Thread(target=self._loop, args=(r,), daemon=True, name=f"bench-replica-{r}")
+            for r in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, r: int) -> None:
+        try:
+            while True:
+                self._start.wait()
+                fn = self._fn
+                if fn is None:
+                    return
+                try:
+                    self._results[r] = fn(r)
+                except BaseException as exc:
+                    self._errors[r] = exc
+                self._done.wait()
+        except threading.BrokenBarrierError:
+            return
+
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+        """`fn(r)` on every replica thread; the results, or the first error raised."""
+        self._fn = fn
+        self._errors = [None] * self._n
+        self._start.wait()
+        self._done.wait()
+        for exc in self._errors:
+            if exc is not None:
+                raise exc
+        return list(self._results)
+
+    def close(self) -> None:
+        """Stop and join the threads."""
+        self._fn = None
+        with contextlib.suppress(threading.BrokenBarrierError):
+            self._start.wait()
+        for t in self._threads:
+            t.join(_WAIT_S)
+
+
+class _Case:
+    """One size and dtype: each replica's input and the in-order reference result.
+
+    `tolerance` is the per-element error any summation order may make (floating point;
+    None for exact integer sums): N ulps-worth of the sum of magnitudes.
+    """
+
+    def __init__(
+        self,
+        inputs: list[Any],
+        expected: np.ndarray,
+        tolerance: np.ndarray | None,
+        nbytes: int,
+        count: int,
+    ) -> None:
+        self.inputs = inputs
+        self.expected = expected.reshape(-1)
+        self.tolerance = tolerance
+        self.nbytes = nbytes
+        self.count = count
+
+
+class _Impl:
+    """An all-reduce implementation under test."""
+
+    name = ""
+    description = ""
+
+    def __init__(self, n: int, op: ReduceOp) -> None:
+        self.n = n
+        self.op = op
+
+    def measure(self, case: _Case, warmup: int, iters: int) -> tuple[list[float], list[Any]]:
+        """Per-iteration seconds and one result per replica (from the last iteration)."""
+        call = self.prepare(case)
+        for _ in range(warmup):
+            call()
+        times = []
+        results: list[Any] = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            results = call()
+            times.append(time.perf_counter() - start)
+        return times, results
+
+    def prepare(self, case: _Case) -> Callable[[], list[Any]]:
+        """A callable running one all-reduce of `case`, returning one result per replica."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release threads."""
+
+
+class _Sharded(_Impl):
+    name = "sharded"
+    description = "ThreadCommunicator: replica threads each reduce a slice (default host path)"
+
+    def __init__(self, n: int, op: ReduceOp) -> None:
+        super().__init__(n, op)
+        self._threads = ReplicaThreads(n)
+        self._comm = ThreadCommunicator(n, name="bench")
+
+    def measure(self, case: _Case, warmup: int, iters: int) -> tuple[list[float], list[Any]]:
+        comm, op, inputs = self._comm, self.op, case.inputs
+        stamps: list[float] = []
+
+        def replica(r: int) -> Any:
+            mine = [inputs[r]]
+            for _ in range(warmup + 1):  # the last warm-up call lines the replicas up
+                comm.all_reduce(r, mine, op, timeout=_WAIT_S)
+            if r == 0:
+                stamps.append(time.perf_counter())
+            out = None
+            for _ in range(iters):
+                out = comm.all_reduce(r, mine, op, timeout=_WAIT_S)
+                if r == 0:
+                    stamps.append(time.perf_counter())
+            return out[0] if out else None
+
+        # Back to back, as replicas run steps: replica 0's completion times give the
+        # interval between consecutive all-reduces.
+        results = self._threads.run(replica)
+        return [b - a for a, b in itertools.pairwise(stamps)], results
+
+    def close(self) -> None:
+        self._threads.close()
+
+
+class _OneThread(_Impl):
+    """A cross-replica sum from the calling thread; one shared result for all replicas."""
+
+    def kernel(self, arrays: list[np.ndarray], out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def prepare(self, case: _Case) -> Callable[[], list[Any]]:
+        from crossdevice._arrays import backend_for
+
+        first = case.inputs[0]
+        be = backend_for(first)
+        n, mean = self.n, self.op is ReduceOp.MEAN
+        if be.name == "torch" and str(first.dtype) == "torch.bfloat16":
+            # NumPy has no bfloat16: torch's own in-order sum.
+            def call_torch() -> list[Any]:
+                total = be.sum_n(case.inputs)
+                return [be.divide(total, n) if mean else total] * n
+
+            return call_torch
+        arrays = [np.asarray(x) for x in case.inputs]
+        out = np.empty_like(arrays[0])
+
+        def call() -> list[Any]:
+            self.kernel(arrays, out)
+            return [np.true_divide(out, n) if mean else out] * n
+
+        return call
+
+
+class _SumN(_OneThread):
+    name = "sum_n"
+    description = "host_kernels.sum_n from one thread with its worker pool (shared result)"
+
+    def kernel(self, arrays: list[np.ndarray], out: np.ndarray) -> None:
+        host_kernels.sum_n(arrays, out)
+
+
+class _Naive(_OneThread):
+    name = "naive"
+    description = "pairwise np.add chain, one thread (baseline: one pass per input)"
+
+    def kernel(self, arrays: list[np.ndarray], out: np.ndarray) -> None:
+        host_kernels.plain_sum(arrays, out)
+
+
+class _CrossDeviceOps(_Impl):
+    factory = ""
+
+    def prepare(self, case: _Case) -> Callable[[], list[Any]]:
+        import crossdevice
+        from crossdevice._values.values import PerReplica
+
+        devices = [f"CPU:{i}" for i in range(self.n)]
+        ops = getattr(crossdevice, self.factory)()
+        value = PerReplica(case.inputs, devices)
+        op = self.op
+
+        def call() -> list[Any]:
+            reduced = ops.reduce(op, value, destinations=value)
+            return list(getattr(reduced, "values", (reduced,)))
+
+        return call
+
+
+class _ReduceToOne(_CrossDeviceOps):
+    name = "reduce_to_one"
+    description = "crossdevice.ReductionToOneDevice().reduce(op, v, destinations=v)"
+    factory = "ReductionToOneDevice"
+
+
+class _HierCopy(_CrossDeviceOps):
+    name = "hier_copy"
+    description = "crossdevice.HierarchicalCopyAllReduce().reduce(op, v, destinations=v)"
+    factory = "HierarchicalCopyAllReduce"
+
+
+class _Nccl(_CrossDeviceOps):
+    name = "nccl"
+    description = "crossdevice.NcclAllReduce().reduce(...) (host values fall back)"
+    factory = "NcclAllReduce"
+
+
+#: `--ops` names -> implementations.
+IMPLEMENTATIONS: Final[dict[str, type[_Impl]]] = {
+    impl.name: impl for impl in (_Sharded, _ReduceToOne, _HierCopy, _Nccl, _SumN, _Naive)
+}
+
+
+def register(subparsers: Any) -> None:
+    """Add the `bench` subcommand to `subparsers` (an argparse subparsers action)."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="all-reduce benchmark (nccl-tests style) against the memory-bandwidth limit",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="implementations (--ops):\n"
+        + "\n".join(f"  {name:14s} {impl.description}" for name, impl in IMPLEMENTATIONS.items()),
+    )
+    add = parser.add_argument
+    add("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="smallest size (1K)")
+    add("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (64M)")
+    add("-f", "--stepfactor", type=int, default=4, help="multiply the size by this (4)")
+    add("-i", "--stepbytes", type=parse_size, default=parse_size("1M"), help="increment if -f 1")
+    add("-n", "--iters", type=int, default=20, help="timed iterations per size (20)")
+    add("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations per size (5)")
+    add("-o", "--op", choices=sorted(REDOPS), default="sum", help="reduce op (sum)")
+    add("-d", "--datatype", choices=sorted(DTYPES), default="float", help="data type (float)")
+    add(
+        "--ops",
+        default="sharded,reduce_to_one,hier_copy",
+        help=f"comma-separated implementations from {sorted(IMPLEMENTATIONS)}",
+    )
+    add("--replicas", type=int, default=4, help="replicas (logical CPU devices) (4)")
+    add("--backend", choices=["numpy", "torch"], default="numpy", help="array library")
+    add("--bw-bytes", type=parse_size, default=parse_size("256M"), help="bandwidth probe size")
+    add("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    parser.set_defaults(func=run)
+
+
+def _versions() -> dict[str, str]:
+    import crossdevice
+
+    versions = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "crossdevice": crossdevice.__version__,
+    }
+    try:
+        versions["torch"] = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        versions["torch"] = "not installed"
+    return versions
+
+
+def _make_case(
+    nbytes: int, dtype_name: str, n: int, op: ReduceOp, backend: str, seed: int
+) -> _Case:
+    np_dtype = np.dtype("float32" if dtype_name == "bfloat16" else dtype_name)
+    count = max(1, nbytes // np_dtype.itemsize)
+    rng = np.random.default_rng(seed)
+    if np_dtype.kind == "f":
+        arrays = [rng.standard_normal(count).astype(np_dtype) for _ in range(n)]
+    else:
+        arrays = [rng.integers(0, 8, count).astype(np_dtype) for _ in range(n)]
+    inputs: list[Any] = arrays
+    if backend == "torch" or dtype_name == "bfloat16":
+        import torch
+
+        tensors = [torch.from_numpy(a) for a in arrays]
+        if dtype_name == "bfloat16":
+            tensors = [t.to(torch.bfloat16) for t in tensors]
+        inputs = tensors
+    from crossdevice._arrays import backend_for
+
+    be = backend_for(inputs[0])
+    expected = be.sum_n(inputs)
+    if op is ReduceOp.MEAN:
+        expected = be.divide(expected, n)
+    tolerance = None
+    if np_dtype.kind == "f":
+        eps = 2.0**-7 if dtype_name == "bfloat16" else float(np.finfo(np_dtype).eps)
+        magnitude = np.sum([np.abs(a.astype(np.float64)) for a in arrays], axis=0)
+        tolerance = 2 * n * eps * magnitude / (n if op is ReduceOp.MEAN else 1)
+    reference = np.asarray(be.to_numpy(expected))
+    return _Case(inputs, reference, tolerance, count * np_dtype.itemsize, count)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a).reshape(-1)
+    if a.itemsize in (1, 2, 4, 8):
+        return a.view(f"u{a.itemsize}")
+    return a.view(np.uint8).reshape(a.size, a.itemsize)
+
+
+def _check(results: Sequence[Any], case: _Case) -> tuple[int, int]:
+    """(#wrong, #inexact) elements over every replica's result.
+
+    #wrong counts elements off by more than the rounding any summation order allows
+    (nccl-tests' check); #inexact counts elements not bitwise equal to the in-order
+    sum x0 + x1 + ... (crossdevice's determinism contract).
+    """
+    from crossdevice._arrays import backend_for
+
+    expected = case.expected
+    want = _bits(expected)
+    wrong = inexact = 0
+    for value in results:
+        got = np.asarray(backend_for(value).to_numpy(value)).reshape(-1)
+        if got.dtype != expected.dtype or got.size != expected.size:
+            wrong += expected.size
+            inexact += expected.size
+            continue
+        differs = _bits(got) != want
+        if differs.ndim > 1:
+            differs = differs.any(axis=1)
+        inexact += int(np.count_nonzero(differs))
+        if case.tolerance is None:
+            wrong += int(np.count_nonzero(differs))
+        else:
+            error = np.abs(got.astype(np.float64) - expected.astype(np.float64))
+            wrong += int(np.count_nonzero(~(error <= case.tolerance)))
+    return wrong, inexact
+
+
+def _header(args: argparse.Namespace, bw: MemoryBandwidth, ops: list[str]) -> list[str]:
+    from crossdevice._core.devices import canonicalize
+
+    n = args.replicas
+    versions = _versions()
+    devices = [canonicalize(f"CPU:{i}") for i in range(n)]
+    step = f"{args.stepfactor}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
+    return [
+        f"# crossdevice bench: all_reduce  minBytes {args.minbytes} maxBytes {args.maxbytes} "
+        f"step: {step} warmup iters: {args.warmup_iters} iters: {args.iters} "
+        f"op: {args.op} type: {args.datatype} backend: {args.backend}",
+        "# versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        f"# replicas: {n} threads in one process, {host_kernels.available_cpus()} CPUs",
+        f"# devices: {devices[0]} .. {devices[-1].rsplit('/', 1)[-1]} (logical CPU devices, "
+        "host memory)",
+        f"# memory bandwidth (np.copyto of {bw.copy_bytes >> 20} MiB, read+written, median "
+        f"of {bw.repeats}): 1 thread {bw.single_thread / 1e9:.1f} GB/s, {bw.threads} threads "
+        f"{bw.all_cores / 1e9:.1f} GB/s -> limit {bw.best / 1e9:.1f} GB/s",
+        f"# limit of an all-reduce of N inputs of S bytes: (N+1)*S / {bw.best / 1e9:.1f} GB/s;"
+        " %limit = limit time / measured time (sizes whose inputs fit in the last-level cache"
+        " can exceed 100%)",
+        "# implementations: " + ", ".join(ops),
+        "#",
+        f"# {'size':>11} {'count':>12} {'type':>8} {'redop':>6} {'impl':>14} {'time':>10} "
+        f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'%limit':>7}",
+        f"# {'(B)':>11} {'(elements)':>12} {'':>8} {'':>6} {'':>14} {'(us)':>10} "
+        f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>7} {'':>7}",
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by `args`; returns the exit status (1 if any #wrong)."""
+    n = int(args.replicas)
+    if n < 1:
+        raise SystemExit(f"crossdevice bench: --replicas must be >= 1, received {n}")
+    ops = [name.strip() for name in str(args.ops).split(",") if name.strip()]
+    unknown = [name for name in ops if name not in IMPLEMENTATIONS]
+    if unknown or not ops:
+        raise SystemExit(
+            f"crossdevice bench: unknown --ops {unknown or ops!r}; choose from "
+            f"{sorted(IMPLEMENTATIONS)}"
+        )
+    from crossdevice._core import devices as device_config
+
+    if device_config.get_logical_cpu_devices() < n:
+        device_config.set_logical_cpu_devices(n)
+    op = REDOPS[args.op]
+    dtype_name = DTYPES[args.datatype]
+    sizes = sizes_between(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+    bw = measure_memory_bandwidth(args.bw_bytes)
+    for line in _header(args, bw, ops):
+        print(line)
+    impls = [IMPLEMENTATIONS[name](n, op) for name in ops]
+    rows: list[dict[str, Any]] = []
+    try:
+        for seed, nbytes in enumerate(sizes):
+            case = _make_case(nbytes, dtype_name, n, op, args.backend, seed)
+            for impl in impls:
+                times, results = impl.measure(case, args.warmup_iters, max(1, args.iters))
+                wrong, inexact = _check(results, case)
+                seconds = statistics.median(times)
+                algbw = case.nbytes / seconds / 1e9
+                busbw = algbw * 2 * (n - 1) / n
+                limit = all_reduce_limit_seconds(n, case.nbytes, bw.best)
+                row = {
+                    "size": case.nbytes,
+                    "count": case.count,
+                    "type": args.datatype,
+                    "redop": args.op,
+                    "impl": impl.name,
+                    "time_us": seconds * 1e6,
+                    "algbw_GBps": algbw,
+                    "busbw_GBps": busbw,
+                    "wrong": wrong,
+                    "inexact": inexact,
+                    "limit_us": limit * 1e6,
+                    "fraction_of_limit": limit / seconds,
+                    "times_us": [t * 1e6 for t in times],
+                }
+                rows.append(row)
+                print(
+                    f"  {row['size']:>11} {row['count']:>12} {row['type']:>8} "
+                    f"{row['redop']:>6} {row['impl']:>14} {row['time_us']:>10.1f} "
+                    f"{algbw:>7.2f} {busbw:>7.2f} {row['wrong']:>7} "
+                    f"{100 * row['fraction_of_limit']:>6.1f}%",
+                    flush=True,
+                )
+    finally:
+        for impl in impls:
+            impl.close()
+    summary = _summary(rows, ops, sizes[-1])
+    for line in summary["lines"]:
+        print(line)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    "meta": {
+                        "versions": _versions(),
+                        "replicas": n,
+                        "cpus": host_kernels.available_cpus(),
+                        "args": {k: v for k, v in vars(args).items() if k != "func"},
+                    },
+                    "bandwidth": bw.as_dict(),
+                    "rows": rows,
+                    "summary": {k: v for k, v in summary.items() if k != "lines"},
+                },
+                f,
+                indent=2,
+            )
+    return 1 if any(row["wrong"] for row in rows) else 0
+
+
+def _summary(rows: list[dict[str, Any]], ops: list[str], largest: int) -> dict[str, Any]:
+    lines = [
+        "#",
+        f"# Out of bounds values : {sum(r['wrong'] for r in rows)} "
+        f"{'OK' if not any(r['wrong'] for r in rows) else 'FAILED'}",
+    ]
+    avg_busbw: dict[str, float] = {}
+    largest_fraction: dict[str, float] = {}
+    for name in ops:
+        mine = [r for r in rows if r["impl"] == name]
+        avg_busbw[name] = statistics.fmean(r["busbw_GBps"] for r in mine)
+        last = max(mine, key=lambda r: r["size"])
+        largest_fraction[name] = last["fraction_of_limit"]
+        lines.append(
+            f"# Avg bus bandwidth    : {avg_busbw[name]:.3f} GB/s ({name}); largest size "
+            f"{last['size']} B: {last['time_us'] / 1e3:.2f} ms = "
+            f"{100 * last['fraction_of_limit']:.0f}% of the memory-bandwidth limit "
+            f"({last['limit_us'] / 1e3:.2f} ms)"
+        )
+    inexact = sorted({r["impl"] for r in rows if r["inexact"]})
+    lines.append(
+        "# Bitwise equal to the in-order sum x0+x1+...: "
+        + ("all" if not inexact else f"all but {', '.join(inexact)} (another summation order)")
+    )
+    lines.append("#")
+    return {
+        "lines": lines,
+        "avg_busbw_GBps": avg_busbw,
+        "largest_size": largest,
+        "largest_fraction_of_limit": largest_fraction,
+    }
