@@ -206,3 +206,20 @@ def test_killed_store_host_fails_the_others_within_timeout() -> None:
     assert out["message"].startswith("all_reduce #2 "), out["message"]
     assert "c10d store" in out["message"]
     assert out["elapsed"] <= BOUND, out["elapsed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "implementation"), [(1, "AUTO"), (2, "RING")])
+def test_cuda_tensors(torch_module: Any, world: int, implementation: str) -> None:
+    if not torch_module.cuda.is_available():
+        pytest.skip("needs CUDA")
+    outs = _values(run_workers(workers.cuda_collectives, world, args=(implementation,)))
+    total = sum(range(1, world + 1))
+    for out in outs:
+        assert {device for device, _ in out.values()} == {"cuda"}
+        np.testing.assert_allclose(out["sum"][1], np.full(4, total, np.float32))
+        np.testing.assert_allclose(out["mean"][1], np.full(2, total / world))
+        gather = np.concatenate([np.full(r + 1, r + 1.0) for r in range(world)])
+        np.testing.assert_allclose(out["gather"][1], gather)
+        np.testing.assert_allclose(out["broadcast"][1], np.full(4, float(world)))

@@ -202,3 +202,23 @@ def join_existing(rank: int, world_size: int) -> dict[str, Any]:
     out["default_group_kept"] = dist.is_initialized()
     dist.destroy_process_group()
     return out
+
+
+def cuda_collectives(rank: int, world_size: int, implementation: str) -> dict[str, Any]:
+    """CUDA tensors through NCCL (`AUTO`) or staged through Gloo on the host (`RING`)."""
+    import torch
+
+    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._core.options import CommunicationOptions
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    options = CommunicationOptions(implementation=implementation, timeout_seconds=60)
+    with ProcessGroupCommunicator(options=options) as comm:
+        x = torch.full((4,), float(rank + 1), device="cuda")
+        results = {
+            "sum": comm.all_reduce([x])[0],
+            "mean": comm.batch_all_reduce([x, x[:2].double()], "mean")[1],
+            "gather": comm.all_gather(x[: rank + 1], 0),
+            "broadcast": comm.broadcast(x, root=world_size - 1),
+        }
+        return {name: (t.device.type, t.cpu().numpy()) for name, t in results.items()}

@@ -14,7 +14,15 @@ The strategy combines it with the in-process collectives in three phases:
 
 MEAN is SUM followed by a division by `divisor`, which the caller chooses because only
 it knows the global replica count (workers x local replicas); without a divisor MEAN
-divides by the number of workers.
+divides by the number of workers. `batch_all_reduce(values, op, bytes_per_pack=...)`
+does the packing itself (by kind, device and dtype) for callers that have not packed.
+The other pieces of the strategy map the same way:
+
+* `gather(value, axis)`: concatenate the local replicas in replica order, then
+  `all_gather(local, axis)`; ranks come in order, so the result is in global replica
+  order (replica id = rank x local replicas + local index), whatever the partial sizes.
+* variables start from the chief's values: `broadcast(initial_value, root=0)`.
+* `barrier()` where TF needs one (e.g. before checkpoints).
 
 Every public method is one *numbered collective*: the communicator counts them (1, 2, ...)
 and every worker must call the same collectives in the same order with matching values,
@@ -126,9 +134,9 @@ _DTYPE_CODES: Final = (
     *sorted(_WIDENED_DTYPES, key=str),
     *_VIEWED_DTYPES,
 )
-#: Metadata vector: [ndim (-1: no value), dtype code, axis or root, shape...].
+#: Metadata vector: [ndim (-1: no value), dtype code, axis or root, on CUDA, shape...].
 _MAX_NDIM: Final = 64
-_META_LEN: Final = 3 + _MAX_NDIM
+_META_LEN: Final = 4 + _MAX_NDIM
 
 
 def group_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
@@ -370,15 +378,18 @@ class ProcessGroupCommunicator:
         One numbered collective, however many buffers (they travel concurrently).
 
         Args:
-            buffers: arrays (typically flat packs), the same shapes and dtypes in the same
-                order on every worker.
+            buffers: arrays (typically flat packs), the same shapes, dtypes and kinds of
+                device (host or CUDA) in the same order on every worker; nothing checks
+                this, to keep the call cheap: a mismatch fails or times out.
             reduce_op: `SUM` or `MEAN` (or `"sum"`/`"mean"`).
             divisor: for MEAN, what the sum is divided by; default the number of workers.
                 `MultiWorkerMirroredStrategy` passes the global replica count because each
                 worker contributes the sum of its local replicas.
             donate: the caller will not use `buffers` again, so they may be reduced in
                 place instead of copied first (the results may then be the inputs).
-            options: per-call options merged onto the communicator's.
+            options: per-call options merged onto the communicator's; a `timeout_seconds`
+                longer than the communicator's is cut to it (the process groups' own
+                timeout is fixed at construction).
 
         Returns:
             One array per buffer, of the buffer's kind, dtype (MEAN of integers gives
@@ -493,11 +504,12 @@ class ProcessGroupCommunicator:
             axis = _check_gather(call, metas, int(axis))
             sizes = [m.shape[axis] for m in metas]
             largest = max(sizes)
-            padded = wire.tensor
+            device = self._common_device(metas)
+            padded = wire.tensor.to(device)
             if wire.tensor.shape[axis] != largest:
                 shape = list(wire.tensor.shape)
                 shape[axis] = largest
-                padded = torch.zeros(shape, dtype=wire.tensor.dtype, device=wire.tensor.device)
+                padded = torch.zeros(shape, dtype=wire.tensor.dtype, device=device)
                 padded.narrow(axis, 0, sizes[self._rank]).copy_(wire.tensor)
             outs = [torch.empty_like(padded) for _ in range(self._world_size)]
             self._run(
@@ -537,12 +549,11 @@ class ProcessGroupCommunicator:
             dtype = _DTYPE_CODES[metas[root].dtype]
             if wire is None:
                 wire = _Wire(torch.empty(0), dtype, "numpy", torch.device("cpu"))
+            device = self._common_device(metas)
             if self._rank == root:
-                buffer = wire.tensor.clone()
+                buffer = wire.tensor.to(device, copy=True)
             else:
-                buffer = torch.empty(
-                    metas[root].shape, dtype=_wire_dtype(dtype), device=wire.tensor.device
-                )
+                buffer = torch.empty(metas[root].shape, dtype=_wire_dtype(dtype), device=device)
             self._run(
                 call,
                 lambda: [
@@ -599,6 +610,16 @@ class ProcessGroupCommunicator:
 
     # -- machinery -----------------------------------------------------------------------
 
+    def _common_device(self, metas: Sequence[_Meta]) -> torch.device:
+        """Where a gather or broadcast travels: CUDA (NCCL) if any worker's value is there.
+
+        Decided from the exchanged metadata so that every worker picks the same group,
+        even when some pass host values or None.
+        """
+        if self._cuda_group is not None and any(m.cuda for m in metas):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _group_for(self, tensor: torch.Tensor) -> Any:
         return self._cuda_group if tensor.is_cuda else self._host_group
 
@@ -652,7 +673,12 @@ class ProcessGroupCommunicator:
             self._seq += 1
             self._arrivals.reached = self._seq  # published by the board's thread
             options = self._options if options is None else self._options.merge(options)
-            yield _Call(name, self._seq, options.timeout_seconds, time.monotonic())
+            timeout = options.timeout_seconds
+            limit = self._options.timeout_seconds
+            if limit is not None and (timeout is None or timeout > limit):
+                # The groups' own timeout (limit + slack) was fixed at construction.
+                timeout = limit
+            yield _Call(name, self._seq, timeout, time.monotonic())
         finally:
             self._lock.release()
 
@@ -678,7 +704,8 @@ class ProcessGroupCommunicator:
             shape = wire.tensor.shape  # at most _MAX_NDIM: NumPy's own limit
             meta[0] = len(shape)
             meta[1] = _DTYPE_CODES.index(wire.dtype)
-            meta[3 : 3 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+            meta[3] = int(wire.tensor.is_cuda)
+            meta[4 : 4 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
         meta[2] = arg
         outs = [torch.empty_like(meta) for _ in range(self._world_size)]
         self._run(
@@ -694,6 +721,7 @@ class ProcessGroupCommunicator:
         what = f"timed out after {call.timeout:g} s" if timed_out else f"failed ({err})"
         where = f"on rank {self._rank} of {self._world_size}"
         self._broken = f"{call.label} {what}"
+        self._arrivals.stop()
         self._destroy_groups(keep_alive=True)
         if missing:
             raise CollectiveTimeoutError(
@@ -798,13 +826,15 @@ class _Meta:
     ndim: int  # -1: no value
     dtype: int
     arg: int
+    cuda: bool  # the value travels on CUDA (NCCL)
     shape: tuple[int, ...]
 
     @classmethod
     def decode(cls, meta: torch.Tensor) -> _Meta:
         values = [int(v) for v in meta.tolist()]
         ndim = values[0]
-        return cls(ndim, values[1], values[2], tuple(values[3 : 3 + max(ndim, 0)]))
+        shape = tuple(values[4 : 4 + max(ndim, 0)])
+        return cls(ndim, values[1], values[2], bool(values[3]), shape)
 
     @property
     def key(self) -> tuple[int, int, tuple[int, ...]]:
