@@ -256,6 +256,17 @@ class ProcessGroupCommunicator:
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         self._cluster = cluster
+        self._host_group: Any = None
+        self._cuda_group: Any = None
+        try:
+            self._create_groups()
+        except BaseException:
+            self._destroy_groups()
+            if self._owns_default_group:
+                dist.destroy_process_group()
+            raise
+
+    def _create_groups(self) -> None:
         timeout = self._options.timeout_seconds
         group_timeout = datetime.timedelta(
             seconds=DEFAULT_PROCESS_GROUP_TIMEOUT_SECONDS
@@ -263,8 +274,7 @@ class ProcessGroupCommunicator:
             else timeout + _BACKSTOP_SLACK_SECONDS
         )
         # Every worker creates the same groups in the same order (new_group's contract).
-        self._host_group: Any = dist.new_group(backend="gloo", timeout=group_timeout)
-        self._cuda_group: Any = None
+        self._host_group = dist.new_group(backend="gloo", timeout=group_timeout)
         if (
             torch.cuda.is_available()
             and dist.is_nccl_available()
