@@ -138,3 +138,18 @@ def test_empty_input_list_is_a_value_error() -> None:
         host_kernels.sum_n([])
     with pytest.raises(ValueError, match="at least one"):
         host_kernels.sum_slice([], np.empty(3), 0, 3)
+
+
+def test_run_parallel_runs_every_part_and_reraises() -> None:
+    seen: list[int] = []
+    host_kernels.run_parallel(seen.append, 5)
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+    failure = ArithmeticError("part 3")
+
+    def task(k: int) -> None:
+        if k == 3:
+            raise failure
+
+    with pytest.raises(ArithmeticError) as info:
+        host_kernels.run_parallel(task, 4)
+    assert info.value is failure

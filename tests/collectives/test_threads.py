@@ -405,3 +405,30 @@ def test_stress_many_consecutive_collectives_are_identical(n: int) -> None:
     step = steps[1]
     expected = chain([step[r][0] for r in range(n)])
     assert first[0][2][: expected.nbytes] == expected.tobytes()  # k=1 follows k=0 and a gather
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_all_reduce_host_from_one_thread(n: int, backend: Backend, path: str) -> None:
+    shapes = [(), (5,), (3, 4), (70_000,), (2,)]
+    data = replica_data(n, shapes, np.float32, seed=3)
+    per_replica = [[backend.make(x) for x in xs] for xs in data]
+    for op in ("sum", "mean"):
+        results = threads_module.all_reduce_host(per_replica, op)
+        assert len(results) == n
+        for i in range(len(shapes)):
+            expected = chain([data[r][i] for r in range(n)])
+            if op == "mean":
+                expected = np.true_divide(expected, n).astype(np.float32)
+            for r in range(n):
+                assert same_bits(results[r][i], expected)
+                assert type(results[r][i]) is type(per_replica[r][i])
+
+
+def test_all_reduce_host_validates() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        threads_module.all_reduce_host([], "sum")
+    with pytest.raises(ValueError, match=r"expected shape \(2,\)"):
+        threads_module.all_reduce_host([[np.ones(2)], [np.ones(3)]], "sum")
+    comm = ThreadCommunicator(2)
+    with pytest.raises(ValueError, match="one list of arrays per replica"):
+        comm.cross_replica_all_reduce([[np.ones(2)]], "sum")

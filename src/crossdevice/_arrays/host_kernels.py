@@ -21,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import numpy as np
@@ -33,6 +33,7 @@ __all__ = [
     "available_cpus",
     "can_sum_fast",
     "plain_sum",
+    "run_parallel",
     "sum_n",
     "sum_slice",
 ]
@@ -217,6 +218,37 @@ def _split(size: int, parts: int, align: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
 
 
+def run_parallel(task: Callable[[int], None], parts: int | None = None) -> None:
+    """Run `task(0)`, ..., `task(parts - 1)` at once: part 0 here, the rest on the pool.
+
+    Waits for every part and re-raises the first exception. `parts` defaults to one per
+    CPU. The tasks must not wait for each other (they are NumPy work, not rendezvous).
+    """
+    parts = _POOL.workers + 1 if parts is None else parts
+    executor = _POOL.executor() if parts > 1 else None
+    futures: list[concurrent.futures.Future[None]] = []
+    if executor is not None:
+        try:
+            futures = [executor.submit(task, k) for k in range(1, parts)]
+        except RuntimeError:  # interpreter shutting down: the pool takes no new work
+            futures = []
+    first_error: BaseException | None = None
+    try:
+        task(0)
+        if not futures:
+            for k in range(1, parts):
+                task(k)
+    except BaseException as exc:
+        first_error = exc
+    # Pure NumPy tasks with no waits of their own: these joins cannot hang.
+    for future in futures:
+        failure = future.exception()
+        if first_error is None and failure is not None:
+            first_error = failure
+    if first_error is not None:
+        raise first_error
+
+
 def sum_n(
     inputs: Sequence[np.ndarray],
     out: np.ndarray | None = None,
@@ -259,13 +291,7 @@ def sum_n(
         return out
     block = max(1, BLOCK_BYTES // out.itemsize)
     ranges = _split(size, _POOL.workers + 1, block)
-    try:
-        futures = [executor.submit(sum_slice, flats, flat_out, lo, hi) for lo, hi in ranges[1:]]
-    except RuntimeError:  # interpreter shutting down: the pool takes no new work
-        sum_slice(flats, flat_out, 0, size)
-        return out
-    sum_slice(flats, flat_out, *ranges[0])
-    # The tasks are pure NumPy loops with no waits of their own, so this cannot hang.
-    for future in futures:
-        future.result()
+    run_parallel(
+        lambda k: sum_slice(flats, flat_out, *ranges[k], block_elements=block), len(ranges)
+    )
     return out
