@@ -1,0 +1,1 @@
+"""Benchmark scripts (run from the repository root: `python -m benchmarks.<name>`)."""
