@@ -150,6 +150,9 @@ def run_workers(
                     if k not in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                 }
                 child_env.update(_cluster_env(rank, world_size, port, launcher, chief))
+                # torchrun's default: one intra-op thread per worker, or the workers' OpenMP
+                # threads fight over the cores (a 1 MiB clone took 4 ms instead of 0.02 ms).
+                child_env.setdefault("OMP_NUM_THREADS", "1")
                 child_env["PYTHONPATH"] = os.pathsep.join(
                     [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
                 )
