@@ -11,6 +11,7 @@ from crossdevice._core.devices import canonicalize
 from crossdevice._cross_device import (
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
+    HostAllReduce,
     NcclAllReduce,
     ReductionToOneDevice,
 )
@@ -41,6 +42,7 @@ IMPLEMENTATIONS: dict[str, Callable[[], CrossDeviceOps]] = {
     "HierarchicalCopyAllReduce(num_packs=2)": lambda: HierarchicalCopyAllReduce(num_packs=2),
     "HierarchicalCopyAllReduce(num_packs=5)": lambda: HierarchicalCopyAllReduce(num_packs=5),
     "NcclAllReduce()": NcclAllReduce,
+    "HostAllReduce()": HostAllReduce,
 }
 
 #: dtypes per array library (NumPy has no bfloat16).

@@ -10,6 +10,7 @@ import pytest
 
 from crossdevice._core.devices import LogicalDevice, canonicalize
 from crossdevice._cross_device import (
+    HostAllReduce,
     NcclAllReduce,
     ReductionToOneDevice,
     devices_match,
@@ -78,9 +79,9 @@ def test_destination_helpers(backend: Backend) -> None:
 def test_select_cross_device_ops(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert type(select_cross_device_ops(["CPU:0", "CPU:1"])) is ReductionToOneDevice
+    assert type(select_cross_device_ops(["CPU:0", "CPU:1"])) is HostAllReduce
     assert type(select_cross_device_ops([LogicalDevice(canonicalize("CPU:0"), "CPU")])) is (
-        ReductionToOneDevice
+        HostAllReduce
     )
     # A CPU among GPUs never gets NCCL, even where NCCL could run.
     monkeypatch.setattr(nccl_module, "nccl_status", lambda devices: (True, ""))

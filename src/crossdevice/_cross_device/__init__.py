@@ -15,6 +15,7 @@ from crossdevice._cross_device.destinations import validate_destinations as vali
 from crossdevice._cross_device.hierarchical_copy import (
     HierarchicalCopyAllReduce as HierarchicalCopyAllReduce,
 )
+from crossdevice._cross_device.host import HostAllReduce as HostAllReduce
 from crossdevice._cross_device.nccl import NcclAllReduce as NcclAllReduce
 from crossdevice._cross_device.non_distributed import (
     reduce_non_distributed_value as reduce_non_distributed_value,
@@ -26,6 +27,7 @@ __all__ = [
     "AllReduceCrossDeviceOps",
     "CrossDeviceOps",
     "HierarchicalCopyAllReduce",
+    "HostAllReduce",
     "NcclAllReduce",
     "ReductionToOneDevice",
     "devices_match",

@@ -17,11 +17,13 @@ _LOG = logging.getLogger("crossdevice")
 
 
 def select_cross_device_ops(devices: Sequence[Any]) -> CrossDeviceOps:
-    """The `CrossDeviceOps` `MirroredStrategy` uses by default for `devices` (TF's rule).
+    """The `CrossDeviceOps` `MirroredStrategy` uses by default for `devices`.
 
-    Only GPUs on which NCCL can run get `NcclAllReduce(num_packs=1)`; anything else
-    (a CPU among the devices, no CUDA, torch without NCCL, a GPU listed twice) gets
-    `ReductionToOneDevice()`. It never picks an implementation that cannot run.
+    All host (CPU) devices get `HostAllReduce()` (TF picks ReductionToOneDevice, which
+    gives the same sums at a fraction of the speed). GPUs on which NCCL can run get
+    `NcclAllReduce(num_packs=1)`; anything else (CPUs mixed with GPUs, no CUDA, torch
+    without NCCL, a GPU listed twice) gets `ReductionToOneDevice()`, as in TF. It never
+    picks an implementation that cannot run.
 
     Args:
         devices: device strings (or objects with a `.name`, such as `LogicalDevice`).
@@ -34,13 +36,17 @@ def select_cross_device_ops(devices: Sequence[Any]) -> CrossDeviceOps:
 
     Example:
         >>> type(select_cross_device_ops(["CPU:0", "CPU:1"])).__name__
-        'ReductionToOneDevice'
+        'HostAllReduce'
     """
     if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
         raise ValueError(
             f"select_cross_device_ops expects a non-empty list of device strings, got {devices!r}"
         )
     names = tuple(canonicalize(d if isinstance(d, str) else d.name) for d in devices)
+    if all(device_type(name) == "CPU" for name in names):
+        from crossdevice._cross_device.host import HostAllReduce
+
+        return HostAllReduce()
     if any(device_type(name) != "GPU" for name in names):
         return ReductionToOneDevice()
     ok, reason = nccl.nccl_status(names)

@@ -34,7 +34,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from crossdevice._core import context, devices
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
@@ -59,16 +59,17 @@ class _Job:
     kwargs: dict[str, Any]
 
 
-class _Abortable:
-    """Something a failed run must release (communicators)."""
+class _Participant(Protocol):
+    """A communicator the replicas use during a run (the in-process ThreadCommunicator)."""
 
-    def abort(self, exc: BaseException) -> None:  # pragma: no cover - interface
-        """Release every waiter."""
-        raise NotImplementedError
+    def abort(self, exc: BaseException) -> None:
+        """Release every waiter: a replica failed."""
 
-    def reset(self) -> None:  # pragma: no cover - interface
-        """Make it usable again after an abort."""
-        raise NotImplementedError
+    def finish(self, replica_id: int) -> None:
+        """Replica `replica_id` returned: peers waiting for it must not wait forever."""
+
+    def reset(self) -> None:
+        """Make it ready for the next run (no replica is inside a collective)."""
 
 
 class ReplicaRunner:
@@ -94,7 +95,7 @@ class ReplicaRunner:
         self._name = name
         self._lock = _thread.allocate_lock()
         self._run_lock = threading.Lock()
-        self._abortables: list[_Abortable] = []
+        self._participants: list[_Participant] = []
         self._start_wake = [_locked() for _ in range(num_replicas)]
         self._done_wake = _locked()
         self._merge_wake = [_locked() for _ in range(num_replicas)]
@@ -124,9 +125,13 @@ class ReplicaRunner:
             thread.start()
 
     # --- public ---------------------------------------------------------------------------
-    def add_abortable(self, abortable: Any) -> None:
-        """Register a communicator to abort when a run breaks and reset afterwards."""
-        self._abortables.append(abortable)
+    def add_participant(self, participant: _Participant) -> None:
+        """Register a communicator to tell when replicas return, abort, and reset.
+
+        It is told when each replica's function returns, aborted when a run breaks, and
+        reset after every run.
+        """
+        self._participants.append(participant)
 
     def run(
         self,
@@ -247,6 +252,8 @@ class ReplicaRunner:
             context.pop_frame(frame)
             if old_devices is not None:
                 devices.swap_device_stack(old_devices)
+        for participant in self._participants:
+            participant.finish(replica_id)
         with self._lock:
             self._results[replica_id] = result
             self._finished += 1
@@ -302,8 +309,8 @@ class ReplicaRunner:
         self._errors.append((time.monotonic(), replica_id, exc))
         if self._broken is None:
             self._broken = exc
-            for abortable in self._abortables:
-                abortable.abort(exc)
+            for participant in self._participants:
+                participant.abort(exc)
         woken = list(self._waiting)
         self._waiting.clear()
         for other in woken:
@@ -321,9 +328,9 @@ class ReplicaRunner:
             self._finished = 0
             self._merge_inputs = [None] * self._n
             self._merge_outputs = [None] * self._n
+        for participant in self._participants:
+            participant.reset()
         if broken is not None:
-            for abortable in self._abortables:
-                abortable.reset()
             first = errors[0][2] if errors else broken
             for _, replica, other in errors[1:]:
                 if other is not first:

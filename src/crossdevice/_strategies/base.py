@@ -293,7 +293,7 @@ class StrategyExtended:
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
-        arrays = tuple(_as_reducible_leaf(x) for x in leaves)
+        arrays = tuple(as_reducible_leaf(x) for x in leaves)
 
         def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
             return strategy.extended.batch_reduce_to(op, [(v, v) for v in per_replica], options)
@@ -308,7 +308,7 @@ class StrategyExtended:
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
-        arrays = tuple(_as_reducible_leaf(x) for x in leaves)
+        arrays = tuple(as_reducible_leaf(x) for x in leaves)
 
         def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
             return [strategy.extended._gather_to(v, v, axis, options) for v in per_replica]
@@ -587,7 +587,7 @@ def _normalize_axis(axis: Any, rank: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _as_reducible_leaf(x: Any) -> Any:
+def as_reducible_leaf(x: Any) -> Any:
     """A replica's leaf as an array of its own (Python numbers become new arrays)."""
     if isinstance(x, Variable):
         return x.read_value()

@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from crossdevice._arrays import is_torch
 from crossdevice._core import context, nest
 from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
@@ -18,7 +19,7 @@ from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._replica.context import ReplicaContext
 from crossdevice._replica.runner import ReplicaRunner
-from crossdevice._strategies.base import Strategy, StrategyExtended
+from crossdevice._strategies.base import Strategy, StrategyExtended, as_reducible_leaf
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
@@ -67,6 +68,7 @@ class ReplicatedExtended(StrategyExtended):
         ]
         self._runner: ReplicaRunner | None = None
         self._runner_lock = threading.Lock()
+        self._communicator: Any = None
 
     @property
     def _local_devices(self) -> tuple[str, ...]:
@@ -101,7 +103,63 @@ class ReplicatedExtended(StrategyExtended):
                 name=type(self._container_strategy_ref).__name__,
             )
             weakref.finalize(self, self._runner.close)
+            if self._uses_thread_collectives():
+                from crossdevice._collectives.threads import ThreadCommunicator
+
+                self._communicator = ThreadCommunicator(
+                    len(self._devices), name=type(self._container_strategy_ref).__name__
+                )
+                self._runner.add_participant(self._communicator)
         return self._runner
+
+    def _uses_thread_collectives(self) -> bool:
+        """Whether replica-context collectives run on the replicas' own threads.
+
+        They do, without a merge_call, when the reductions are HostAllReduce's (the
+        default on CPUs).
+        """
+        from crossdevice._cross_device.host import HostAllReduce
+
+        return len(self._devices) > 1 and isinstance(self._cross_device_ops, HostAllReduce)
+
+    def _replica_all_reduce(
+        self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
+    ) -> Any:
+        communicator = self._communicator
+        if communicator is None:
+            return super()._replica_all_reduce(replica_id, op, value, options)
+        leaves, structure = nest.flatten(value)
+        if not leaves:
+            return value
+        arrays = [as_reducible_leaf(x) for x in leaves]
+        if not all(_on_host(x) for x in arrays):
+            return super()._replica_all_reduce(replica_id, op, value, options)
+        local_id = replica_id - self._replica_id_offset
+        reduced = communicator.all_reduce(local_id, arrays, op, timeout=self._timeout(options))
+        # NumPy results are one read-only buffer shared by the replicas; torch has no
+        # read-only tensors, so each replica gets its own (as from HostAllReduce).
+        reduced = [x.clone() if is_torch(x) else x for x in reduced]
+        return nest.unflatten(structure, reduced)
+
+    def _replica_all_gather(
+        self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
+    ) -> Any:
+        communicator = self._communicator
+        if communicator is None:
+            return super()._replica_all_gather(replica_id, value, axis, options)
+        leaves, structure = nest.flatten(value)
+        arrays = [as_reducible_leaf(x) for x in leaves]
+        if not all(_on_host(x) for x in arrays):
+            return super()._replica_all_gather(replica_id, value, axis, options)
+        local_id = replica_id - self._replica_id_offset
+        timeout = self._timeout(options)
+        gathered = [communicator.all_gather(local_id, x, axis, timeout=timeout) for x in arrays]
+        gathered = [x.clone() if is_torch(x) else x for x in gathered]
+        return nest.unflatten(structure, gathered)
+
+    def _timeout(self, options: CommunicationOptions | None) -> float | None:
+        merged = self._merged_options(options)
+        return None if merged is None else merged.timeout_seconds
 
     # --- replica execution ---------------------------------------------------------------
     def _call_for_each_replica(
@@ -229,6 +287,10 @@ class ReplicatedExtended(StrategyExtended):
         if group:
             return regrouped
         return nest.map_structure(self._local_results, regrouped)
+
+
+def _on_host(x: Any) -> bool:
+    return not is_torch(x) or x.device.type == "cpu"
 
 
 def _readable(value: Any, op: ReduceOp) -> Any:
