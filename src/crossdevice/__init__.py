@@ -29,6 +29,7 @@ from crossdevice._core.reduce_op import VariableAggregation as VariableAggregati
 from crossdevice._core.reduce_op import VariableSynchronization as VariableSynchronization
 from crossdevice._cross_device import CrossDeviceOps as CrossDeviceOps
 from crossdevice._cross_device import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+from crossdevice._cross_device import HostAllReduce as HostAllReduce
 from crossdevice._cross_device import NcclAllReduce as NcclAllReduce
 from crossdevice._cross_device import ReductionToOneDevice as ReductionToOneDevice
 from crossdevice._input.input_context import InputContext as InputContext
@@ -62,6 +63,7 @@ __all__ = [
     "CrossDeviceOps",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
+    "HostAllReduce",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
