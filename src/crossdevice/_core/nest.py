@@ -11,7 +11,7 @@ from typing import Any
 
 import optree
 
-__all__ = ["assert_same_structure", "flatten", "map_structure", "unflatten"]
+__all__ = ["assert_same_structure", "flatten", "is_registered_node", "map_structure", "unflatten"]
 
 _KW: dict[str, Any] = {"none_is_leaf": True, "namespace": "crossdevice"}
 
@@ -29,6 +29,11 @@ def unflatten(structure: Any, leaves: list[Any]) -> Any:
 def map_structure(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
     """Apply `fn` to corresponding leaves of same-structured trees."""
     return optree.tree_map(fn, tree, *rests, **_KW)
+
+
+def is_registered_node(x: Any) -> bool:
+    """Whether optree would walk into `x` (a registered container type, e.g. a deque)."""
+    return not optree.tree_is_leaf(x, **_KW)
 
 
 def assert_same_structure(a: Any, b: Any) -> None:

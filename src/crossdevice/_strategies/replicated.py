@@ -166,8 +166,9 @@ class ReplicatedExtended(StrategyExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         n = len(self._devices)
-        leaves, _ = nest.flatten((args, kwargs))
-        if any(isinstance(x, DistributedValues) for x in leaves):
+        if (args or kwargs) and any(
+            isinstance(x, DistributedValues) for x in nest.flatten((args, kwargs))[0]
+        ):
             per_replica = [(select_replica(i, args), select_replica(i, kwargs)) for i in range(n)]
         else:
             per_replica = [(args, kwargs)] * n

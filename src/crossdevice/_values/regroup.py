@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from crossdevice._core import nest
 from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import Variable
@@ -50,6 +52,20 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, np.ndarray) or is_torch(x)
 
 
+#: Types optree treats as nodes; anything else is a leaf (None is a leaf: `nest`).
+_NODE_TYPES = (list, tuple, dict)
+
+
+#: Types that are always leaves, checked before asking optree (which costs ~1 us a call).
+_LEAF_TYPES = (type(None), int, float, bool, str, np.ndarray, np.generic)
+
+
+def _is_leaf(x: Any) -> bool:
+    if type(x) in _LEAF_TYPES:
+        return True
+    return not isinstance(x, _NODE_TYPES) and not nest.is_registered_node(x)
+
+
 def regroup(
     per_replica: Sequence[Any],
     wrap_class: type[DistributedValues] = PerReplica,
@@ -75,6 +91,9 @@ def regroup(
     if len(per_replica) == 1 and not always_wrap:
         # One replica: regroup unwraps, as TF's regroup does for 1-tuples.
         return per_replica[0]
+    if all(_is_leaf(tree) for tree in per_replica):
+        # The common case (None, an array, a number): no tree to walk.
+        return _regroup_leaf(per_replica, wrap_class, always_wrap, devices, collapse_arrays)
     flats = []
     structure = None
     for i, tree in enumerate(per_replica):
