@@ -11,7 +11,7 @@ one-thread and an all-cores `np.copyto`). Measured paths:
   array with `get_replica_context().all_reduce` (includes the `run`);
 * `naive`: the pairwise `np.add` chain on one thread (what the blocked kernel replaces).
 
-    python benchmarks/allreduce_limit.py --json allreduce.json
+    python -m benchmarks.allreduce_limit --json allreduce.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Compared, in the same run, with one all-reduce of a single buffer of the same to
 * `replica_all_reduce`: `strategy.run(step)` where the step all-reduces its list of 160
   arrays with `get_replica_context().all_reduce` (includes the `run`).
 
-    python benchmarks/batch_reduce.py --json batch.json
+    python -m benchmarks.batch_reduce --json batch.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Also measured: a step with one `merge_call`, and `ThreadCommunicator.all_reduce`
 scalar called directly by 4 replica threads (the collective without the strategy).
 Each number is the median of `--runs` runs of `--inner` back-to-back steps.
 
-    python benchmarks/run_overhead.py --json overhead.json
+    python -m benchmarks.run_overhead --json overhead.json
 """
 
 from __future__ import annotations
