@@ -363,6 +363,12 @@ def register(subparsers: Any) -> None:
     add("--backend", choices=["numpy", "torch"], default="numpy", help="array library")
     add("--bw-bytes", type=parse_size, default=parse_size("256M"), help="bandwidth probe size")
     add("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    add(
+        "--multi-worker",
+        action="store_true",
+        help="all-reduce across worker processes instead: launch with `torchrun "
+        "--standalone --nproc-per-node 2 -m crossdevice bench --multi-worker`",
+    )
     parser.set_defaults(func=run)
 
 
@@ -483,6 +489,10 @@ def _header(args: argparse.Namespace, bw: MemoryBandwidth, ops: list[str]) -> li
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by `args`; returns the exit status (1 if any #wrong)."""
+    if getattr(args, "multi_worker", False):
+        from crossdevice._cli.bench_workers import run_multi_worker
+
+        return run_multi_worker(args)
     n = int(args.replicas)
     if n < 1:
         raise SystemExit(f"crossdevice bench: --replicas must be >= 1, received {n}")

@@ -16,7 +16,7 @@ from typing import Final
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand modules, in the order `--help` lists them.
-COMMANDS: Final = ("demo", "devices")
+COMMANDS: Final = ("demo", "bench", "devices")
 
 
 def build_parser() -> argparse.ArgumentParser:

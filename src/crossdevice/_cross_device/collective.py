@@ -16,9 +16,12 @@ host-side collective group does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, final
+from typing import Any, Final, final
 
-from crossdevice._arrays import backend_for, is_torch
+import numpy as np
+
+from crossdevice._arrays import NUMPY, backend_for, is_torch
+from crossdevice._arrays.buffer_pool import BufferPool
 from crossdevice._collectives import algorithms
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -27,7 +30,14 @@ from crossdevice._cross_device.base import CrossDeviceOps
 from crossdevice._cross_device.destinations import get_devices_from
 from crossdevice._values.values import DistributedValues
 
-__all__ = ["CollectiveAllReduce"]
+__all__ = ["DONATE_MIN_BYTES", "CollectiveAllReduce"]
+
+#: Local sums of at least this many bytes go to the cross-worker all-reduce as they are
+#: (reduced in place) instead of being packed: packing copies them once more, which cost
+#: +37% over a direct torch.distributed.all_reduce of a 1 MiB float32 buffer on 2 workers
+#: against +3.6% for the donated buffer, while the per-collective cost packing saves
+#: (~10 us) is about 1% of that all-reduce (measured on the 2-core dev machine).
+DONATE_MIN_BYTES: Final = 1024 * 1024
 
 
 @final
@@ -42,21 +52,50 @@ class CollectiveAllReduce(CrossDeviceOps):
     def __init__(self, communicator: Any, options: CommunicationOptions | None = None) -> None:
         self._communicator = communicator
         self._options = CommunicationOptions().merge(options)
+        self._pool = BufferPool()
 
     @property
     def _num_between_graph_workers(self) -> int:
         return 1 if self._communicator is None else int(self._communicator.world_size)
 
     def _local_sums(self, values: Sequence[DistributedValues]) -> list[Any]:
-        # Phase 1, local reduce: in replica order, so results are reproducible.
-        return [algorithms.sum_n(inputs.component_arrays(v)) for v in values]
+        # Phase 1, local reduce: in replica order, so results are reproducible. Large host
+        # sums go into recycled buffers (they are then reduced in place across workers).
+        sums = []
+        for value in values:
+            arrays = inputs.component_arrays(value)
+            first = arrays[0]
+            if isinstance(first, np.ndarray) and first.nbytes >= DONATE_MIN_BYTES:
+                out = self._pool.take(first.dtype, first.size).reshape(first.shape)
+                sums.append(NUMPY.sum_n(arrays, out=out))
+            else:
+                sums.append(algorithms.sum_n(arrays))
+        return sums
 
     def _cross_worker(self, arrays: list[Any], options: CommunicationOptions) -> list[Any]:
-        # Phase 2, cross-worker all-reduce: one collective for the whole batch.
+        # Phase 2, cross-worker all-reduce. Large local sums are fresh arrays of ours: they
+        # are reduced in place (donated), as they are. Small ones are packed by dtype into
+        # flat buffers of about bytes_per_pack. Every worker splits the same way (same
+        # shapes everywhere), so the collectives match.
         if self._communicator is None or not arrays:
             return arrays
         merged = self._options.merge(options)
-        return list(self._communicator.batch_all_reduce(arrays, ReduceOp.SUM, options=merged))
+        large = [i for i, x in enumerate(arrays) if backend_for(x).nbytes(x) >= DONATE_MIN_BYTES]
+        small = sorted(set(range(len(arrays))) - set(large))
+        out: list[Any] = list(arrays)
+        if large:
+            reduced = self._communicator.all_reduce(
+                [arrays[i] for i in large], ReduceOp.SUM, donate=True, options=merged
+            )
+            for i, x in zip(large, reduced, strict=True):
+                out[i] = x
+        if small:
+            reduced = self._communicator.batch_all_reduce(
+                [arrays[i] for i in small], ReduceOp.SUM, options=merged
+            )
+            for i, x in zip(small, reduced, strict=True):
+                out[i] = x
+        return out
 
     def reduce_implementation(
         self,

@@ -9,6 +9,8 @@ or torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -35,7 +37,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
         cluster: Cluster | None,
         options: CommunicationOptions,
     ) -> None:
-        self._communicator = communicator
+        self._worker_communicator = communicator
         self._cluster = cluster
         self._options = options
         self._num_workers = 1 if communicator is None else int(communicator.world_size)
@@ -43,6 +45,11 @@ class _MultiWorkerExtended(ReplicatedExtended):
         from crossdevice._cross_device.collective import CollectiveAllReduce
 
         super().__init__(container_strategy, devices, CollectiveAllReduce(communicator, options))
+        if communicator is not None:
+            # Close the process groups before the interpreter tears down: Gloo's threads
+            # left running into static destruction abort the process ("terminate called
+            # without an active exception") after the program itself has finished.
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     @property
     def _num_replicas_in_sync(self) -> int:
@@ -95,17 +102,23 @@ class _MultiWorkerExtended(ReplicatedExtended):
 
     def _create_variable(self, frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
         variable = create_mirrored_variable(self, frame, *args, **kwargs)
-        if self._communicator is not None and frame.replica_context is None:
+        if self._worker_communicator is not None and frame.replica_context is None:
             # Every worker starts from the chief's values (TF broadcasts initial values).
             first = variable.values[0]
-            chief = self._communicator.broadcast(first._value, root=0)
+            chief = self._worker_communicator.broadcast(first._value, root=0)
             for component in variable.values:
                 component.assign(chief, read_value=False)
         return variable
 
     def _close(self) -> None:
-        if self._communicator is not None:
-            self._communicator.close()
+        if self._worker_communicator is not None:
+            self._worker_communicator.close()
+
+
+def _close_at_exit(ref: weakref.ReferenceType[_MultiWorkerExtended]) -> None:
+    extended = ref()
+    if extended is not None:
+        extended._close()
 
 
 def _local_devices(devices: Sequence[Any] | None, cluster: Cluster | None) -> list[str]:

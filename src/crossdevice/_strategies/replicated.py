@@ -68,7 +68,7 @@ class ReplicatedExtended(StrategyExtended):
         ]
         self._runner: ReplicaRunner | None = None
         self._runner_lock = threading.Lock()
-        self._communicator: Any = None
+        self._thread_communicator: Any = None
 
     @property
     def _local_devices(self) -> tuple[str, ...]:
@@ -106,10 +106,10 @@ class ReplicatedExtended(StrategyExtended):
             if self._uses_thread_collectives():
                 from crossdevice._collectives.threads import ThreadCommunicator
 
-                self._communicator = ThreadCommunicator(
+                self._thread_communicator = ThreadCommunicator(
                     len(self._devices), name=type(self._container_strategy_ref).__name__
                 )
-                self._runner.add_participant(self._communicator)
+                self._runner.add_participant(self._thread_communicator)
         return self._runner
 
     def _uses_thread_collectives(self) -> bool:
@@ -125,7 +125,7 @@ class ReplicatedExtended(StrategyExtended):
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
     ) -> Any:
-        communicator = self._communicator
+        communicator = self._thread_communicator
         if communicator is None:
             return super()._replica_all_reduce(replica_id, op, value, options)
         leaves, structure = nest.flatten(value)
@@ -144,7 +144,7 @@ class ReplicatedExtended(StrategyExtended):
     def _replica_all_gather(
         self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
     ) -> Any:
-        communicator = self._communicator
+        communicator = self._thread_communicator
         if communicator is None:
             return super()._replica_all_gather(replica_id, value, axis, options)
         leaves, structure = nest.flatten(value)
