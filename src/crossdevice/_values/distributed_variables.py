@@ -18,7 +18,7 @@ from crossdevice._core import context
 from crossdevice._core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
 from crossdevice._values.operators import ArrayOperators
 from crossdevice._values.values import DistributedValues, PerReplica
-from crossdevice._values.variables import Variable
+from crossdevice._values.variables import AssignMethods, Variable
 
 __all__ = [
     "AggregatingVariable",
@@ -44,7 +44,7 @@ def _mode(strategy: Any) -> tuple[str, int | None]:
     return "cross", None
 
 
-class DistributedVariable(ArrayOperators, DistributedValues):
+class DistributedVariable(AssignMethods, ArrayOperators, DistributedValues):
     """Base of variables with one component per replica; `isinstance(v, Variable)` holds."""
 
     __slots__ = ("_aggregation", "_strategy", "_synchronization")
@@ -132,45 +132,6 @@ class DistributedVariable(ArrayOperators, DistributedValues):
         return self._read_array()
 
     # --- writes: the subclasses' rules ----------------------------------------------------
-    def assign(
-        self,
-        value: Any,
-        use_locking: bool | None = None,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        """Assign under this variable's synchronisation and aggregation rules."""
-        del use_locking, name
-        self._update("assign", value)
-        return self if read_value else None
-
-    def assign_add(
-        self,
-        delta: Any,
-        use_locking: bool | None = None,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        """Add under this variable's synchronisation and aggregation rules."""
-        del use_locking, name
-        self._update("assign_add", delta)
-        return self if read_value else None
-
-    def assign_sub(
-        self,
-        delta: Any,
-        use_locking: bool | None = None,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        """Subtract under this variable's synchronisation and aggregation rules."""
-        del use_locking, name
-        self._update("assign_sub", delta)
-        return self if read_value else None
-
-    def _update(self, method: str, value: Any) -> None:
-        raise NotImplementedError
-
     def _update_all(self, method: str, value: Any) -> None:
         """Cross-replica: apply `method` to every component through `extended.update`."""
         self._strategy.extended.update(

@@ -21,6 +21,7 @@ from crossdevice._core.reduce_op import VariableAggregation, VariableSynchroniza
 from crossdevice._values.operators import ArrayOperators
 
 __all__ = [
+    "AssignMethods",
     "Variable",
     "as_aggregation",
     "as_synchronization",
@@ -111,7 +112,55 @@ class _VariableMeta(type):
         return super().__instancecheck__(instance)
 
 
-class Variable(ArrayOperators, metaclass=_VariableMeta):
+class AssignMethods:
+    """`assign`, `assign_add`, `assign_sub` with TF's signatures, over one `_update` hook.
+
+    Each returns the variable, or None with `read_value=False` (TF 2 eager).
+    """
+
+    __slots__ = ()
+
+    def _update(self, method: str, value: Any) -> None:
+        raise NotImplementedError
+
+    def assign(
+        self,
+        value: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Set the value (under the variable's synchronisation and aggregation rules)."""
+        del use_locking, name
+        self._update("assign", value)
+        return self if read_value else None
+
+    def assign_add(
+        self,
+        delta: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Add `delta` (under the variable's synchronisation and aggregation rules)."""
+        del use_locking, name
+        self._update("assign_add", delta)
+        return self if read_value else None
+
+    def assign_sub(
+        self,
+        delta: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Any:
+        """Subtract `delta` (under the variable's synchronisation and aggregation rules)."""
+        del use_locking, name
+        self._update("assign_sub", delta)
+        return self if read_value else None
+
+
+class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
     """A mutable array with a device and a name (`tf.Variable`).
 
     Under a strategy's `scope()` this creates the strategy's kind of variable instead
@@ -229,41 +278,13 @@ class Variable(ArrayOperators, metaclass=_VariableMeta):
             )
         backend.assign(self._value, new)
 
-    def assign(
-        self,
-        value: Any,
-        use_locking: bool | None = None,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        """Set the value; returns the variable (None when `read_value=False`)."""
-        del use_locking, name
-        self._write(value)
-        return self if read_value else None
-
-    def assign_add(
-        self,
-        delta: Any,
-        use_locking: bool | None = None,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        """Add `delta`; returns the variable (None when `read_value=False`)."""
-        del use_locking, name
-        self._write(self._value + _as_operand(self._value, delta))
-        return self if read_value else None
-
-    def assign_sub(
-        self,
-        delta: Any,
-        use_locking: bool | None = None,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        """Subtract `delta`; returns the variable (None when `read_value=False`)."""
-        del use_locking, name
-        self._write(self._value - _as_operand(self._value, delta))
-        return self if read_value else None
+    def _update(self, method: str, value: Any) -> None:
+        if method == "assign":
+            self._write(value)
+        elif method == "assign_add":
+            self._write(self._value + _as_operand(self._value, value))
+        else:
+            self._write(self._value - _as_operand(self._value, value))
 
     def __repr__(self) -> str:
         return (
