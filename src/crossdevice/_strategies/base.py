@@ -290,31 +290,33 @@ class StrategyExtended:
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
     ) -> Any:
         """All-reduce through one batched `merge_call` (TF's path)."""
-        leaves, structure = nest.flatten(value)
-        if not leaves:
-            return value
-        arrays = tuple(as_reducible_leaf(x) for x in leaves)
 
         def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
             return strategy.extended.batch_reduce_to(op, [(v, v) for v in per_replica], options)
 
-        reduced = self._merge_call(replica_id, merge_fn, arrays, {}, always_wrap=True)
-        return nest.unflatten(structure, list(reduced))
+        return self._merge_leaves(replica_id, value, merge_fn)
 
     def _replica_all_gather(
         self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
     ) -> Any:
         """All-gather through one `merge_call`."""
-        leaves, structure = nest.flatten(value)
-        if not leaves:
-            return value
-        arrays = tuple(as_reducible_leaf(x) for x in leaves)
 
         def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
             return [strategy.extended._gather_to(v, v, axis, options) for v in per_replica]
 
-        gathered = self._merge_call(replica_id, merge_fn, arrays, {}, always_wrap=True)
-        return nest.unflatten(structure, list(gathered))
+        return self._merge_leaves(replica_id, value, merge_fn)
+
+    def _merge_leaves(self, replica_id: int, value: Any, merge_fn: Callable[..., list[Any]]) -> Any:
+        """Run `merge_fn(strategy, *per_replica_leaves)` in one merge_call over a nest.
+
+        Each replica gets its component of every result, in the nest's shape.
+        """
+        leaves, structure = nest.flatten(value)
+        if not leaves:
+            return value
+        arrays = tuple(as_reducible_leaf(x) for x in leaves)
+        merged = self._merge_call(replica_id, merge_fn, arrays, {}, always_wrap=True)
+        return nest.unflatten(structure, list(merged))
 
     def _local_results(self, value: Any) -> tuple[Any, ...]:
         if isinstance(value, DistributedValues):
