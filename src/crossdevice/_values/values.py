@@ -21,20 +21,17 @@ __all__ = ["DistributedValues", "Mirrored", "PerReplica", "default_devices"]
 
 def default_devices(values: Sequence[Any]) -> tuple[str, ...]:
     """The device of each component: its own for device tensors, else `CPU:i`."""
-    devices = []
-    for i, value in enumerate(values):
-        own = backend_for(value).device_of(value) if _is_plain_array(value) else None
-        if own is None:
-            own = getattr(value, "device", None) if not _is_plain_array(value) else None
-            own = canonicalize(own) if isinstance(own, str) and own else None
-        devices.append(own or canonicalize(f"CPU:{i}"))
-    return tuple(devices)
-
-
-def _is_plain_array(value: Any) -> bool:
     from crossdevice._arrays import is_array
 
-    return is_array(value)
+    devices = []
+    for i, value in enumerate(values):
+        if is_array(value):
+            own = backend_for(value).device_of(value)  # a CUDA tensor names its GPU
+        else:
+            device = getattr(value, "device", None)  # a variable names its device
+            own = canonicalize(device) if isinstance(device, str) and device else None
+        devices.append(own or canonicalize(f"CPU:{i}"))
+    return tuple(devices)
 
 
 class DistributedValues:
