@@ -26,7 +26,7 @@ from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
 from crossdevice._values.variables import Variable, set_variable_creator
 
-__all__ = ["Strategy", "StrategyExtended"]
+__all__ = ["SingleReplicaExtended", "Strategy", "StrategyExtended"]
 
 GATHER_REQUIRES_CROSS_REPLICA = (
     "`tf.distribute.Strategy.gather` method requires cross-replica context, use "
@@ -339,6 +339,25 @@ class StrategyExtended:
     def _input_workers(self) -> tuple[int, int]:
         """(number of input pipelines, this worker's index)."""
         return 1, 0
+
+
+class SingleReplicaExtended(StrategyExtended):
+    """Hooks shared by the one-replica strategies (default, OneDevice): nothing to combine.
+
+    TF returns the value unchanged from `reduce_to` and gathers with one replica.
+    """
+
+    def _reduce_to(
+        self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None
+    ) -> Any:
+        if isinstance(value, DistributedValues) and len(value.values) == 1:
+            return value.values[0]
+        return value
+
+    def _gather_to(
+        self, value: Any, destinations: Any, axis: int, options: CommunicationOptions | None
+    ) -> Any:
+        return self._reduce_to(ReduceOp.SUM, value, destinations, options)
 
 
 class Strategy:

@@ -11,17 +11,14 @@ from typing import Any, final
 
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize
-from crossdevice._core.options import CommunicationOptions
-from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._strategies.base import Strategy, StrategyExtended
-from crossdevice._values.values import DistributedValues
+from crossdevice._strategies.base import SingleReplicaExtended, Strategy
 from crossdevice._values.variables import Variable
 
 __all__ = ["default_strategy"]
 
 
 @final
-class _DefaultExtended(StrategyExtended):
+class _DefaultExtended(SingleReplicaExtended):
     _is_default = True
 
     @property
@@ -52,13 +49,6 @@ class _DefaultExtended(StrategyExtended):
         with context.entered(context.Frame(self._container_strategy_ref, get_replica_context(), 0)):
             return fn(*args, **kwargs)
 
-    def _reduce_to(
-        self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None
-    ) -> Any:
-        if isinstance(value, DistributedValues) and len(value.values) == 1:
-            return value.values[0]
-        return value
-
     def _update(
         self,
         var: Any,
@@ -69,11 +59,6 @@ class _DefaultExtended(StrategyExtended):
     ) -> Any:
         result = fn(var, *args, **kwargs)
         return result if group else self._local_results(result)
-
-    def _gather_to(
-        self, value: Any, destinations: Any, axis: int, options: CommunicationOptions | None
-    ) -> Any:
-        return self._reduce_to(ReduceOp.SUM, value, destinations, options)
 
     def _create_variable(self, frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
         return type.__call__(Variable, *args, **kwargs)

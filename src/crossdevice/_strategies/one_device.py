@@ -7,18 +7,15 @@ from typing import Any, final
 
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize, check_device_exists, device_scope
-from crossdevice._core.options import CommunicationOptions
-from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._replica.context import ReplicaContext
-from crossdevice._strategies.base import Strategy, StrategyExtended
-from crossdevice._values.values import DistributedValues
+from crossdevice._strategies.base import SingleReplicaExtended, Strategy
 from crossdevice._values.variables import Variable
 
 __all__ = ["OneDeviceStrategy"]
 
 
 @final
-class _OneDeviceExtended(StrategyExtended):
+class _OneDeviceExtended(SingleReplicaExtended):
     def __init__(self, container_strategy: Strategy, device: str) -> None:
         super().__init__(container_strategy)
         self._device = device
@@ -34,14 +31,6 @@ class _OneDeviceExtended(StrategyExtended):
         with context.entered(self._frame), device_scope(self._device):
             return fn(*args, **kwargs)
 
-    def _reduce_to(
-        self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None
-    ) -> Any:
-        # TF returns the value unchanged: with one replica there is nothing to combine.
-        if isinstance(value, DistributedValues) and len(value.values) == 1:
-            return value.values[0]
-        return value
-
     def _update(
         self,
         var: Any,
@@ -54,11 +43,6 @@ class _OneDeviceExtended(StrategyExtended):
         with context.entered(update), device_scope(self._device):
             result = fn(var, *args, **kwargs)
         return result if group else self._local_results(result)
-
-    def _gather_to(
-        self, value: Any, destinations: Any, axis: int, options: CommunicationOptions | None
-    ) -> Any:
-        return self._reduce_to(ReduceOp.SUM, value, destinations, options)
 
     def _create_variable(self, frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("device", self._device)
