@@ -92,12 +92,9 @@ class HostAllReduce(CrossDeviceOps):
         for i in hosted:
             groups.setdefault(value_destination_pairs[i][0]._devices, []).append(i)
         for devices, members in groups.items():
-            per_replica = [
-                [inputs.as_array(value_destination_pairs[i][0].values[r]) for i in members]
-                for r in range(len(devices))
-            ]
-            for i in members:  # validate like every other op, naming the components
-                inputs.component_arrays(value_destination_pairs[i][0])
+            # Validated like every other op (naming the components), converted once.
+            arrays = [inputs.component_arrays(value_destination_pairs[i][0]) for i in members]
+            per_replica = [[a[r] for a in arrays] for r in range(len(devices))]
             reduced = all_reduce_host(per_replica, reduce_op)
             for k, i in enumerate(members):
                 out[i] = _mirrored(
@@ -105,7 +102,7 @@ class HostAllReduce(CrossDeviceOps):
                     devices,
                     get_devices_from(value_destination_pairs[i][1]),
                 )
-        rest = [i for i in range(len(value_destination_pairs)) if out[i] is None]
+        rest = sorted(set(range(len(value_destination_pairs))) - set(hosted))
         if rest:
             others = self._fallback.batch_reduce_implementation(
                 reduce_op, [value_destination_pairs[i] for i in rest], options
