@@ -131,9 +131,10 @@ class ReplicatedExtended(StrategyExtended):
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
+        # Every replica takes this path whatever its values (the communicator reduces CUDA
+        # and bfloat16 tensors with torch): a per-replica choice could split the replicas
+        # between two rendezvous that never meet.
         arrays = [as_reducible_leaf(x) for x in leaves]
-        if not all(_on_host(x) for x in arrays):
-            return super()._replica_all_reduce(replica_id, op, value, options)
         local_id = replica_id - self._replica_id_offset
         reduced = communicator.all_reduce(local_id, arrays, op, timeout=self._timeout(options))
         # NumPy results are one read-only buffer shared by the replicas; torch has no
@@ -148,9 +149,10 @@ class ReplicatedExtended(StrategyExtended):
         if communicator is None:
             return super()._replica_all_gather(replica_id, value, axis, options)
         leaves, structure = nest.flatten(value)
+        # Every replica takes this path whatever its values (the communicator reduces CUDA
+        # and bfloat16 tensors with torch): a per-replica choice could split the replicas
+        # between two rendezvous that never meet.
         arrays = [as_reducible_leaf(x) for x in leaves]
-        if not all(_on_host(x) for x in arrays):
-            return super()._replica_all_gather(replica_id, value, axis, options)
         local_id = replica_id - self._replica_id_offset
         timeout = self._timeout(options)
         gathered = [communicator.all_gather(local_id, x, axis, timeout=timeout) for x in arrays]
@@ -288,10 +290,6 @@ class ReplicatedExtended(StrategyExtended):
         if group:
             return regrouped
         return nest.map_structure(self._local_results, regrouped)
-
-
-def _on_host(x: Any) -> bool:
-    return not is_torch(x) or x.device.type == "cpu"
 
 
 def _readable(value: Any, op: ReduceOp) -> Any:
