@@ -23,7 +23,7 @@ from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._replica.context import get_replica_context, require_cross_replica
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
-from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
+from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import Variable, set_variable_creator
 
 __all__ = ["SingleReplicaExtended", "Strategy", "StrategyExtended"]
@@ -617,8 +617,6 @@ def as_reducible_leaf(x: Any) -> Any:
         if isinstance(x, Variable):
             return x.read_value()
         return x
-    if isinstance(x, Mirrored):
-        return x._get()
     return backend_for(x).asarray(x)
 
 
