@@ -220,9 +220,7 @@ class ReplicatedExtended(StrategyExtended):
 
         def reduce_leaf(leaf: Any) -> Any:
             leaf = _readable(leaf, op)
-            if isinstance(leaf, Mirrored) or (
-                isinstance(leaf, DistributedVariable) and isinstance(leaf, Mirrored)
-            ):
+            if isinstance(leaf, Mirrored):  # MEAN of a mirrored value is itself (TF)
                 return leaf
             if not isinstance(leaf, DistributedValues):
                 return reduce_non_distributed_value(op, leaf, destinations, n)
