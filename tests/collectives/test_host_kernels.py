@@ -153,3 +153,23 @@ def test_run_parallel_runs_every_part_and_reraises() -> None:
     with pytest.raises(ArithmeticError) as info:
         host_kernels.run_parallel(task, 4)
     assert info.value is failure
+
+
+def test_large_results_reuse_buffers_nobody_holds_and_never_live_ones() -> None:
+    rng = np.random.default_rng(7)
+    size = host_kernels.BLOCKED_MIN_BYTES // 4 + 5
+    xs = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
+    ys = [x * 2 for x in xs]
+    first = host_kernels.sum_n(xs)
+    second = host_kernels.sum_n(ys)
+    # Both alive: two different buffers, neither overwritten by the other sum.
+    assert not np.shares_memory(first, second)
+    assert same_bits(first, naive_chain(xs))
+    assert same_bits(second, naive_chain(ys))
+    address = second.__array_interface__["data"][0]
+    del second  # nobody holds it: the next sum of that size may reuse it
+    third = host_kernels.sum_n(ys)
+    assert third.__array_interface__["data"][0] == address
+    assert same_bits(third, naive_chain(ys))
+    assert same_bits(first, naive_chain(xs))
+    assert third.flags.writeable  # a result the caller owns, like np.add's

@@ -70,6 +70,33 @@ def test_all_reduce_equals_the_in_order_chain(n: int, op: str, backend: Backend,
             assert type(results[r][i]) is type(inputs[r][i])
 
 
+@parametrize(
+    n=[1, 2, 4],
+    op=["sum", "mean"],
+    dtype=[np.float16, np.float32, np.float64, np.int32, np.complex64],
+    shape=[(), (256,), (3, 5)],
+)
+def test_one_small_array_is_the_in_order_chain(
+    n: int, op: str, dtype: Any, shape: tuple[int, ...]
+) -> None:
+    """A step's loss or metric: one small array per replica (its own fast path)."""
+    data = replica_data(n, [shape], dtype, seed=len(shape) + n)
+    comm = ThreadCommunicator(n)
+    results, errors = run_replicas(n, lambda r: comm.all_reduce(r, data[r], op, timeout=30))
+    raise_first(errors)
+    expected = chain([data[r][0] for r in range(n)])
+    if op == "mean":
+        expected = np.asarray(np.true_divide(expected, n))
+        if np.dtype(dtype).kind in "fc":
+            expected = expected.astype(dtype)
+    for r in range(n):
+        result = results[r][0]
+        assert same_bits(result, expected), (r, result, expected)
+        assert result is results[0][0]  # one shared result
+        if isinstance(result, np.ndarray):
+            assert not result.flags.writeable
+
+
 def test_mixed_dtypes_are_packed_per_dtype_and_returned_as_views(path: str) -> None:
     n = 4
     rng = np.random.default_rng(7)

@@ -26,6 +26,8 @@ from typing import Final
 
 import numpy as np
 
+from crossdevice._arrays.buffer_pool import BufferPool
+
 __all__ = [
     "BLOCKED_MIN_BYTES",
     "BLOCK_BYTES",
@@ -207,6 +209,11 @@ class _Pool:
 
 _POOL: Final = _Pool()
 
+#: Recycled outputs of large sums. A fresh allocation is zero-filled page by page on first
+#: touch: measured, 4 x 64 MiB float32, 13.3-15.4 ms into a new array vs 10.4-11.2 ms
+#: into a reused one (medians of 9, the 2-core dev machine).
+_OUTPUTS: Final = BufferPool()
+
 
 def _split(size: int, parts: int, align: int) -> list[tuple[int, int]]:
     """`parts` contiguous ranges covering `range(size)`, boundaries multiples of `align`."""
@@ -263,7 +270,8 @@ def sum_n(
 
     Args:
         inputs: the arrays, in replica order.
-        out: where to write the result (may be `inputs[0]`); a new array when None.
+        out: where to write the result (may be `inputs[0]`). When None, a new array, or
+            for large sums a recycled buffer that nothing references any more.
         parallel: allow the worker pool (replica threads that already run in parallel
             pass False).
 
@@ -281,7 +289,8 @@ def sum_n(
     if arrays[0].nbytes < BLOCKED_MIN_BYTES or not can_sum_fast(arrays, out):
         return plain_sum(arrays, out)
     if out is None:
-        out = np.empty_like(arrays[0])
+        first = arrays[0]
+        out = _OUTPUTS.take(first.dtype, first.size).reshape(first.shape)
     flats = [x.reshape(-1) for x in arrays]
     flat_out = out.reshape(-1)
     size = flat_out.shape[0]

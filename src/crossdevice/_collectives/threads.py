@@ -435,10 +435,17 @@ class ThreadCommunicator:
         run have returned).
         """
         with self._lock:
+            self._departed.clear()
+            if (
+                self._aborted is None
+                and self._broken is None
+                and self._mismatch is None
+                and self._round.count == 0
+            ):
+                return  # a clean run (every run's end): nobody to release, no round to drop
             self._aborted = None
             self._broken = None
             self._mismatch = None
-            self._departed.clear()
             self._round.cancelled = True
             self._seq += 1
             self._round = _Round(self._seq, self._n)
@@ -452,9 +459,12 @@ class ThreadCommunicator:
         "Some replicas made a different number of ... calls"); `reset()` clears it.
         """
         self._check_replica(replica_id)
-        with self._lock:
-            self._departed.add(replica_id)
-            self._check_departed_locked(self._round)
+        self._departed.add(replica_id)  # atomic under the GIL
+        if self._round.count:
+            # Peers wait in a round: they may now never complete it. (A peer arriving
+            # after this reads `_departed` under the lock and sees this replica.)
+            with self._lock:
+                self._check_departed_locked(self._round)
 
     def cross_replica_all_reduce(
         self, per_replica: Sequence[Sequence[Any]], reduce_op: ReduceOp | str
@@ -503,6 +513,8 @@ class ThreadCommunicator:
     # ------------------------------------------------------------------ preparation
 
     def _check_replica(self, replica_id: int) -> None:
+        if type(replica_id) is int and 0 <= replica_id < self._n:
+            return
         if (
             isinstance(replica_id, bool)
             or not isinstance(replica_id, int)
@@ -533,6 +545,13 @@ class ThreadCommunicator:
         return value, arr, is_torch(value)
 
     def _prepare_reduce(self, replica_id: int, values: list[Any], op: ReduceOp) -> _Arrival:
+        if len(values) == 1:
+            v = values[0]
+            if type(v) is np.ndarray and v.flags.c_contiguous and v.dtype.kind in _NUMERIC_KINDS:
+                # One contiguous NumPy array (a step's scalar or flat gradient buffer).
+                sig_one = ((v.shape, v.dtype),)
+                arrival = _Arrival("all_reduce", values, values, sig_one, _ONE_NUMPY, op)
+                return self._plan_and_pack(replica_id, arrival)
         if all(type(v) is np.ndarray and v.flags.c_contiguous for v in values) and all(
             v.dtype.kind in _NUMERIC_KINDS for v in values
         ):
@@ -707,9 +726,15 @@ class ThreadCommunicator:
     def _wake_locked(self) -> None:
         """Release every sleeping replica (each re-checks why it was woken)."""
         gates = self._gates
-        for r in self._sleepers:
-            gates[r].release()
-        self._sleepers.clear()
+        sleepers = self._sleepers
+        for r in sleepers:
+            if r:
+                gates[r].release()
+        if 0 in sleepers:
+            # Replica 0 last: in a strategy it runs on the caller's thread, which waits for
+            # the others at the end of `run`; finishing last saves it a wake-up there.
+            gates[0].release()
+        sleepers.clear()
 
     def _wait(
         self,
@@ -915,6 +940,13 @@ class ThreadCommunicator:
             return
         plan = first.plan
         assert plan is not None
+        if (
+            len(plan.placements) == 1
+            and plan.total_bytes < PACK_BELOW_BYTES
+            and not any(a.torch_mask[0] for a in arrivals)
+        ):
+            self._reduce_one_small(rnd, arrivals, plan)
+            return
         rnd.plan = plan
         rnd.outputs = [
             self._output(dt, size) for dt, size in zip(plan.dtypes, plan.group_sizes, strict=True)
@@ -947,6 +979,30 @@ class ThreadCommunicator:
                 self._reduce_pieces(rnd, arrivals, pieces[i : i + 1], blocked=True)
 
         rnd.work = work
+
+    def _reduce_one_small(self, rnd: _Round, arrivals: list[_Arrival], plan: _Plan) -> None:
+        """One small NumPy array per replica (a step's loss or metric): the plain chain.
+
+        The same adds in the same order as `sum_slice` (bitwise equal), without the
+        flat-buffer bookkeeping that pays off only for many or large arrays.
+        """
+        dtype = plan.dtypes[0]
+        shape = plan.placements[0][3]
+        inputs = [a.arrays[0] for a in arrivals]  # type: ignore[index]
+        out = np.empty(shape, dtype=dtype)
+        if len(inputs) == 1:
+            np.copyto(out, inputs[0])
+        else:
+            np.add(inputs[0], inputs[1], out=out)
+            for x in inputs[2:]:
+                np.add(out, x, out=out)
+        result: np.ndarray = out
+        if arrivals[0].op is ReduceOp.MEAN:
+            if dtype.kind in "fc":
+                np.true_divide(out, self._n, out=out)
+            else:
+                result = NUMPY.divide(out, self._n)
+        rnd.results[_ONE_NUMPY] = [NUMPY.freeze(result)]
 
     def _reduce_pieces(
         self,
@@ -1137,6 +1193,7 @@ class ThreadCommunicator:
 
 
 _NO_TORCH: dict[int, tuple[bool, ...]] = {}
+_ONE_NUMPY: Final = (False,)
 
 
 def _no_torch(n: int) -> tuple[bool, ...]:

@@ -46,6 +46,12 @@ class VariableSynchronization(enum.Enum):
     ON_READ = 3
 
 
+#: The common spellings, looked up before the enum's case-insensitive conversion.
+_BY_NAME: dict[str, ReduceOp] = {
+    spelling: op for op in ReduceOp for spelling in (op.value, op.value.lower(), op.name)
+}
+
+
 def as_reduce_op(reduce_op: object) -> ReduceOp:
     """Convert `reduce_op` (a `ReduceOp` or a string in any case) to a `ReduceOp`.
 
@@ -57,6 +63,11 @@ def as_reduce_op(reduce_op: object) -> ReduceOp:
         ValueError: a string that names no reduce op.
         TypeError: anything else (a `VariableAggregation`, a number, ...).
     """
+    if type(reduce_op) is ReduceOp:
+        return reduce_op
+    known = _BY_NAME.get(reduce_op) if type(reduce_op) is str else None
+    if known is not None:  # the per-step path: "sum"/"mean" without an enum lookup
+        return known
     if isinstance(reduce_op, ReduceOp):
         return reduce_op
     if isinstance(reduce_op, str):

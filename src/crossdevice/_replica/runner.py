@@ -30,7 +30,6 @@ Invariants (guarded by `self._lock`):
 from __future__ import annotations
 
 import _thread
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,11 +51,8 @@ MERGE_CALL_MISMATCH: Final = (
 _POLL_SECONDS: Final = 1.0
 
 
-@dataclasses.dataclass
-class _Job:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+#: What a worker runs: (fn, args, kwargs).
+_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
 class _Participant(Protocol):
@@ -150,7 +146,7 @@ class ReplicaRunner:
                     raise RuntimeError(f"{self._name}: the strategy's replica threads are closed")
                 for i in range(1, self._n):
                     args, kwargs = per_replica_args[i]
-                    self._jobs[i] = _Job(fn, args, kwargs)
+                    self._jobs[i] = (fn, args, kwargs)
                 self._results = [None] * self._n
                 self._errors = []
                 self._pending = self._n
@@ -160,7 +156,7 @@ class ReplicaRunner:
             for i in range(1, self._n):
                 self._start_wake[i].release()
             args0, kwargs0 = per_replica_args[0]
-            self._run_replica(0, _Job(fn, args0, kwargs0))
+            self._run_replica(0, fn, args0, kwargs0)
             # Replicas always finish: a broken run releases every rendezvous.
             while not self._done_wake.acquire(timeout=_POLL_SECONDS):
                 pass
@@ -233,16 +229,18 @@ class ReplicaRunner:
             job = self._jobs[replica_id]
             self._jobs[replica_id] = None
             if job is not None:
-                self._run_replica(replica_id, job)
+                self._run_replica(replica_id, *job)
 
-    def _run_replica(self, replica_id: int, job: _Job) -> None:
+    def _run_replica(
+        self, replica_id: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         frame = self._make_frame(replica_id)
         context.push_frame(frame)
         old_devices = None
         if replica_id == 0:
             old_devices = devices.swap_device_stack([self._devices[0]])
         try:
-            result = job.fn(*job.args, **job.kwargs)
+            result = fn(*args, **kwargs)
         except ReplicaAbortedError:
             result = None
         except BaseException as exc:  # every error reaches the caller of run
@@ -317,6 +315,20 @@ class ReplicaRunner:
             self._merge_wake[other].release()
 
     def _finish_run(self) -> list[Any]:
+        with self._lock:
+            results = self._results
+            if self._broken is None and not self._errors:
+                # A clean run (the per-step case): only the merge counters to clear.
+                self._arrived = 0
+                self._finished = 0
+                self._merge_outputs = [None] * self._n  # drop the last merge's values
+                clean = True
+            else:
+                clean = False
+        if clean:
+            for participant in self._participants:
+                participant.reset()
+            return results
         with self._lock:
             errors = sorted(self._errors, key=lambda e: e[0])
             broken = self._broken

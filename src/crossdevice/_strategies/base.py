@@ -34,6 +34,19 @@ GATHER_REQUIRES_CROSS_REPLICA = (
 )
 
 
+def _check_can_enter(strategy: Strategy, frame: context.Frame | None) -> None:
+    """Entering `strategy`'s cross-replica context from `frame` (the current one) is OK."""
+    if frame is None:
+        return
+    if frame.strategy is not strategy and not frame.strategy.extended._is_default:
+        raise RuntimeError(
+            f"Mixing different crossdevice.Strategy objects: {strategy!r} is not "
+            f"{frame.strategy!r}; leave the other strategy's scope first"
+        )
+    if frame.replica_context is not None:
+        raise RuntimeError(CROSS_REPLICA_REQUIRED)
+
+
 class _Scope:
     """`with strategy.scope():` — enter the strategy's cross-replica context."""
 
@@ -42,18 +55,7 @@ class _Scope:
         self._frames: list[context.Frame] = []
 
     def __enter__(self) -> Strategy:
-        frame = context.current_frame()
-        if (
-            frame is not None
-            and frame.strategy is not self._strategy
-            and not frame.strategy.extended._is_default
-        ):
-            raise RuntimeError(
-                f"Mixing different crossdevice.Strategy objects: {self._strategy!r} is not "
-                f"{frame.strategy!r}; leave the other strategy's scope first"
-            )
-        if frame is not None and frame.replica_context is not None:
-            raise RuntimeError(CROSS_REPLICA_REQUIRED)
+        _check_can_enter(self._strategy, context.current_frame())
         new = context.Frame(self._strategy)
         context.push_frame(new)
         self._frames.append(new)
@@ -369,6 +371,7 @@ class Strategy:
 
     def __init__(self, extended: StrategyExtended) -> None:
         self._extended = extended
+        self._run_frame: context.Frame | None = None
 
     @property
     def extended(self) -> StrategyExtended:
@@ -431,8 +434,17 @@ class Strategy:
                 "strategy.run was called inside a replica context (from inside another "
                 "strategy.run); call it from cross-replica context"
             )
-        with self.scope():
+        # `with self.scope():` without building a scope object per step: frames are
+        # immutable, so one cross-replica frame serves every run.
+        _check_can_enter(self, frame)
+        cross = self._run_frame
+        if cross is None:
+            cross = self._run_frame = context.Frame(self)
+        context.push_frame(cross)
+        try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        finally:
+            context.pop_frame(cross)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
         """Reduce `value` across replicas to this worker's host (cross-replica context).

@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from crossdevice._arrays import is_torch
 from crossdevice._core import context, nest
 from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists, device_scope
@@ -25,6 +27,10 @@ from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
 
 __all__ = ["ReplicatedExtended", "canonical_devices"]
+
+
+#: Marks a cache not filled yet (None is a valid timeout).
+_UNSET: Any = object()
 
 
 def canonical_devices(devices: Sequence[Any], what: str) -> tuple[str, ...]:
@@ -69,6 +75,7 @@ class ReplicatedExtended(StrategyExtended):
         self._runner: ReplicaRunner | None = None
         self._runner_lock = threading.Lock()
         self._thread_communicator: Any = None
+        self._default_timeout: object = _UNSET
 
     @property
     def _local_devices(self) -> tuple[str, ...]:
@@ -128,6 +135,11 @@ class ReplicatedExtended(StrategyExtended):
         communicator = self._thread_communicator
         if communicator is None:
             return super()._replica_all_reduce(replica_id, op, value, options)
+        local_id = replica_id - self._replica_id_offset
+        if type(value) is np.ndarray or isinstance(value, np.generic):
+            # One NumPy leaf (a loss, a flat gradient buffer): no nest to walk.
+            timeout = self._timeout(options)
+            return communicator.all_reduce(local_id, [np.asarray(value)], op, timeout=timeout)[0]
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
@@ -135,7 +147,6 @@ class ReplicatedExtended(StrategyExtended):
         # and bfloat16 tensors with torch): a per-replica choice could split the replicas
         # between two rendezvous that never meet.
         arrays = [as_reducible_leaf(x) for x in leaves]
-        local_id = replica_id - self._replica_id_offset
         reduced = communicator.all_reduce(local_id, arrays, op, timeout=self._timeout(options))
         # NumPy results are one read-only buffer shared by the replicas; torch has no
         # read-only tensors, so each replica gets its own (as from HostAllReduce).
@@ -160,6 +171,15 @@ class ReplicatedExtended(StrategyExtended):
         return nest.unflatten(structure, gathered)
 
     def _timeout(self, options: CommunicationOptions | None) -> float | None:
+        if options is None:
+            # The per-step case: the strategy's own options, fixed at construction.
+            cached = self._default_timeout
+            if cached is _UNSET:
+                defaults = self._merged_options(None)
+                cached = self._default_timeout = (
+                    None if defaults is None else defaults.timeout_seconds
+                )
+            return cached  # type: ignore[return-value]
         merged = self._merged_options(options)
         return None if merged is None else merged.timeout_seconds
 

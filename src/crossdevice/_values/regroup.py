@@ -41,6 +41,9 @@ def _regroup_leaf(
             isinstance(c, Variable) and c._distributed_container is container for c in components
         ):
             return container
+    if devices is not None and type(devices) is tuple and len(devices) == len(components):
+        # The strategy's own canonical device tuple: skip re-validating it every step.
+        return wrap_class._from_parts(tuple(components), devices)
     return wrap_class(components, devices)
 
 
@@ -57,11 +60,14 @@ _NODE_TYPES = (list, tuple, dict)
 
 
 #: Types that are always leaves, checked before asking optree (which costs ~1 us a call).
-_LEAF_TYPES = (type(None), int, float, bool, str, np.ndarray, np.generic)
+_LEAF_TYPES = (type(None), int, float, bool, str, np.ndarray)
+
+#: Leaf base classes (NumPy scalars are `np.float32`, `np.int64`, ...: subclasses).
+_LEAF_BASES = (np.ndarray, np.generic)
 
 
 def _is_leaf(x: Any) -> bool:
-    if type(x) in _LEAF_TYPES:
+    if type(x) in _LEAF_TYPES or isinstance(x, _LEAF_BASES):
         return True
     return not isinstance(x, _NODE_TYPES) and not nest.is_registered_node(x)
 

@@ -71,6 +71,18 @@ class DistributedValues:
         self._values: tuple[Any, ...] = values
         self._devices: tuple[str, ...] = tuple(devices)
 
+    @classmethod
+    def _from_parts(cls, values: tuple[Any, ...], devices: tuple[str, ...]) -> Any:
+        """Build from already-validated parts: canonical devices, one per component.
+
+        The per-step path (`run` results, `merge_call` arguments) uses it with the
+        strategy's device tuple, which was canonicalised once at construction.
+        """
+        obj = cls.__new__(cls)
+        obj._values = values
+        obj._devices = devices
+        return obj
+
     @property
     def values(self) -> tuple[Any, ...]:
         """The components, one per local replica."""
