@@ -57,11 +57,13 @@ def main() -> None:
 
             check = threads.run(sharded)
             assert all(np.array_equal(c[0], expected) for c in check), "sharded result differs"
+            del check  # a held result keeps its pooled output buffer busy
             out["sharded_ms"] = _common.replica_median_seconds(threads, sharded, args.runs)[0]
             value = PerReplica(data, devices)
             ops = crossdevice.ReductionToOneDevice()
             reduced = ops.reduce("sum", value, destinations=value)
             assert np.array_equal(np.asarray(reduced.values[0]), expected)
+            del reduced
             out["reduce_to_one_ms"] = _common.median_seconds(
                 lambda ops=ops, value=value: ops.reduce("sum", value, destinations=value),
                 args.runs,

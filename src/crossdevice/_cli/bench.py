@@ -143,6 +143,9 @@ class ReplicaThreads:
         """`fn(r)` on every replica thread; the results, or the first error raised."""
         self._fn = fn
         self._errors = [None] * self._n
+        # Drop the last call's results first: a held result keeps its pooled output
+        # buffer busy, and the next all-reduce would pay for a freshly faulted one.
+        self._results = [None] * self._n
         self._start.wait()
         self._done.wait()
         for exc in self._errors:
