@@ -6,12 +6,19 @@ they are not registered as nodes. optree's own structure-mismatch errors reach t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 
-__all__ = ["assert_same_structure", "flatten", "is_registered_node", "map_structure", "unflatten"]
+__all__ = [
+    "assert_same_structure",
+    "flatten",
+    "flatten_columns",
+    "is_registered_node",
+    "map_structure",
+    "unflatten",
+]
 
 _KW: dict[str, Any] = {"none_is_leaf": True, "namespace": "crossdevice"}
 
@@ -19,6 +26,29 @@ _KW: dict[str, Any] = {"none_is_leaf": True, "namespace": "crossdevice"}
 def flatten(tree: Any) -> tuple[list[Any], Any]:
     """Leaves of `tree` in a fixed order (dict keys sorted) and its structure."""
     return optree.tree_flatten(tree, **_KW)
+
+
+def flatten_columns(
+    trees: Sequence[Any], mismatch: Callable[[Any, int, Any], str]
+) -> tuple[Any, list[tuple[Any, ...]]]:
+    """Flatten same-structured trees; return the structure and the leaves column by column.
+
+    Column k holds leaf k of every tree, in the order of `trees`.
+
+    Raises:
+        ValueError: `mismatch(structure_0, i, structure_i)` for the first tree `i` whose
+            structure differs from the first tree's.
+    """
+    flats = []
+    structure = None
+    for i, tree in enumerate(trees):
+        leaves, spec = flatten(tree)
+        if structure is None:
+            structure = spec
+        elif spec != structure:
+            raise ValueError(mismatch(structure, i, spec))
+        flats.append(leaves)
+    return structure, list(zip(*flats, strict=True))
 
 
 def unflatten(structure: Any, leaves: list[Any]) -> Any:

@@ -138,21 +138,14 @@ class _Layout:
         ]
         if not self.wrap:
             return placed[0]
-        flats = []
-        structure = None
-        for i, tree in enumerate(placed):
-            leaves, spec = nest.flatten(tree)
-            if structure is None:
-                structure = spec
-            elif spec != structure:
-                raise ValueError(
-                    "the per-replica batches of one step must share one structure; expected "
-                    f"{structure} (replica 0), got {spec} for local replica {i}"
-                )
-            flats.append(leaves)
-        wrapped = [
-            PerReplica(components, devices=self.devices) for components in zip(*flats, strict=True)
-        ]
+        structure, columns = nest.flatten_columns(
+            placed,
+            lambda first, i, spec: (
+                "the per-replica batches of one step must share one structure; expected "
+                f"{first} (replica 0), got {spec} for local replica {i}"
+            ),
+        )
+        wrapped = [PerReplica(components, devices=self.devices) for components in columns]
         return nest.unflatten(structure, wrapped)
 
 

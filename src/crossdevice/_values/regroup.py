@@ -100,21 +100,16 @@ def regroup(
     if all(_is_leaf(tree) for tree in per_replica):
         # The common case (None, an array, a number): no tree to walk.
         return _regroup_leaf(per_replica, wrap_class, always_wrap, devices, collapse_arrays)
-    flats = []
-    structure = None
-    for i, tree in enumerate(per_replica):
-        leaves, spec = nest.flatten(tree)
-        if structure is None:
-            structure = spec
-        elif spec != structure:
-            raise ValueError(
-                "replicas returned different structures; every replica must return the "
-                f"same structure. Replica 0: {structure}, replica {i}: {spec}"
-            )
-        flats.append(leaves)
+    structure, columns = nest.flatten_columns(
+        per_replica,
+        lambda first, i, spec: (
+            "replicas returned different structures; every replica must return the "
+            f"same structure. Replica 0: {first}, replica {i}: {spec}"
+        ),
+    )
     regrouped = [
         _regroup_leaf(column, wrap_class, always_wrap, devices, collapse_arrays)
-        for column in zip(*flats, strict=True)
+        for column in columns
     ]
     return nest.unflatten(structure, regrouped)
 
