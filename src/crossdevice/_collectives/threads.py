@@ -545,15 +545,9 @@ class ThreadCommunicator:
         return value, arr, is_torch(value)
 
     def _prepare_reduce(self, replica_id: int, values: list[Any], op: ReduceOp) -> _Arrival:
-        if len(values) == 1:
-            v = values[0]
-            if type(v) is np.ndarray and v.flags.c_contiguous and v.dtype.kind in _NUMERIC_KINDS:
-                # One contiguous NumPy array (a step's scalar or flat gradient buffer).
-                sig_one = ((v.shape, v.dtype),)
-                arrival = _Arrival("all_reduce", values, values, sig_one, _ONE_NUMPY, op)
-                return self._plan_and_pack(replica_id, arrival)
-        if all(type(v) is np.ndarray and v.flags.c_contiguous for v in values) and all(
-            v.dtype.kind in _NUMERIC_KINDS for v in values
+        if all(
+            type(v) is np.ndarray and v.flags.c_contiguous and v.dtype.kind in _NUMERIC_KINDS
+            for v in values
         ):
             # Fast path (contiguous NumPy arrays, the common case): no per-array dispatch.
             sig_fast = tuple([(v.shape, v.dtype) for v in values])
@@ -1002,7 +996,7 @@ class ThreadCommunicator:
                 np.true_divide(out, self._n, out=out)
             else:
                 result = NUMPY.divide(out, self._n)
-        rnd.results[_ONE_NUMPY] = [NUMPY.freeze(result)]
+        rnd.results[_no_torch(1)] = [NUMPY.freeze(result)]
 
     def _reduce_pieces(
         self,
@@ -1193,7 +1187,6 @@ class ThreadCommunicator:
 
 
 _NO_TORCH: dict[int, tuple[bool, ...]] = {}
-_ONE_NUMPY: Final = (False,)
 
 
 def _no_torch(n: int) -> tuple[bool, ...]:
