@@ -1,7 +1,16 @@
-"""The blocked host kernel equals the naive in-order `np.add` chain, bit for bit."""
+"""The host kernels equal the naive in-order `np.add` chain, bit for bit.
+
+Every test here runs twice: with the NumPy kernels only, and with the compiled fused
+kernel (`crossdevice._arrays.native`) taking every range it accepts, small ones included,
+writing with streaming stores.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import hypothesis.extra.numpy as hnp
@@ -10,10 +19,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossdevice._arrays import NUMPY, host_kernels
+from crossdevice._arrays import NUMPY, host_kernels, native
 from tests.helpers import parametrize
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.complex64]
+
+
+@pytest.fixture(autouse=True, scope="module", params=["numpy", "native"])
+def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the module once per kernel (the compiled one for every size it accepts)."""
+    if request.param == "native" and not native.available():
+        pytest.skip("the compiled kernel is not built here (no C compiler at install)")
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "numpy":
+            mp.setattr(native, "_KERNEL", None)
+        else:
+            mp.setattr(host_kernels, "NATIVE_MIN_BYTES", 0)
+            mp.setattr(native, "STREAM_MIN_BYTES", 0)
+        yield request.param
 
 
 def naive_chain(xs: list[np.ndarray]) -> np.ndarray:
@@ -45,17 +68,19 @@ def operand_lists(draw: Any) -> list[np.ndarray]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(xs=operand_lists(), block=st.integers(1, 50), split=st.integers(0, 60))
+@given(xs=operand_lists(), block=st.integers(1, 50), split=st.integers(0, 60), stream=st.booleans())
 def test_sum_slice_in_blocks_is_bitwise_the_naive_chain(
-    xs: list[np.ndarray], block: int, split: int
+    xs: list[np.ndarray], block: int, split: int, stream: bool
 ) -> None:
     flats = [x.reshape(-1) for x in xs]
     size = flats[0].shape[0]
     split = min(split, size)
     out = np.empty_like(flats[0])
     # Two "replicas" reduce disjoint slices of one output, in blocks of `block` elements.
-    host_kernels.sum_slice(flats, out, 0, split, block_elements=block)
-    host_kernels.sum_slice(flats, out, split, size, block_elements=block)
+    # An odd split leaves the second range's start off the 16-byte grid of the streaming
+    # stores: the compiled kernel's scalar head must cover it.
+    host_kernels.sum_slice(flats, out, 0, split, block_elements=block, stream=stream)
+    host_kernels.sum_slice(flats, out, split, size, block_elements=block, stream=stream)
     assert same_bits(out.reshape(xs[0].shape), naive_chain(xs))
 
 
@@ -77,6 +102,11 @@ def test_divisor_matches_true_divide_of_the_sum(dtype: Any, divisor: int) -> Non
     xs = [rng.standard_normal(1000).astype(dtype) for _ in range(4)]
     out = np.empty_like(xs[0])
     host_kernels.sum_slice(xs, out, 0, 1000, divisor=divisor, block_elements=37)
+    assert same_bits(out, NUMPY.divide(naive_chain(xs), divisor))
+    # Unaligned ranges (the scalar head and tail of the compiled kernel) and streaming.
+    out = np.empty_like(xs[0])
+    host_kernels.sum_slice(xs, out, 0, 3, divisor=divisor, stream=True)
+    host_kernels.sum_slice(xs, out, 3, 1000, divisor=divisor, stream=True)
     assert same_bits(out, NUMPY.divide(naive_chain(xs), divisor))
 
 
@@ -173,3 +203,34 @@ def test_large_results_reuse_buffers_nobody_holds_and_never_live_ones() -> None:
     assert same_bits(third, naive_chain(ys))
     assert same_bits(first, naive_chain(xs))
     assert third.flags.writeable  # a result the caller owns, like np.add's
+
+
+def test_the_compiled_kernel_takes_what_it_supports_and_nothing_else(kernel: str) -> None:
+    xs = [np.ones(8, np.float32)] * 3
+    out = np.empty(8, np.float32)
+    assert native.can_sum(xs, out, None) is (kernel == "native")
+    assert native.can_sum(xs, out, 3) is (kernel == "native")
+    ints = [np.ones(8, np.int32)] * 3
+    assert native.can_sum(ints, np.empty(8, np.int32), None) is (kernel == "native")
+    assert not native.can_sum(ints, np.empty(8, np.int32), 3)  # integer MEAN: NumPy's path
+    halves = [np.ones(8, np.float16)] * 3
+    assert not native.can_sum(halves, np.empty(8, np.float16), None)
+    unaligned = np.zeros(8 * 4 + 1, np.uint8)[1:].view(np.float32)
+    assert not unaligned.flags.aligned
+    assert not native.can_sum(xs, unaligned, None)
+    strided = np.ones(16, np.float32)[::2]
+    assert not native.can_sum([strided, *xs[1:]], out, None)
+
+
+def test_crossdevice_native_0_turns_the_compiled_kernel_off() -> None:
+    code = "from crossdevice._arrays import native; print(native.available())"
+    env = {**os.environ, "CROSSDEVICE_NATIVE": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.stdout.strip() == "False", done.stderr

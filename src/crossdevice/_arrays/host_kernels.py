@@ -26,11 +26,13 @@ from typing import Final
 
 import numpy as np
 
+from crossdevice._arrays import native
 from crossdevice._arrays.buffer_pool import BufferPool
 
 __all__ = [
     "BLOCKED_MIN_BYTES",
     "BLOCK_BYTES",
+    "NATIVE_MIN_BYTES",
     "PARALLEL_MIN_BYTES",
     "available_cpus",
     "can_sum_fast",
@@ -55,6 +57,11 @@ BLOCK_BYTES: Final = 512 * 1024
 #: blocked 90 us; 4 MiB 467 vs 527 us; 16 MiB 2.84 vs 3.05 ms; 64 MiB 14.4 vs 12.9 ms).
 BLOCKED_MIN_BYTES: Final = 8 * 1024 * 1024
 
+#: Ranges of at least this many bytes take the compiled fused kernel when it is built
+#: (`native`): one pass over every input. Below it the ~5 us of a ctypes call is not
+#: worth saving NumPy's two or three ufunc calls on data that is in cache anyway.
+NATIVE_MIN_BYTES: Final = 64 * 1024
+
 #: Below this many bytes per input the sum runs in the calling thread only. Handing work
 #: to the pool costs a thread wake-up and join (medians, 4 float32 inputs, one thread vs
 #: pooled: 4 MiB 0.63 vs 0.74 ms; 8 MiB 1.67 vs 1.58 ms; 16 MiB 3.81 vs 2.96 ms).
@@ -77,6 +84,7 @@ def sum_slice(
     *,
     divisor: int | None = None,
     block_elements: int | None = None,
+    stream: bool = False,
 ) -> None:
     """`out[start:stop] = inputs[0][start:stop] + inputs[1][start:stop] + ...`, in order.
 
@@ -96,6 +104,8 @@ def sum_slice(
             for floating-point `out`.
         block_elements: elements per block (default: the whole range below
             `BLOCKED_MIN_BYTES`, else `BLOCK_BYTES` worth).
+        stream: the whole result is far larger than the caches: the compiled kernel, when
+            it runs, writes it with non-temporal stores (`native.STREAM_MIN_BYTES`).
 
     Example:
         >>> xs = [np.arange(5, dtype=np.float32) for _ in range(3)]
@@ -123,6 +133,9 @@ def sum_slice(
         np.copyto(out[start:stop], first[start:stop])
         if divisor is not None:
             np.true_divide(out[start:stop], divisor, out=out[start:stop])
+        return
+    if (stop - start) * out.itemsize >= NATIVE_MIN_BYTES and native.can_sum(inputs, out, divisor):
+        native.fused_sum(inputs, out, start, stop, divisor=divisor, stream=stream)
         return
     second = inputs[1]
     rest = inputs[2:]
@@ -295,12 +308,14 @@ def sum_n(
     flat_out = out.reshape(-1)
     size = flat_out.shape[0]
     executor = _POOL.executor() if parallel and arrays[0].nbytes >= PARALLEL_MIN_BYTES else None
+    stream = out.nbytes >= native.STREAM_MIN_BYTES
     if executor is None or size == 0:
-        sum_slice(flats, flat_out, 0, size)
+        sum_slice(flats, flat_out, 0, size, stream=stream)
         return out
     block = max(1, BLOCK_BYTES // out.itemsize)
     ranges = _split(size, _POOL.workers + 1, block)
     run_parallel(
-        lambda k: sum_slice(flats, flat_out, *ranges[k], block_elements=block), len(ranges)
+        lambda k: sum_slice(flats, flat_out, *ranges[k], block_elements=block, stream=stream),
+        len(ranges),
     )
     return out
