@@ -51,6 +51,49 @@ def test_all_reduce(strategy: Any, backend: Any, op: Any) -> None:
         np.testing.assert_allclose(to_numpy(result["y"][1]), np.full((2, 3), 2 * expected))
 
 
+@pytest.mark.parametrize(
+    ("kind", "op"),
+    [
+        (k, op)
+        for k in ("contiguous", "strided", "scalar", "int64", "bool")
+        for op in ("sum", "mean")
+    ],
+)
+def test_all_reduce_of_one_bare_leaf(strategy: Any, backend: Any, kind: str, op: str) -> None:
+    # One array, not a nest: the per-step shape of a loss or a metric, with its own fast
+    # path for contiguous NumPy; every other kind of leaf must give the same answers.
+    n = strategy.num_replicas_in_sync
+
+    def leaf(r: int) -> Any:
+        base = np.arange(8, dtype=np.float32) + r
+        if kind == "strided":
+            return backend.make(np.repeat(base, 2))[::2]
+        if kind == "scalar":
+            return np.float32(r + 1) if backend.name == "numpy" else backend.make(base[0] + 1)
+        if kind == "int64":
+            return backend.make(base.astype(np.int64))
+        if kind == "bool":
+            return backend.make(base > 3)
+        return backend.make(base)
+
+    def fn() -> Any:
+        ctx = cd.get_replica_context()
+        return ctx.all_reduce(op, leaf(ctx.replica_id_in_sync_group))
+
+    parts = [to_numpy(leaf(r)) for r in range(n)]
+    if kind == "bool":
+        # A sum of booleans is a logical or, in NumPy's `+` and torch's `add` alike.
+        expected = np.logical_or.reduce(parts)
+    else:
+        expected = parts[0]
+        for p in parts[1:]:
+            expected = expected + p
+    if op == "mean":
+        expected = expected / n
+    for result in strategy.experimental_local_results(strategy.run(fn)):
+        np.testing.assert_allclose(to_numpy(result), expected, rtol=1e-6)
+
+
 def test_all_reduce_is_bitwise_reproducible(strategy: Any) -> None:
     rng = np.random.default_rng(0)
     data = rng.standard_normal((strategy.num_replicas_in_sync, 1000)).astype(np.float32)

@@ -380,6 +380,30 @@ class ThreadCommunicator:
         arrival = self._prepare_reduce(replica_id, list(arrays), op)
         return self._collective(replica_id, arrival, timeout)
 
+    def _all_reduce_one(
+        self, replica_id: int, array: np.ndarray, op: ReduceOp, timeout: float | None
+    ) -> Any:
+        """`all_reduce(replica_id, [array], op, timeout)[0]`, for a strategy's replica.
+
+        The per-step case (a loss, a metric, one flat buffer): a contiguous NumPy array
+        goes straight to the rendezvous, without the list plumbing and checks that
+        `all_reduce` does for callers it does not know (this one's `replica_id` and `op`
+        come from the strategy). Anything else takes `all_reduce`.
+        """
+        if (
+            type(array) is np.ndarray
+            and array.flags.c_contiguous
+            and array.dtype.kind in _NUMERIC_KINDS
+        ):
+            values = [array]
+            sig = ((array.shape, array.dtype),)
+            arrival = _Arrival("all_reduce", values, values, sig, _ONE_NUMPY, op)
+            plan = self._plans.get(sig)
+            # One array is never packed (`_make_plan`): nothing to copy before arriving.
+            arrival.plan = plan if plan is not None else self._plan(sig)
+            return self._collective(replica_id, arrival, timeout)[0]
+        return self.all_reduce(replica_id, [array], op, timeout)[0]
+
     def all_gather(
         self, replica_id: int, array: Any, axis: int = 0, timeout: float | None = None
     ) -> Any:
@@ -1205,6 +1229,9 @@ def _no_torch(n: int) -> tuple[bool, ...]:
     if mask is None:
         mask = _NO_TORCH[n] = (False,) * n
     return mask
+
+
+_ONE_NUMPY: Final = _no_torch(1)
 
 
 _HOST_REDUCERS: dict[int, ThreadCommunicator] = {}

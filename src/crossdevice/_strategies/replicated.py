@@ -138,8 +138,9 @@ class ReplicatedExtended(StrategyExtended):
         local_id = replica_id - self._replica_id_offset
         if type(value) is np.ndarray or isinstance(value, np.generic):
             # One NumPy leaf (a loss, a flat gradient buffer): no nest to walk.
-            timeout = self._timeout(options)
-            return communicator.all_reduce(local_id, [np.asarray(value)], op, timeout=timeout)[0]
+            return communicator._all_reduce_one(
+                local_id, np.asarray(value), op, self._timeout(options)
+            )
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
