@@ -60,6 +60,7 @@ def test_bench_runs_every_implementation_and_writes_json(
     assert bench.run(args) == 0
     text = capsys.readouterr().out
     assert "# versions: python" in text
+    assert "# host sum kernel: " in text
     assert "numpy" in text
     assert "memory bandwidth" in text
     assert "#wrong" in text

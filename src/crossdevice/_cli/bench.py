@@ -460,6 +460,17 @@ def _check(results: Sequence[Any], case: _Case) -> tuple[int, int]:
     return wrong, inexact
 
 
+def _kernel_description() -> str:
+    from crossdevice._arrays import native
+
+    if native.available():
+        return (
+            "compiled fused sum (non-temporal stores for results of "
+            f"{native.STREAM_MIN_BYTES >> 20} MiB or more)"
+        )
+    return "NumPy blocked chain (compiled kernel not built, or CROSSDEVICE_NATIVE=0)"
+
+
 def _header(args: argparse.Namespace, bw: MemoryBandwidth, ops: list[str]) -> list[str]:
     from crossdevice._core.devices import canonicalize
 
@@ -473,6 +484,7 @@ def _header(args: argparse.Namespace, bw: MemoryBandwidth, ops: list[str]) -> li
         f"op: {args.op} type: {args.datatype} backend: {args.backend}",
         "# versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         f"# replicas: {n} threads in one process, {host_kernels.available_cpus()} CPUs",
+        f"# host sum kernel: {_kernel_description()}",
         f"# devices: {devices[0]} .. {devices[-1].rsplit('/', 1)[-1]} (logical CPU devices, "
         "host memory)",
         f"# memory bandwidth (np.copyto of {bw.copy_bytes >> 20} MiB, read+written, median "
@@ -565,6 +577,7 @@ def run(args: argparse.Namespace) -> int:
                         "versions": _versions(),
                         "replicas": n,
                         "cpus": host_kernels.available_cpus(),
+                        "host_sum_kernel": _kernel_description(),
                         "args": {k: v for k, v in vars(args).items() if k != "func"},
                     },
                     "bandwidth": bw.as_dict(),
