@@ -10,11 +10,16 @@ Also measured: a step with one `merge_call`, and `ThreadCommunicator.all_reduce`
 scalar called directly by 4 replica threads (the collective without the strategy).
 Each number is the median of `--runs` runs of `--inner` back-to-back steps.
 
+The steps run with the default replica execution ("auto": these small steps end up as
+cooperative replicas on the caller's thread) and again with replica threads only
+(`crossdevice.config.set_replica_execution("threads")`), the rows marked `threads:`.
+
     python -m benchmarks.run_overhead --json overhead.json
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -23,6 +28,7 @@ import crossdevice
 from benchmarks import _common
 from crossdevice._cli.bench import ReplicaThreads
 from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._core import cooperative
 
 #: The issue's targets, microseconds (TF measured 10-25x slower).
 TARGETS_US = {"run_trivial": 100.0, "run_scalar_all_reduce": 200.0, "run_1KiB_all_reduce": 150.0}
@@ -60,11 +66,15 @@ def main() -> None:
         "run_1KiB_all_reduce": kib_step,
         "run_merge_call": merge_step,
     }
-    for name, fn in steps.items():
-        seconds, _ = _common.median_seconds(
-            lambda fn=fn: strategy.run(fn), args.runs, args.inner, warmup=20
-        )
-        results[f"{name}_us"] = seconds * 1e6
+    for mode in ("auto", "threads"):
+        crossdevice.config.set_replica_execution(mode)  # type: ignore[arg-type]
+        prefix = "" if mode == "auto" else "threads:"
+        for name, fn in steps.items():
+            seconds, _ = _common.median_seconds(
+                lambda fn=fn: strategy.run(fn), args.runs, args.inner, warmup=20
+            )
+            results[f"{prefix}{name}_us"] = seconds * 1e6
+    crossdevice.config.set_replica_execution("auto")
     n = _common.REPLICAS
     threads = ReplicaThreads(n)
     comm = ThreadCommunicator(n, name="overhead-bench")
@@ -80,7 +90,11 @@ def main() -> None:
     finally:
         threads.close()
     results["communicator_scalar_all_reduce_us"] = seconds * 1e6
-    print(f"per-step overhead, {n} replicas (median of {args.runs} x {args.inner} steps):")
+    print(
+        f"per-step overhead, {n} replicas (median of {args.runs} x {args.inner} steps; "
+        f"cooperative replicas available: {cooperative.available()}, torch imported: "
+        f"{'torch' in sys.modules}):"
+    )
     for key, value in results.items():
         target = TARGETS_US.get(key[:-3])
         note = f"  (target <= {target:.0f} us)" if target else ""

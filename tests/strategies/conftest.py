@@ -1,32 +1,57 @@
-"""Strategy fixtures: every strategy the contract suite runs against."""
+"""Strategy fixtures: every strategy the contract suite runs against.
+
+Strategies with several CPU replicas run both ways: on replica threads and as cooperative
+replicas (`crossdevice.config.set_replica_execution("cooperative")`). The default, "auto",
+picks one of the two per step function, so both must give the same results.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 import crossdevice as cd
 
-#: (id, factory) for every strategy of the contract suite.
-STRATEGIES: list[tuple[str, Callable[[], Any]]] = [
-    *[
-        (f"mirrored{n}", lambda n=n: cd.MirroredStrategy([f"CPU:{i}" for i in range(n)]))
-        for n in (1, 2, 3, 4, 8)
-    ],
-    ("one_device", lambda: cd.OneDeviceStrategy("CPU:0")),
-    (
-        "central_storage2",
-        lambda: cd.experimental.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0"),
-    ),
+
+def _mirrored(n: int) -> Callable[[], Any]:
+    return lambda: cd.MirroredStrategy([f"CPU:{i}" for i in range(n)])
+
+
+def _central_storage() -> Any:
+    return cd.experimental.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
+
+
+#: (id, factory, replica execution) for every strategy of the contract suite.
+STRATEGIES: list[tuple[str, Callable[[], Any], str]] = [
+    *[(f"mirrored{n}", _mirrored(n), "threads") for n in (1, 2, 3, 4, 8)],
+    ("one_device", lambda: cd.OneDeviceStrategy("CPU:0"), "threads"),
+    ("central_storage2", _central_storage, "threads"),
+    *[(f"mirrored{n}_coop", _mirrored(n), "cooperative") for n in (2, 3, 4, 8)],
+    ("central_storage2_coop", _central_storage, "cooperative"),
 ]
 
 
-@pytest.fixture(params=[factory for _, factory in STRATEGIES], ids=[n for n, _ in STRATEGIES])
-def strategy(request: pytest.FixtureRequest) -> Any:
-    """Each strategy of the contract suite."""
-    return request.param()
+def replica_execution(mode: str) -> Iterator[None]:
+    """Run the enclosed test with replica execution `mode`, then restore the default."""
+    previous = cd.config.get_replica_execution()
+    cd.config.set_replica_execution(mode)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        cd.config.set_replica_execution(previous)  # type: ignore[arg-type]
+
+
+@pytest.fixture(
+    params=[(factory, mode) for _, factory, mode in STRATEGIES],
+    ids=[name for name, _, _ in STRATEGIES],
+)
+def strategy(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Each strategy of the contract suite (with several replicas: in both modes)."""
+    factory, mode = request.param
+    for _ in replica_execution(mode):
+        yield factory()
 
 
 @pytest.fixture

@@ -9,21 +9,28 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import crossdevice as cd
+from tests.strategies.conftest import replica_execution
 
 
 class BoomError(Exception):
     """A distinctive error type."""
 
 
-@pytest.fixture(params=[2, 3, 4, 8], ids=lambda n: f"mirrored{n}")
-def strategy(request: pytest.FixtureRequest) -> Any:
-    return cd.MirroredStrategy([f"CPU:{i}" for i in range(request.param)])
+@pytest.fixture(
+    params=[(n, mode) for mode in ("threads", "cooperative") for n in (2, 3, 4, 8)],
+    ids=lambda p: f"mirrored{p[0]}" + ("_coop" if p[1] == "cooperative" else ""),
+)
+def strategy(request: pytest.FixtureRequest) -> Iterator[Any]:
+    n, mode = request.param
+    for _ in replica_execution(mode):
+        yield cd.MirroredStrategy([f"CPU:{i}" for i in range(n)])
 
 
 def _works(strategy: Any) -> None:
@@ -151,11 +158,26 @@ def test_failed_run_leaves_variables_unchanged(strategy: Any) -> None:
         np.testing.assert_array_equal(component.numpy(), [0, 0])
 
 
-def test_replicas_run_concurrently(strategy: Any) -> None:
-    """Every replica is inside fn at the same time (TF runs them one after another)."""
+def test_replicas_run_concurrently_on_threads(strategy: Any) -> None:
+    """Threads: every replica is inside fn at once. Cooperative: one at a time, in order.
+
+    (TF runs replicas one after another too: a step must not make replicas wait for each
+    other outside the library's collectives.)
+    """
     n = strategy.num_replicas_in_sync
-    barrier = threading.Barrier(n, timeout=10)
-    strategy.run(barrier.wait)
+    if cd.config.get_replica_execution() == "threads":
+        barrier = threading.Barrier(n, timeout=10)
+        strategy.run(barrier.wait)
+        return
+    events: list[tuple[str, int]] = []
+
+    def fn() -> None:
+        replica = cd.get_replica_context().replica_id_in_sync_group
+        events.append(("enter", replica))
+        events.append(("exit", replica))
+
+    strategy.run(fn)
+    assert events == [(e, r) for r in range(n) for e in ("enter", "exit")]
 
 
 def test_concurrent_callers_are_serialised(strategy: Any) -> None:

@@ -49,6 +49,7 @@ from crossdevice._arrays.host_kernels import (
 )
 from crossdevice._arrays.native import STREAM_MIN_BYTES
 from crossdevice._arrays.numpy_backend import NUMPY
+from crossdevice._core.cooperative import block
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 
@@ -777,8 +778,8 @@ class ThreadCommunicator:
         while True:
             if deadline is None:
                 # No timeout: abort(), reset(), finish() and peers' timeouts release it.
-                gate.acquire()
-            elif not gate.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                block(gate, None)
+            elif not block(gate, max(0.0, deadline - time.monotonic())):
                 with self._lock:
                     if replica_id in self._sleepers:
                         self._sleepers.remove(replica_id)

@@ -18,7 +18,16 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Frame", "current_frame", "entered", "pop_frame", "push_frame", "stack_depth"]
+__all__ = [
+    "Frame",
+    "copy_stack",
+    "current_frame",
+    "entered",
+    "pop_frame",
+    "push_frame",
+    "stack_depth",
+    "swap_stack",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,6 +75,22 @@ def pop_frame(frame: Frame) -> None:
             "exit `with strategy.scope()` blocks in the order they were entered"
         )
     stack.pop()
+
+
+def copy_stack() -> list[Frame]:
+    """A copy of this thread's context stack (what a new cooperative replica 0 starts with)."""
+    return list(_LOCAL.stack)
+
+
+def swap_stack(stack: list[Frame]) -> list[Frame]:
+    """Replace this thread's context stack, returning the old one.
+
+    Cooperative replicas share their thread: each has its own stack, swapped in while it
+    runs (`crossdevice._core.cooperative`).
+    """
+    old = _LOCAL.stack
+    _LOCAL.stack = stack
+    return old
 
 
 def stack_depth() -> int:

@@ -30,15 +30,23 @@ Invariants (guarded by `self._lock`):
 from __future__ import annotations
 
 import _thread
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from crossdevice._core import context, devices
+from crossdevice._core import cooperative as cooperative_module
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 
-__all__ = ["MERGE_CALL_MISMATCH", "ReplicaRunner"]
+__all__ = [
+    "EXECUTION_MODES",
+    "MERGE_CALL_MISMATCH",
+    "ReplicaRunner",
+    "get_replica_execution",
+    "set_replica_execution",
+]
 
 MERGE_CALL_MISMATCH: Final = (
     "Some replicas made a different number of replica_context().merge_call() calls: "
@@ -49,6 +57,114 @@ MERGE_CALL_MISMATCH: Final = (
 #: How often idle waits wake to check for shutdown or a broken run. Waits are woken by
 #: notifications; this only bounds how long a missed wake-up could delay them.
 _POLL_SECONDS: Final = 1.0
+
+
+#: `set_replica_execution` choices: pick per step function by timing both, replica
+#: threads only, or cooperative replicas (greenlets on the caller's thread) only.
+EXECUTION_MODES: Final = ("auto", "threads", "cooperative")
+
+_execution: str = "auto"
+
+
+def set_replica_execution(mode: Literal["auto", "threads", "cooperative"]) -> None:
+    """Choose how `strategy.run` executes the replicas of in-process host strategies.
+
+    * `"auto"` (default): replica threads, except for step functions measured to be
+      faster as cooperative replicas (small steps: a metric, a scalar all-reduce), while
+      torch is not imported.
+    * `"threads"`: one long-lived thread per replica; replicas compute in parallel
+      wherever NumPy or torch release the GIL.
+    * `"cooperative"`: every replica is a greenlet on the caller's thread and runs until
+      it waits in a collective, then the next one runs. No thread hand-offs (a 1 KiB
+      all-reduce step costs a fraction of the threaded one) and no parallel compute.
+      The context, the device scope and torch's grad mode are kept per replica; other
+      thread-local state (torch autocast and inference mode) is shared by the replicas.
+
+    It applies to MirroredStrategy and CentralStorageStrategy on CPU devices;
+    MultiWorkerMirroredStrategy and GPU replicas always use threads. Results are the same
+    in every mode, bitwise.
+
+    Args:
+        mode: one of `EXECUTION_MODES`.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    global _execution
+    if mode not in EXECUTION_MODES:
+        raise ValueError(
+            f"replica execution must be one of {list(EXECUTION_MODES)}, received {mode!r}"
+        )
+    if mode == "cooperative" and not cooperative_module.available():
+        raise ValueError(
+            "replica execution 'cooperative' needs the greenlet package, which is not "
+            "installed: pip install greenlet (or choose 'auto' or 'threads')"
+        )
+    _execution = mode
+
+
+def get_replica_execution() -> str:
+    """The mode set by `set_replica_execution` ("auto" unless changed)."""
+    return _execution
+
+
+class _Tuner:
+    """Per step function: how long its runs take on threads and cooperatively.
+
+    A new function runs on threads. If that took under `TRY_BELOW` seconds it is tried
+    cooperatively `SAMPLES` times; afterwards the faster mode (by an exponential moving
+    average of each) runs, and every `EXPLORE_EVERY` runs the other one is timed once
+    again, so a step that grows (or shrinks) moves to its faster mode.
+    """
+
+    TRY_BELOW: Final = 1e-3
+    SAMPLES: Final = 3
+    EXPLORE_EVERY: Final = 64
+    ALPHA: Final = 0.25
+    MAX_FUNCTIONS: Final = 256
+
+    def __init__(self) -> None:
+        # key -> [threads seconds, cooperative seconds, runs, cooperative samples]
+        self._stats: dict[Any, list[Any]] = {}
+
+    def choose(self, key: Any) -> bool:
+        """Whether the next run of `key` should be cooperative."""
+        stats = self._stats.get(key)
+        if stats is None:
+            return False
+        threads, coop, runs, samples = stats
+        stats[2] = runs = runs + 1
+        if samples < self.SAMPLES:
+            return threads is not None and threads < self.TRY_BELOW
+        prefer_coop: bool = coop < threads
+        if runs % self.EXPLORE_EVERY == 0:
+            return not prefer_coop and threads < self.TRY_BELOW
+        return prefer_coop
+
+    def record(self, key: Any, coop: bool, seconds: float) -> None:
+        """Fold one run's wall time into `key`'s estimate for its mode."""
+        stats = self._stats.get(key)
+        if stats is None:
+            if len(self._stats) >= self.MAX_FUNCTIONS:
+                self._stats.clear()
+            stats = self._stats[key] = [None, None, 0, 0]
+        slot = 1 if coop else 0
+        old = stats[slot]
+        stats[slot] = seconds if old is None else old + self.ALPHA * (seconds - old)
+        if coop:
+            stats[3] += 1
+
+
+def _tuning_key(fn: Callable[..., Any]) -> Any:
+    """What identifies a step function across calls (a new lambda each step shares code)."""
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return code
+    try:
+        hash(fn)
+    except TypeError:
+        return None
+    return fn
 
 
 #: What a worker runs: (fn, args, kwargs).
@@ -76,6 +192,9 @@ class ReplicaRunner:
         make_frame: `make_frame(i)` returns the context `Frame` of replica `i`.
         replica_devices: the device of each replica (its thread's device scope).
         name: used in thread names and error messages.
+        cooperative: whether replicas may run cooperatively on the caller's thread
+            (`set_replica_execution`): only where every collective they wait in is an
+            in-process rendezvous (host devices, one process).
     """
 
     def __init__(
@@ -84,8 +203,12 @@ class ReplicaRunner:
         make_frame: Callable[[int], context.Frame],
         replica_devices: Sequence[str],
         name: str,
+        cooperative: bool = False,
     ) -> None:
         self._n = num_replicas
+        self._cooperative_ok = cooperative and num_replicas > 1 and cooperative_module.available()
+        self._tuner = _Tuner()
+        self._scheduler: cooperative_module.CooperativeScheduler | None = None
         self._make_frame = make_frame
         self._devices = tuple(replica_devices)
         self._name = name
@@ -141,26 +264,79 @@ class ReplicaRunner:
             BaseException: the first exception raised by a replica or a `merge_fn`.
         """
         with self._run_lock:
+            coop, key = self._choose_mode(fn)
             with self._lock:
                 if self._closed:
                     raise RuntimeError(f"{self._name}: the strategy's replica threads are closed")
-                for i in range(1, self._n):
-                    args, kwargs = per_replica_args[i]
-                    self._jobs[i] = (fn, args, kwargs)
+                if not coop:
+                    for i in range(1, self._n):
+                        args, kwargs = per_replica_args[i]
+                        self._jobs[i] = (fn, args, kwargs)
                 self._results = [None] * self._n
                 self._errors = []
                 self._pending = self._n
                 self._merge_timeout = merge_timeout
                 current = devices.current_device()
                 self._caller_devices = [current] if current else []
-            for i in range(1, self._n):
-                self._start_wake[i].release()
-            args0, kwargs0 = per_replica_args[0]
-            self._run_replica(0, fn, args0, kwargs0)
-            # Replicas always finish: a broken run releases every rendezvous.
-            while not self._done_wake.acquire(timeout=_POLL_SECONDS):
-                pass
+            start = time.perf_counter()
+            if coop:
+                self._run_cooperative(fn, per_replica_args)
+            else:
+                for i in range(1, self._n):
+                    self._start_wake[i].release()
+                args0, kwargs0 = per_replica_args[0]
+                self._run_replica(0, fn, args0, kwargs0)
+                # Replicas always finish: a broken run releases every rendezvous.
+                while not self._done_wake.acquire(timeout=_POLL_SECONDS):
+                    pass
+            if key is not None:
+                self._tuner.record(key, coop, time.perf_counter() - start)
             return self._finish_run()
+
+    def _choose_mode(self, fn: Callable[..., Any]) -> tuple[bool, Any]:
+        """(run cooperatively?, the tuning key to record the run under, or None)."""
+        if not self._cooperative_ok:
+            return False, None
+        mode = _execution
+        if mode == "threads":
+            return False, None
+        if mode == "cooperative":
+            return True, None
+        # auto: torch keeps more thread-local state than a replica switch carries over.
+        if "torch" in sys.modules:
+            return False, None
+        key = _tuning_key(fn)
+        if key is None:
+            return False, None
+        return self._tuner.choose(key), key
+
+    def _run_cooperative(
+        self,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> None:
+        scheduler = self._scheduler
+        if scheduler is None:
+            scheduler = self._scheduler = cooperative_module.CooperativeScheduler(
+                self._n, self._run_replica, lambda exc: self._fail(-1, exc)
+            )
+        caller_stack = context.copy_stack()
+        torch = sys.modules.get("torch")
+        caller_grad = None if torch is None else bool(torch.is_grad_enabled())
+        # What each replica would see on its own thread: replica 0 the caller's context
+        # and grad mode, the others fresh ones; each its device scope.
+        states = [
+            cooperative_module.ReplicaState(
+                caller_stack if i == 0 else [],
+                [self._devices[i]],
+                caller_grad if i == 0 or caller_grad is None else True,
+            )
+            for i in range(self._n)
+        ]
+        jobs = [(i, fn, *per_replica_args[i]) for i in range(self._n)]
+        scheduler.run(jobs, states)
+        # The last replica to finish released the wake the threaded run waits on.
+        self._done_wake.acquire(False)
 
     def merge_call(
         self,
@@ -237,7 +413,7 @@ class ReplicaRunner:
         frame = self._make_frame(replica_id)
         context.push_frame(frame)
         old_devices = None
-        if replica_id == 0:
+        if replica_id == 0 and not cooperative_module.in_cooperative_replica():
             old_devices = devices.swap_device_stack([self._devices[0]])
         try:
             result = fn(*args, **kwargs)
@@ -266,11 +442,14 @@ class ReplicaRunner:
         timeout = self._merge_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         wake = self._merge_wake[replica_id]
+        # A cooperative replica has no thread to poll with: it waits for the deadline.
+        poll = None if cooperative_module.in_cooperative_replica() else _POLL_SECONDS
         while True:
-            wait = _POLL_SECONDS
+            wait = poll
             if deadline is not None:
-                wait = min(wait, max(deadline - time.monotonic(), 0.0))
-            if wake.acquire(timeout=wait):
+                left = max(deadline - time.monotonic(), 0.0)
+                wait = left if wait is None else min(wait, left)
+            if cooperative_module.block(wake, wait):
                 with self._lock:
                     if self._merge_seq == seq:  # woken by a failure, not by the merge
                         raise ReplicaAbortedError()

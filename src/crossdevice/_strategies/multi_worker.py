@@ -66,6 +66,11 @@ class _MultiWorkerExtended(ReplicatedExtended):
             "CPU:0", default=DeviceSpec(spec.job, spec.replica, spec.task).to_string()
         )
 
+    def _cooperative_replicas(self) -> bool:
+        # Collectives wait on other processes too: a blocked replica must not block its
+        # local peers' thread.
+        return False
+
     def _communication_options(self) -> CommunicationOptions | None:
         return self._options
 

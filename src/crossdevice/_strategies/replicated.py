@@ -108,6 +108,7 @@ class ReplicatedExtended(StrategyExtended):
                 make_frame,
                 self._devices,
                 name=type(self._container_strategy_ref).__name__,
+                cooperative=self._cooperative_replicas(),
             )
             weakref.finalize(self, self._runner.close)
             if self._uses_thread_collectives():
@@ -118,6 +119,14 @@ class ReplicatedExtended(StrategyExtended):
                 )
                 self._runner.add_participant(self._thread_communicator)
         return self._runner
+
+    def _cooperative_replicas(self) -> bool:
+        """Whether replicas may run as greenlets on the caller's thread (`set_replica_execution`).
+
+        Only on CPU devices: every rendezvous is then in this process and every collective
+        a replica waits in can be completed by its peers on the same thread.
+        """
+        return all(DeviceSpec.from_string(d).device_type == "CPU" for d in self._devices)
 
     def _uses_thread_collectives(self) -> bool:
         """Whether replica-context collectives run on the replicas' own threads.

@@ -1,0 +1,304 @@
+"""Cooperative replica execution: a small step's replicas take turns on the caller's thread.
+
+A replica thread pays for every hand-off. A 4-replica step with one all-reduce wakes a
+thread at least 2N times, and on a multi-core machine each wake moves the GIL, the
+interpreter's hot cache lines and often an idle vCPU to another core: on the 2-core dev
+VM a 1 KiB all-reduce step took 170-240 µs on threads, 81-124 µs with the whole process
+pinned to one core, and most of that is hand-offs (benchmarks/run_overhead.py).
+
+Here each replica is a greenlet, a stack of its own on the caller's thread. A replica runs
+until it must wait in a rendezvous (`merge_call`, a collective); instead of blocking the
+thread, `block` switches back to the scheduler (the caller's greenlet), which resumes the
+next replica that can go on. Every wait in the library goes through `block`, so the
+rendezvous code is the same in both modes: the same gates are released by the same
+peers, aborts and timeouts work the same way. Nothing runs in parallel, so this pays only
+for steps whose replica work is small; `ReplicaRunner` times both modes per step function
+and picks the faster.
+
+Thread-local state a replica sees is switched with it: the context stack (replica
+context), the device scope, and torch's grad mode. Other thread-local state (torch's
+autocast and inference mode, a user's `threading.local`) is shared by the replicas of a
+cooperative run, which is why `ReplicaRunner` does not pick this mode by itself once torch
+is imported.
+
+A state the threads would never leave (every replica waiting, none can go on: replicas
+that called different collectives) is detected at once and fails the run with a clear
+error; on threads it waits for the timeout, or forever without one.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from crossdevice._core import context, devices
+
+try:
+    import greenlet as _greenlet
+except ImportError:  # pragma: no cover - greenlet is a core dependency; threads still work
+    _greenlet = None
+
+__all__ = [
+    "CooperativeScheduler",
+    "ReplicaState",
+    "available",
+    "block",
+    "in_cooperative_replica",
+]
+
+#: What a replica greenlet hands back when its job is done (anything else: it parked).
+_DONE: Final = object()
+
+#: How long the scheduler sleeps at most, when every replica waits for a deadline, before
+#: it looks again for a gate that another thread released.
+_STALL_POLL_SECONDS: Final = 0.05
+
+
+class _Local(threading.local):
+    # The scheduler greenlet of the cooperative run on this thread (None: threads).
+    hub: Any = None
+
+
+_LOCAL: Final = _Local()
+
+
+def available() -> bool:
+    """Whether cooperative execution can run here (the greenlet package is installed)."""
+    return _greenlet is not None
+
+
+def block(lock: Any, timeout: float | None) -> bool:
+    """`lock.acquire(timeout=...)`, but a cooperative replica yields instead of blocking.
+
+    On a replica thread (or any thread outside a cooperative run) this is exactly
+    `lock.acquire(True, timeout)`. In a replica of a cooperative run it returns at once if
+    the lock is free; otherwise the replica parks and the scheduler runs the others until
+    somebody releases `lock` (True) or `timeout` seconds pass (False).
+
+    Args:
+        lock: a raw lock (`_thread.allocate_lock()` or `threading.Lock()`).
+        timeout: seconds to wait, or None to wait until it is released.
+    """
+    hub = _LOCAL.hub
+    if hub is None or _greenlet.getcurrent() is hub:
+        return lock.acquire(True, -1 if timeout is None else timeout)
+    if lock.acquire(False):
+        return True
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return hub.switch((lock, deadline))
+
+
+def in_cooperative_replica() -> bool:
+    """Whether the caller is a replica of a cooperative run (its waits do not block)."""
+    hub = _LOCAL.hub
+    return hub is not None and _greenlet.getcurrent() is not hub
+
+
+class ReplicaState:
+    """The thread-local state of one cooperative replica, swapped in while it runs.
+
+    Attributes:
+        stack: its context stack (`context.swap_stack`).
+        device_stack: its device-scope stack (`devices.swap_device_stack`).
+        grad_enabled: torch's grad mode, or None where torch is not imported.
+    """
+
+    __slots__ = ("device_stack", "grad_enabled", "stack")
+
+    def __init__(
+        self, stack: list[Any], device_stack: list[str], grad_enabled: bool | None
+    ) -> None:
+        self.stack = stack
+        self.device_stack = device_stack
+        self.grad_enabled = grad_enabled
+
+
+def _torch_c() -> Any:
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch._C
+
+
+class CooperativeScheduler:
+    """Runs one job per replica as greenlets on the calling thread (see the module doc).
+
+    Args:
+        num_replicas: how many replicas.
+        run_replica: `run_replica(i, fn, args, kwargs)` runs replica `i`'s job; it must
+            not raise (the runner records a replica's error and returns).
+        fail: `fail(exc)` breaks the run: it records `exc` for the caller and releases
+            every waiter (the replicas then return with `ReplicaAbortedError`).
+    """
+
+    def __init__(
+        self,
+        num_replicas: int,
+        run_replica: Callable[[int, Callable[..., Any], tuple[Any, ...], dict[str, Any]], None],
+        fail: Callable[[BaseException], None],
+    ) -> None:
+        if _greenlet is None:
+            raise RuntimeError(
+                "cooperative replica execution needs the greenlet package, which is not "
+                "installed; pip install greenlet, or use replica threads "
+                "(crossdevice.config.set_replica_execution('threads'))"
+            )
+        self._n = num_replicas
+        self._run_replica = run_replica
+        self._fail = fail
+        # Greenlets belong to the thread that made them: one set per calling thread.
+        self._local = threading.local()
+        # Consecutive stalls with no deadline in this run (the second is a bug).
+        self._stalls = 0
+
+    def run(
+        self,
+        jobs: Sequence[tuple[int, Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
+        states: Sequence[ReplicaState],
+    ) -> None:
+        """Run `jobs[i]` (`(i, fn, args, kwargs)`) as replica `i` with `states[i]`; wait for all.
+
+        Returns when every replica's job has returned. A failure inside the scheduler
+        itself (a KeyboardInterrupt while it sleeps) is handed to `fail`, the replicas
+        are run to their end, and it returns: the runner raises the recorded error.
+        """
+        hub = _greenlet.getcurrent()
+        greenlets = self._greenlets(hub)
+        n = self._n
+        parked: list[tuple[Any, float | None] | None] = [None] * n
+        previous_hub = _LOCAL.hub
+        _LOCAL.hub = hub
+        self._stalls = 0
+        try:
+            waiting = 0
+            failed = False
+            for i in range(n):
+                waiting += self._resume(greenlets, states, parked, i, jobs[i])
+            while waiting:
+                try:
+                    waiting += self._step(greenlets, states, parked)
+                except BaseException as exc:  # reported through fail(), then drained
+                    if failed:
+                        raise  # failing again while draining: give the greenlets up
+                    failed = True
+                    self._fail(exc)
+        except BaseException:
+            self._local.greenlets = None  # parked or broken greenlets are never reused
+            raise
+        finally:
+            _LOCAL.hub = previous_hub
+
+    # --- scheduling -----------------------------------------------------------------------
+    def _greenlets(self, hub: Any) -> list[Any]:
+        greenlets: list[Any] | None = getattr(self._local, "greenlets", None)
+        if greenlets is None or any(g.dead for g in greenlets):
+            greenlets = [_greenlet.greenlet(self._serve) for _ in range(self._n)]
+            self._local.greenlets = greenlets
+        for g in greenlets:
+            if g.parent is not hub:  # run() called from another greenlet of this thread
+                g.parent = hub
+        return greenlets
+
+    def _serve(self, job: tuple[int, Callable[..., Any], tuple[Any, ...], dict[str, Any]]) -> None:
+        """A replica greenlet's life: run a job, report it done, wait for the next."""
+        while True:
+            self._run_replica(*job)
+            job = _greenlet.getcurrent().parent.switch(_DONE)
+
+    def _resume(
+        self,
+        greenlets: list[Any],
+        states: Sequence[ReplicaState],
+        parked: list[tuple[Any, float | None] | None],
+        i: int,
+        value: Any,
+    ) -> int:
+        """Switch to replica `i` with its state until it parks (returns 1) or is done (0)."""
+        state = states[i]
+        hub_stack = context.swap_stack(state.stack)
+        hub_devices = devices.swap_device_stack(state.device_stack)
+        torch_c = _torch_c()
+        hub_grad = None
+        if torch_c is not None:
+            hub_grad = torch_c.is_grad_enabled()
+            torch_c._set_grad_enabled(
+                hub_grad if state.grad_enabled is None else state.grad_enabled
+            )
+        try:
+            # A job (i, fn, args, kwargs) starts a replica; True/False answer its wait.
+            out = greenlets[i].switch(value)
+        finally:
+            state.stack = context.swap_stack(hub_stack)
+            state.device_stack = devices.swap_device_stack(hub_devices)
+            if torch_c is not None:
+                state.grad_enabled = torch_c.is_grad_enabled()
+                torch_c._set_grad_enabled(hub_grad)
+        if out is _DONE:
+            return 0
+        parked[i] = out
+        return 1
+
+    def _step(
+        self,
+        greenlets: list[Any],
+        states: Sequence[ReplicaState],
+        parked: list[tuple[Any, float | None] | None],
+    ) -> int:
+        """Resume every parked replica whose gate was released; handle a stall.
+
+        Returns the change in the number of parked replicas.
+        """
+        moved = False
+        change = 0
+        for i, entry in enumerate(parked):
+            if entry is not None and entry[0].acquire(False):
+                parked[i] = None
+                moved = True
+                change += self._resume(greenlets, states, parked, i, True) - 1
+        if moved:
+            self._stalls = 0
+            return change
+        return self._stalled(greenlets, states, parked)
+
+    def _stalled(
+        self,
+        greenlets: list[Any],
+        states: Sequence[ReplicaState],
+        parked: list[tuple[Any, float | None] | None],
+    ) -> int:
+        """Every unfinished replica waits and none can go on: time one out, or fail."""
+        waits = [(entry[1], i) for i, entry in enumerate(parked) if entry is not None]
+        if not waits:
+            return 0
+        deadlines = [(d, i) for d, i in waits if d is not None]
+        if not deadlines:
+            self._stalls += 1
+            if self._stalls > 1:  # failing the run released nobody: never spin on it
+                raise RuntimeError(
+                    "crossdevice bug: a failed cooperative run did not release its waiting "
+                    "replicas; please report it (crossdevice.config.set_replica_execution"
+                    "('threads') avoids this mode meanwhile)"
+                )
+            ids = [i for _, i in waits]
+            # On threads they would wait for ever: every peer they wait for waits too.
+            self._fail(
+                RuntimeError(
+                    f"replicas {ids} all wait in a rendezvous and none of them can go on: "
+                    "they called different collectives (merge_call, all_reduce, ...) or "
+                    "called them in a different order. Every replica must make the same "
+                    "collective calls in the same order."
+                )
+            )
+            return 0
+        deadline, i = min(deadlines)
+        delay = deadline - time.monotonic()
+        if delay > 0:
+            # Sleep in slices: another thread (an abort) may release a gate meanwhile.
+            time.sleep(min(delay, _STALL_POLL_SECONDS))
+            return 0
+        entry = parked[i]
+        assert entry is not None
+        parked[i] = None
+        acquired = entry[0].acquire(False)
+        return self._resume(greenlets, states, parked, i, acquired) - 1
