@@ -147,6 +147,16 @@ def test_tuner_leaves_large_steps_on_threads() -> None:
     assert not any(tuner.choose(key) for _ in range(4 * _Tuner.EXPLORE_EVERY))
 
 
+def test_tuner_ignores_one_stalled_run() -> None:
+    tuner = _Tuner()
+    key = object()
+    tuner.record(key, False, 200e-6)
+    for seconds in (50e-6, 50e-6, 50e-6, 10e-3):  # the last one: the machine stalled
+        assert tuner.choose(key) is True
+        tuner.record(key, True, seconds)
+    assert tuner.choose(key) is True
+
+
 _AUTO_SCRIPT = textwrap.dedent(
     """
     import sys, threading

@@ -35,9 +35,11 @@ Invariants (guarded by `self._lock`):
 from __future__ import annotations
 
 import _thread
+import math
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, Protocol
 
@@ -117,47 +119,58 @@ class _Tuner:
     """Per step function: how long its runs take on threads and cooperatively.
 
     A new function runs on threads. If that took under `TRY_BELOW` seconds it is tried
-    cooperatively `SAMPLES` times; afterwards the faster mode (by an exponential moving
-    average of each) runs, and every `EXPLORE_EVERY` runs the other one is timed once
-    again, so a step that grows (or shrinks) moves to its faster mode.
+    cooperatively `SAMPLES` times; afterwards the mode with the smaller median of its
+    last `WINDOW` run times runs, and every `EXPLORE_EVERY` runs the other one is timed
+    once again, so a step that grows (or shrinks) moves to its faster mode. Medians, not
+    averages: one run stalled by the machine (a GC pause, another process) must not move
+    a step to its slower mode for the next hundred runs.
     """
 
     TRY_BELOW: Final = 1e-3
     SAMPLES: Final = 3
+    WINDOW: Final = 5
     EXPLORE_EVERY: Final = 64
-    ALPHA: Final = 0.25
     MAX_FUNCTIONS: Final = 256
 
     def __init__(self) -> None:
-        # key -> [threads seconds, cooperative seconds, runs, cooperative samples]
-        self._stats: dict[Any, list[Any]] = {}
+        self._stats: dict[Any, _StepTimes] = {}
 
     def choose(self, key: Any) -> bool:
         """Whether the next run of `key` should be cooperative."""
         stats = self._stats.get(key)
         if stats is None:
             return False
-        threads, coop, runs, samples = stats
-        stats[2] = runs = runs + 1
-        if samples < self.SAMPLES:
-            return threads is not None and threads < self.TRY_BELOW
-        prefer_coop: bool = coop < threads
-        if runs % self.EXPLORE_EVERY == 0:
+        stats.runs += 1
+        threads = stats.median[0]
+        if len(stats.times[1]) < self.SAMPLES:
+            return threads < self.TRY_BELOW
+        prefer_coop = stats.median[1] < threads
+        if stats.runs % self.EXPLORE_EVERY == 0:
             return not prefer_coop and threads < self.TRY_BELOW
         return prefer_coop
 
     def record(self, key: Any, coop: bool, seconds: float) -> None:
-        """Fold one run's wall time into `key`'s estimate for its mode."""
+        """Add one run's wall time to `key`'s recent times in its mode."""
         stats = self._stats.get(key)
         if stats is None:
             if len(self._stats) >= self.MAX_FUNCTIONS:
                 self._stats.clear()
-            stats = self._stats[key] = [None, None, 0, 0]
+            stats = self._stats[key] = _StepTimes(self.WINDOW)
         slot = 1 if coop else 0
-        old = stats[slot]
-        stats[slot] = seconds if old is None else old + self.ALPHA * (seconds - old)
-        if coop:
-            stats[3] += 1
+        times = stats.times[slot]
+        times.append(seconds)
+        stats.median[slot] = sorted(times)[len(times) // 2]
+
+
+class _StepTimes:
+    """Recent run times of one step function: [threads, cooperative]."""
+
+    __slots__ = ("median", "runs", "times")
+
+    def __init__(self, window: int) -> None:
+        self.times: tuple[deque[float], deque[float]] = (deque(maxlen=window), deque(maxlen=window))
+        self.median = [math.inf, math.inf]
+        self.runs = 0
 
 
 def _tuning_key(fn: Callable[..., Any]) -> Any:
