@@ -7,6 +7,7 @@ picks one of the two per step function, so both must give the same results.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ STRATEGIES: list[tuple[str, Callable[[], Any], str]] = [
 ]
 
 
+@contextlib.contextmanager
 def replica_execution(mode: str) -> Iterator[None]:
     """Run the enclosed test with replica execution `mode`, then restore the default."""
     previous = cd.config.get_replica_execution()
@@ -50,7 +52,7 @@ def replica_execution(mode: str) -> Iterator[None]:
 def strategy(request: pytest.FixtureRequest) -> Iterator[Any]:
     """Each strategy of the contract suite (with several replicas: in both modes)."""
     factory, mode = request.param
-    for _ in replica_execution(mode):
+    with replica_execution(mode):
         yield factory()
 
 

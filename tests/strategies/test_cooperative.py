@@ -28,7 +28,7 @@ from tests.strategies.conftest import replica_execution
 @pytest.fixture(params=[2, 4])
 def coop(request: pytest.FixtureRequest) -> Iterator[Any]:
     """MirroredStrategy with 2 or 4 CPU replicas, run cooperatively."""
-    for _ in replica_execution("cooperative"):
+    with replica_execution("cooperative"):
         yield cd.MirroredStrategy([f"CPU:{i}" for i in range(request.param)])
 
 
@@ -41,7 +41,7 @@ def test_set_replica_execution_rejects_unknown_modes() -> None:
 @pytest.mark.parametrize("mode", ["threads", "cooperative"])
 def test_which_thread_runs_the_replicas(mode: str) -> None:
     strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
-    for _ in replica_execution(mode):
+    with replica_execution(mode):
         idents = strategy.experimental_local_results(strategy.run(threading.get_ident))
     caller = threading.get_ident()
     assert idents[0] == caller

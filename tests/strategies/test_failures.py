@@ -29,7 +29,7 @@ class BoomError(Exception):
 )
 def strategy(request: pytest.FixtureRequest) -> Iterator[Any]:
     n, mode = request.param
-    for _ in replica_execution(mode):
+    with replica_execution(mode):
         yield cd.MirroredStrategy([f"CPU:{i}" for i in range(n)])
 
 

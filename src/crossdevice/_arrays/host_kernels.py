@@ -309,15 +309,10 @@ def sum_n(
         # <= 2.4 MB: 117-159 ms into fresh outputs, 51-67 ms into recycled ones).
         first = arrays[0]
         out = _OUTPUTS.take(first.dtype, first.size).reshape(first.shape)
-    if nbytes < BLOCKED_MIN_BYTES:
-        # In cache the NumPy chain is as fast as blocking; the compiled kernel, where it
-        # runs, still reads each input once instead of twice or more (`sum_slice`).
-        sum_slice([x.reshape(-1) for x in arrays], out.reshape(-1))
-        return out
     flats = [x.reshape(-1) for x in arrays]
     flat_out = out.reshape(-1)
     size = flat_out.shape[0]
-    executor = _POOL.executor() if parallel and arrays[0].nbytes >= PARALLEL_MIN_BYTES else None
+    executor = _POOL.executor() if parallel and nbytes >= PARALLEL_MIN_BYTES else None
     stream = out.nbytes >= native.STREAM_MIN_BYTES
     if executor is None or size == 0:
         sum_slice(flats, flat_out, 0, size, stream=stream)

@@ -171,13 +171,12 @@ class CooperativeScheduler:
         _LOCAL.hub = hub
         self._stalls = 0
         try:
-            waiting = 0
             failed = False
             for i in range(n):
-                waiting += self._resume(greenlets, states, parked, i, jobs[i])
-            while waiting:
+                self._resume(greenlets, states, parked, i, jobs[i])
+            while any(entry is not None for entry in parked):
                 try:
-                    waiting += self._step(greenlets, states, parked)
+                    self._step(greenlets, states, parked)
                 except BaseException as exc:  # reported through fail(), then drained
                     if failed:
                         raise  # failing again while draining: give the greenlets up
@@ -213,8 +212,8 @@ class CooperativeScheduler:
         parked: list[tuple[Any, float | None] | None],
         i: int,
         value: Any,
-    ) -> int:
-        """Switch to replica `i` with its state until it parks (returns 1) or is done (0)."""
+    ) -> None:
+        """Switch to replica `i` with its state until it parks (in `parked[i]`) or is done."""
         state = states[i]
         hub_stack = context.swap_stack(state.stack)
         hub_devices = devices.swap_device_stack(state.device_stack)
@@ -234,43 +233,35 @@ class CooperativeScheduler:
             if torch_c is not None:
                 state.grad_enabled = torch_c.is_grad_enabled()
                 torch_c._set_grad_enabled(hub_grad)
-        if out is _DONE:
-            return 0
-        parked[i] = out
-        return 1
+        if out is not _DONE:
+            parked[i] = out
 
     def _step(
         self,
         greenlets: list[Any],
         states: Sequence[ReplicaState],
         parked: list[tuple[Any, float | None] | None],
-    ) -> int:
-        """Resume every parked replica whose gate was released; handle a stall.
-
-        Returns the change in the number of parked replicas.
-        """
+    ) -> None:
+        """Resume every parked replica whose gate was released; handle a stall."""
         moved = False
-        change = 0
         for i, entry in enumerate(parked):
             if entry is not None and entry[0].acquire(False):
                 parked[i] = None
                 moved = True
-                change += self._resume(greenlets, states, parked, i, True) - 1
+                self._resume(greenlets, states, parked, i, True)
         if moved:
             self._stalls = 0
-            return change
-        return self._stalled(greenlets, states, parked)
+        else:
+            self._stalled(greenlets, states, parked)
 
     def _stalled(
         self,
         greenlets: list[Any],
         states: Sequence[ReplicaState],
         parked: list[tuple[Any, float | None] | None],
-    ) -> int:
+    ) -> None:
         """Every unfinished replica waits and none can go on: time one out, or fail."""
         waits = [(entry[1], i) for i, entry in enumerate(parked) if entry is not None]
-        if not waits:
-            return 0
         deadlines = [(d, i) for d, i in waits if d is not None]
         if not deadlines:
             self._stalls += 1
@@ -290,15 +281,14 @@ class CooperativeScheduler:
                     "collective calls in the same order."
                 )
             )
-            return 0
+            return
         deadline, i = min(deadlines)
         delay = deadline - time.monotonic()
         if delay > 0:
             # Sleep in slices: another thread (an abort) may release a gate meanwhile.
             time.sleep(min(delay, _STALL_POLL_SECONDS))
-            return 0
+            return
         entry = parked[i]
         assert entry is not None
         parked[i] = None
-        acquired = entry[0].acquire(False)
-        return self._resume(greenlets, states, parked, i, acquired) - 1
+        self._resume(greenlets, states, parked, i, entry[0].acquire(False))

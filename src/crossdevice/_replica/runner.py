@@ -431,7 +431,7 @@ class ReplicaRunner:
         frame = self._make_frame(replica_id)
         context.push_frame(frame)
         old_devices = None
-        if replica_id == 0 and not cooperative_module.in_cooperative_replica():
+        if replica_id == 0:
             old_devices = devices.swap_device_stack([self._devices[0]])
         try:
             result = fn(*args, **kwargs)
