@@ -1,8 +1,8 @@
 """The host kernels equal the naive in-order `np.add` chain, bit for bit.
 
-Every test here runs twice: with the NumPy kernels only, and with the compiled fused
-kernel (`crossdevice._arrays.native`) taking every range it accepts, small ones included,
-writing with streaming stores.
+Every test here runs with the NumPy kernels only, and then with the compiled fused kernel
+(`crossdevice._arrays.native`) taking every range it accepts, small ones included, writing
+with streaming stores: once per vector loop this CPU can run (AVX2, SSE2, scalar).
 """
 
 from __future__ import annotations
@@ -25,18 +25,26 @@ from tests.helpers import parametrize
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.complex64]
 
 
-@pytest.fixture(autouse=True, scope="module", params=["numpy", "native"])
+@pytest.fixture(
+    autouse=True, scope="module", params=["numpy", "native-avx2", "native-sse2", "native-scalar"]
+)
 def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the module once per kernel (the compiled one for every size it accepts)."""
-    if request.param == "native" and not native.available():
-        pytest.skip("the compiled kernel is not built here (no C compiler at install)")
+    name: str = request.param
+    if name.startswith("native"):
+        if not native.available():
+            pytest.skip("the compiled kernel is not built here (no C compiler at install)")
+        isa = name.removeprefix("native-")
+        if isa not in native.instruction_sets():
+            pytest.skip(f"this CPU cannot run the kernel's {isa} loop")
     with pytest.MonkeyPatch.context() as mp:
-        if request.param == "numpy":
+        if name == "numpy":
             mp.setattr(native, "_KERNEL", None)
         else:
+            mp.setattr(native, "_ISA", name.removeprefix("native-"))
             mp.setattr(host_kernels, "NATIVE_MIN_BYTES", 0)
             mp.setattr(native, "STREAM_MIN_BYTES", 0)
-        yield request.param
+        yield name
 
 
 def naive_chain(xs: list[np.ndarray]) -> np.ndarray:
@@ -205,13 +213,39 @@ def test_large_results_reuse_buffers_nobody_holds_and_never_live_ones() -> None:
     assert third.flags.writeable  # a result the caller owns, like np.add's
 
 
+@parametrize(dtype=[np.float32, np.float64, np.int32, np.uint64], stream=[False, True])
+def test_every_alignment_and_length_around_the_vector_loop(dtype: Any, stream: bool) -> None:
+    # Offsets 0-17 elements put the output at every 4-byte position of a 32-byte AVX2
+    # line, lengths around multiples of two vectors leave every possible tail.
+    rng = np.random.default_rng(3)
+    base = [rng.integers(-1000, 1000, 160).astype(dtype) for _ in range(3)]
+    divisors = [None, 3] if np.dtype(dtype).kind == "f" else [None]
+    for offset in range(18):
+        for length in (*range(40), 63, 64, 65, 127, 128, 129):
+            xs = [b[offset : offset + length] for b in base]
+            for divisor in divisors:
+                out = np.empty(160, dtype)[offset : offset + length]
+                host_kernels.sum_slice(xs, out, divisor=divisor, stream=stream)
+                expected = naive_chain(xs)
+                if divisor is not None:
+                    expected = np.true_divide(expected, divisor).astype(dtype)
+                assert same_bits(out, expected), (offset, length, divisor)
+
+
 def test_the_compiled_kernel_takes_what_it_supports_and_nothing_else(kernel: str) -> None:
+    native_on = kernel.startswith("native")
+    if native_on:
+        assert native.instruction_set() == kernel.removeprefix("native-")
+        assert native.instruction_sets()[-1] == "scalar"
+    else:
+        assert native.instruction_set() == ""
+        assert native.instruction_sets() == ()
     xs = [np.ones(8, np.float32)] * 3
     out = np.empty(8, np.float32)
-    assert native.can_sum(xs, out, None) is (kernel == "native")
-    assert native.can_sum(xs, out, 3) is (kernel == "native")
+    assert native.can_sum(xs, out, None) is native_on
+    assert native.can_sum(xs, out, 3) is native_on
     ints = [np.ones(8, np.int32)] * 3
-    assert native.can_sum(ints, np.empty(8, np.int32), None) is (kernel == "native")
+    assert native.can_sum(ints, np.empty(8, np.int32), None) is native_on
     assert not native.can_sum(ints, np.empty(8, np.int32), 3)  # integer MEAN: NumPy's path
     halves = [np.ones(8, np.float16)] * 3
     assert not native.can_sum(halves, np.empty(8, np.float16), None)

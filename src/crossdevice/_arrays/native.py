@@ -7,7 +7,9 @@ pass and, for results much larger than the caches, writes them with non-temporal
 that skip that read: 4 x 64 MiB moves 320 MiB instead of 384 MiB.
 
 Results are bitwise equal to the NumPy chain (the same adds in the same order, element by
-element). The kernel is built when crossdevice is installed from source with a C
+element). Its vector loop uses AVX2 where the CPU has it (chosen at run time: 4 x 64 MiB
+from two threads took 0.79-0.89x the time of the SSE2 loop on the dev VM) and SSE2
+elsewhere on x86-64. The kernel is built when crossdevice is installed from source with a C
 compiler; where the build failed, or with `CROSSDEVICE_NATIVE=0` in the environment, the
 NumPy kernels run instead and everything works the same, only slower.
 """
@@ -21,7 +23,14 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["STREAM_MIN_BYTES", "available", "can_sum", "fused_sum"]
+__all__ = [
+    "STREAM_MIN_BYTES",
+    "available",
+    "can_sum",
+    "fused_sum",
+    "instruction_set",
+    "instruction_sets",
+]
 
 #: Results at least this large are written with non-temporal stores. They cannot stay in
 #: the caches anyway (the dev machine has 32 MiB of L3 shared by both cores), so skipping
@@ -40,14 +49,19 @@ _CODES: Final = {
 }
 
 
-def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+# instruction set -> the kernel's flag (_hostsum.c: CDX_ISA_*), in order of preference.
+_ISA_FLAGS: Final = {"avx2": 4, "sse2": 2, "scalar": 1}
+
+
+def _load() -> tuple[ctypes._CFuncPtr, int] | None:  # type: ignore[name-defined]
     if os.environ.get("CROSSDEVICE_NATIVE", "1").strip() == "0":
         return None
     try:
         from crossdevice._arrays import _hostsum  # type: ignore[attr-defined]
     except ImportError:  # built without a C compiler: the NumPy kernels run
         return None
-    function = ctypes.CDLL(_hostsum.__file__).cdx_sum
+    library = ctypes.CDLL(_hostsum.__file__)
+    function = library.cdx_sum
     function.argtypes = [
         ctypes.c_void_p,
         ctypes.c_int,
@@ -56,17 +70,40 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         ctypes.c_int,
         ctypes.c_int,
         ctypes.c_int,
+        ctypes.c_int,
     ]
     function.restype = ctypes.c_int
-    return function
+    library.cdx_isas.argtypes = []
+    library.cdx_isas.restype = ctypes.c_int
+    return function, library.cdx_isas()
 
 
-_KERNEL: Final = _load()
+_LOADED: Final = _load()
+_KERNEL: Final = None if _LOADED is None else _LOADED[0]
+_ISAS: Final = 0 if _LOADED is None else _LOADED[1]
+#: The instruction set `fused_sum` asks for: the best one this CPU has. Tests set it to
+#: each one in turn.
+_ISA = next((name for name, flag in _ISA_FLAGS.items() if _ISAS & flag), "")
 
 
 def available() -> bool:
     """Whether the compiled kernel is built and enabled (`CROSSDEVICE_NATIVE` is not 0)."""
     return _KERNEL is not None
+
+
+def instruction_sets() -> tuple[str, ...]:
+    """The kernel's vector loops this CPU can run, best first ("avx2", "sse2", "scalar").
+
+    Empty when the kernel is not built or is turned off.
+    """
+    if _KERNEL is None:
+        return ()
+    return tuple(name for name, flag in _ISA_FLAGS.items() if _ISAS & flag)
+
+
+def instruction_set() -> str:
+    """The instruction set `fused_sum` uses ("" when the kernel is off)."""
+    return _ISA if _KERNEL is not None else ""
 
 
 def can_sum(inputs: Sequence[np.ndarray], out: np.ndarray, divisor: int | None) -> bool:
@@ -126,11 +163,13 @@ def fused_sum(
         _CODES[out.dtype],
         1 if stream else 0,
         divisor or 0,
+        _ISA_FLAGS[_ISA],
     )
     if status != 0:
         raise RuntimeError(
             f"the compiled sum kernel refused its arguments (status {status}) for dtype "
-            f"{out.dtype}, {len(inputs)} inputs, range [{start}, {stop}); expected a dtype "
-            f"from {sorted({str(d) for d in _CODES})}; this is a crossdevice bug, please "
+            f"{out.dtype}, {len(inputs)} inputs, range [{start}, {stop}), instruction set "
+            f"{_ISA!r}; expected a dtype from {sorted({str(d) for d in _CODES})} and an "
+            f"instruction set from {instruction_sets()}; this is a crossdevice bug, please "
             "report it (set CROSSDEVICE_NATIVE=0 to use the NumPy kernels meanwhile)"
         )

@@ -465,8 +465,8 @@ def _kernel_description() -> str:
 
     if native.available():
         return (
-            "compiled fused sum (non-temporal stores for results of "
-            f"{native.STREAM_MIN_BYTES >> 20} MiB or more)"
+            f"compiled fused sum, {native.instruction_set()} loop (non-temporal stores for "
+            f"results of {native.STREAM_MIN_BYTES >> 20} MiB or more)"
         )
     return "NumPy blocked chain (compiled kernel not built, or CROSSDEVICE_NATIVE=0)"
 
