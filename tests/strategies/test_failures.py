@@ -7,6 +7,7 @@ faulthandler_timeout turns a hang into a failure with stacks).
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import crossdevice as cd
+from crossdevice._core.errors import ReplicaAbortedError
 from tests.strategies.conftest import replica_execution
 
 
@@ -197,3 +199,60 @@ def test_concurrent_callers_are_serialised(strategy: Any) -> None:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     assert not errors
+
+
+def test_interrupting_the_caller_while_replicas_run_leaves_the_strategy_usable() -> None:
+    """Ctrl-C while `run` waits for replica threads: the next run waits for them first.
+
+    Replica 0 (the caller's thread) returns at once, so the KeyboardInterrupt lands in
+    the caller's wait for the other replicas, not in a replica: the run is abandoned with
+    replicas 1-3 still inside `fn`. Their collective afterwards is aborted, and the next
+    run must neither mix their results into its own nor report this run's failure.
+    """
+    with replica_execution("threads"):
+        strategy = cd.MirroredStrategy([f"CPU:{i}" for i in range(4)])
+        release = threading.Event()
+        aborted: list[int] = []
+
+        def fn() -> int:
+            replica = cd.get_replica_context().replica_id_in_sync_group
+            if replica == 1:
+                time.sleep(0.05)  # replica 0 has returned: the caller is waiting
+                main = threading.main_thread().ident
+                assert main is not None
+                signal.pthread_kill(main, signal.SIGINT)
+            if replica != 0:
+                release.wait(timeout=10)
+                try:
+                    cd.get_replica_context().all_reduce("sum", np.float32(1))
+                except ReplicaAbortedError:
+                    aborted.append(replica)
+                    raise
+            return replica
+
+        with pytest.raises(KeyboardInterrupt):
+            strategy.run(fn)
+        release.set()
+        _works(strategy)
+        assert sorted(aborted) == [1, 2, 3]
+        _works(strategy)
+
+
+def test_a_scheduler_failing_twice_leaves_the_strategy_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cooperative: a second interrupt while the scheduler drains the first one."""
+    with replica_execution("cooperative"):
+        strategy = cd.MirroredStrategy([f"CPU:{i}" for i in range(4)])
+        _works(strategy)  # makes the scheduler
+        scheduler = strategy.extended._runner._scheduler
+
+        def interrupted(*args: Any) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(scheduler, "_step", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            strategy.run(lambda: cd.get_replica_context().all_reduce("sum", np.float32(1)))
+        monkeypatch.undo()
+        _works(strategy)
+        _works(strategy)

@@ -316,9 +316,7 @@ class ThreadCommunicator:
         self._n = num_replicas
         self._name = name
         self._lock = threading.Lock()
-        self._gates = [threading.Lock() for _ in range(num_replicas)]
-        for gate in self._gates:
-            gate.acquire()
+        self._gates = _held_locks(num_replicas)
         self._sleepers: list[int] = []
         self._seq = 0
         self._round = _Round(0, num_replicas)
@@ -476,6 +474,9 @@ class ThreadCommunicator:
             self._seq += 1
             self._round = _Round(self._seq, self._n)
             self._wake_locked()
+            # Fresh gates: a broken run may leave one released with nobody to take it (a
+            # cooperative replica unwound where it waited), which would wake a later wait.
+            self._gates = _held_locks(self._n)
 
     def finish(self, replica_id: int) -> None:
         """Record that `replica_id` will make no more collectives in this run.
@@ -1219,6 +1220,14 @@ class ThreadCommunicator:
             bucket.append(buf)
             self._pool_bytes += nbytes
         return buf
+
+
+def _held_locks(n: int) -> list[threading.Lock]:
+    """`n` locks, each already held (the gates replicas sleep on)."""
+    locks = [threading.Lock() for _ in range(n)]
+    for lock in locks:
+        lock.acquire()
+    return locks
 
 
 _NO_TORCH: dict[int, tuple[bool, ...]] = {}

@@ -28,6 +28,7 @@ error; on threads it waits for the timeout, or forever without one.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from crossdevice._core import context, devices
+from crossdevice._core.errors import ReplicaAbortedError
 
 try:
     import greenlet as _greenlet
@@ -161,7 +163,9 @@ class CooperativeScheduler:
 
         Returns when every replica's job has returned. A failure inside the scheduler
         itself (a KeyboardInterrupt while it sleeps) is handed to `fail`, the replicas
-        are run to their end, and it returns: the runner raises the recorded error.
+        are run to their end, and it returns: the runner raises the recorded error. A
+        second one while they drain is raised, after the replicas still parked are
+        unwound with ReplicaAbortedError.
         """
         hub = _greenlet.getcurrent()
         greenlets = self._greenlets(hub)
@@ -183,6 +187,15 @@ class CooperativeScheduler:
                     failed = True
                     self._fail(exc)
         except BaseException:
+            # Failing again while draining: unwind every replica still parked (a
+            # ReplicaAbortedError where it waits), so that each leaves `fn` and reports
+            # itself done now rather than when its greenlet is collected, mid-way through
+            # some later run. The runner then raises this second error.
+            for i, entry in enumerate(parked):
+                if entry is not None:
+                    parked[i] = None
+                    with contextlib.suppress(BaseException):
+                        self._resume(greenlets, states, parked, i, ReplicaAbortedError())
             self._local.greenlets = None  # parked or broken greenlets are never reused
             raise
         finally:
@@ -225,8 +238,12 @@ class CooperativeScheduler:
                 hub_grad if state.grad_enabled is None else state.grad_enabled
             )
         try:
-            # A job (i, fn, args, kwargs) starts a replica; True/False answer its wait.
-            out = greenlets[i].switch(value)
+            # A job (i, fn, args, kwargs) starts a replica; True/False answer its wait;
+            # an exception is raised where it waits.
+            if isinstance(value, BaseException):
+                out = greenlets[i].throw(value)
+            else:
+                out = greenlets[i].switch(value)
         finally:
             state.stack = context.swap_stack(hub_stack)
             state.device_stack = devices.swap_device_stack(hub_devices)

@@ -13,6 +13,9 @@ Rendezvous rules (DESIGN.md §3):
 * An exception anywhere (a replica, `merge_fn`) breaks the run: peers blocked in a
   rendezvous are released with `ReplicaAbortedError`, every thread is joined, and the
   caller gets the original exception. The runner is reset and usable for the next run.
+* A KeyboardInterrupt in the caller while it waits for the replica threads aborts the
+  run the same way and reaches the caller at once; the next run first waits for the
+  replica threads still inside `fn` (they leave at their next collective).
 
 Waits use one raw lock per waiter (held while the waiter sleeps, released once to wake
 it) rather than a shared `threading.Condition`: on a 2-core machine a 4-replica dispatch
@@ -64,6 +67,8 @@ MERGE_CALL_MISMATCH: Final = (
 #: How often idle waits wake to check for shutdown or a broken run. Waits are woken by
 #: notifications; this only bounds how long a missed wake-up could delay them.
 _POLL_SECONDS: Final = 1.0
+#: How often `_recover` looks whether an abandoned run's replica threads are done.
+_RECOVER_POLL_SECONDS: Final = 0.005
 
 
 #: `set_replica_execution` choices: pick per step function by timing both, replica
@@ -241,6 +246,10 @@ class ReplicaRunner:
         self._results: list[Any] = [None] * num_replicas
         self._errors: list[tuple[float, int, BaseException]] = []
         self._pending = 0
+        self._running = [False] * num_replicas  # replica i is inside this run's `fn`
+        # How a run the caller left early (KeyboardInterrupt) ran: "threads" or
+        # "cooperative"; the next run cleans up after it (`_recover`).
+        self._abandoned: str | None = None
         self._broken: BaseException | None = None
         self._closed = False
         self._merge_timeout: float | None = None
@@ -282,6 +291,8 @@ class ReplicaRunner:
             BaseException: the first exception raised by a replica or a `merge_fn`.
         """
         with self._run_lock:
+            if self._abandoned is not None:
+                self._recover()
             coop, key = self._choose_mode(fn)
             with self._lock:
                 if self._closed:
@@ -293,20 +304,30 @@ class ReplicaRunner:
                 self._results = [None] * self._n
                 self._errors = []
                 self._pending = self._n
+                self._running = [True] * self._n
                 self._merge_timeout = merge_timeout
                 current = devices.current_device()
                 self._caller_devices = [current] if current else []
             start = time.perf_counter()
-            if coop:
-                self._run_cooperative(fn, per_replica_args)
-            else:
-                for i in range(1, self._n):
-                    self._start_wake[i].release()
-                args0, kwargs0 = per_replica_args[0]
-                self._run_replica(0, fn, args0, kwargs0)
-                # Replicas always finish: a broken run releases every rendezvous.
-                while not self._done_wake.acquire(timeout=_POLL_SECONDS):
-                    pass
+            try:
+                if coop:
+                    self._run_cooperative(fn, per_replica_args)
+                else:
+                    for i in range(1, self._n):
+                        self._start_wake[i].release()
+                    args0, kwargs0 = per_replica_args[0]
+                    self._run_replica(0, fn, args0, kwargs0)
+                    # Replicas always finish: a broken run releases every rendezvous.
+                    while not self._done_wake.acquire(timeout=_POLL_SECONDS):
+                        pass
+            except BaseException as exc:
+                # Only the caller's own waiting gets here (a KeyboardInterrupt while it waits
+                # for the replica threads; the cooperative scheduler failing twice): replicas
+                # report their errors through _fail. Abort the others and leave: the next
+                # run first waits for the replica threads still inside `fn`, then resets.
+                self._fail(-1, exc)
+                self._abandoned = "cooperative" if coop else "threads"
+                raise
             if key is not None:
                 self._tuner.record(key, coop, time.perf_counter() - start)
             return self._finish_run()
@@ -448,6 +469,7 @@ class ReplicaRunner:
             participant.finish(replica_id)
         with self._lock:
             self._results[replica_id] = result
+            self._running[replica_id] = False
             self._finished += 1
             self._pending -= 1
             last = self._pending == 0
@@ -530,15 +552,7 @@ class ReplicaRunner:
             errors = sorted(self._errors, key=lambda e: e[0])
             broken = self._broken
             results = list(self._results)
-            # Reset for the next run, whatever happened in this one.
-            self._broken = None
-            self._errors = []
-            self._arrived = 0
-            self._finished = 0
-            self._merge_inputs = [None] * self._n
-            self._merge_outputs = [None] * self._n
-        for participant in self._participants:
-            participant.reset()
+        self._reset()  # for the next run, whatever happened in this one
         if broken is not None:
             first = errors[0][2] if errors else broken
             for _, replica, other in errors[1:]:
@@ -546,6 +560,40 @@ class ReplicaRunner:
                     first.add_note(f"replica {replica} also raised {type(other).__name__}: {other}")
             raise first
         return results
+
+    def _reset(self) -> None:
+        """Clear a broken run's failure and rendezvous state, and reset the participants."""
+        with self._lock:
+            self._broken = None
+            self._errors = []
+            self._arrived = 0
+            self._finished = 0
+            self._merge_inputs = [None] * self._n
+            self._merge_outputs = [None] * self._n
+            self._waiting.clear()
+            # Fresh wake locks: a failure releases those of the replicas waiting in a
+            # merge_call, and one unwound without taking its release (a cooperative
+            # replica of an abandoned run) would wake its next merge_call at once.
+            self._merge_wake = [_locked() for _ in range(self._n)]
+        for participant in self._participants:
+            participant.reset()
+
+    def _recover(self) -> None:
+        """Before a run: finish cleaning up after a run its caller abandoned.
+
+        That run is aborted, so its replica threads leave `fn` at their next collective
+        or when `fn` returns; wait for them. Replica 0 ran on the caller's thread, and
+        cooperative replicas were unwound by the scheduler: neither is still running.
+        """
+        if self._abandoned == "threads":
+            while True:
+                with self._lock:
+                    if not any(self._running[1:]):
+                        break
+                time.sleep(_RECOVER_POLL_SECONDS)
+        self._done_wake.acquire(False)  # released by the abandoned run's last replica
+        self._reset()
+        self._abandoned = None
 
 
 def _locked() -> Any:
