@@ -1,9 +1,8 @@
 """Shared helpers for the benchmark scripts: timing, workloads, replica threads, output.
 
 Every script reports medians of at least five runs, and ratios between numbers measured
-in the same run. The TensorFlow side-by-side (`tf_bench.py`, run in a separate
-virtualenv, never a dependency) uses the same workloads: the 160-tensor size list below
-is the formula it copies.
+in the same run. The workloads and the timing loop live in `_workloads` (NumPy only), so
+that `tf_reference.py`, run by TensorFlow's interpreter, times the same work the same way.
 """
 
 from __future__ import annotations
@@ -20,40 +19,23 @@ from typing import Any
 import numpy as np
 
 import crossdevice
+from benchmarks._workloads import batch_sizes, median_seconds
 from crossdevice._arrays.host_kernels import available_cpus
 from crossdevice._cli.bench import ReplicaThreads
 
+__all__ = [
+    "REPLICAS",
+    "batch_sizes",
+    "median_seconds",
+    "parser",
+    "replica_median_seconds",
+    "report",
+    "setup_devices",
+    "versions",
+]
+
 #: Logical CPU devices (replicas) of every workload, as in the issue's TF runs.
 REPLICAS = 4
-
-
-def batch_sizes() -> list[int]:
-    """160 float32 tensor sizes from 64 to 600k elements, about 200 MB per replica.
-
-    80 "weights" of 500k..600k elements interleaved with 80 "biases" log-spaced from 64 to
-    600k elements: 49.6M elements, 198 MB of float32.
-    """
-    large = np.linspace(500_000, 600_000, 80).round().astype(int)
-    small = np.geomspace(64, 600_000, 80).round().astype(int)
-    sizes: list[int] = []
-    for a, b in zip(small, large, strict=True):
-        sizes += [int(a), int(b)]
-    return sizes
-
-
-def median_seconds(
-    fn: Callable[[], Any], runs: int = 9, inner: int = 1, warmup: int = 2
-) -> tuple[float, list[float]]:
-    """Median (and all) of `runs` timings of `inner` back-to-back calls, per call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times), times
 
 
 def replica_median_seconds(

@@ -1,0 +1,65 @@
+"""The benchmark scripts import, parse their options, and fail with a usable message.
+
+Their numbers are measured by hand (machines here are shared and noisy, see README); this
+only keeps the scripts from rotting between measurement sessions.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchmarks import _common, _workloads
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("[a-z]*.py"))
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s != "tf_reference"])
+def test_every_benchmark_shows_its_help(script: str) -> None:
+    done = _run("-m", f"benchmarks.{script}", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout
+
+
+def test_the_tf_scripts_share_the_workloads_without_importing_crossdevice() -> None:
+    assert {"tf_reference", "tf_side_by_side"} <= set(SCRIPTS)
+    assert _common.batch_sizes is _workloads.batch_sizes
+    sizes = _workloads.batch_sizes()
+    assert len(sizes) == 160
+    assert min(sizes) == 64
+    assert max(sizes) == 600_000
+    for name in ("_workloads.py", "tf_reference.py"):
+        text = (ROOT / "benchmarks" / name).read_text()
+        assert "import crossdevice" not in text
+        assert "benchmarks._common" not in text.replace("`benchmarks._common", "")
+
+
+@pytest.mark.slow
+def test_side_by_side_says_what_to_do_when_tensorflow_is_missing(tmp_path: Path) -> None:
+    # A `tensorflow` that fails to import, whatever this machine has installed.
+    (tmp_path / "tensorflow.py").write_text("raise ImportError('no TensorFlow here')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    command = ["-m", "benchmarks.tf_side_by_side", "--tf-python", sys.executable]
+    done = _run(*command, "--sizes", "1", "--rounds", "5", env=env)
+    assert done.returncode != 0
+    assert "no TensorFlow here" in done.stderr
+    assert "check that --tf-python can `import tensorflow`" in done.stderr
+    done = _run("-m", "benchmarks.tf_side_by_side")
+    assert done.returncode == 2
+    assert "--tf-python is required" in done.stderr
