@@ -8,6 +8,8 @@ Compared, in the same run, with one all-reduce of a single buffer of the same to
   one flat buffer);
 * `reduce_to_one`: `crossdevice.ReductionToOneDevice().batch_reduce(SUM, pairs)` from the
   main thread, the call the TensorFlow side-by-side times;
+* `batch_reduce_to`: `strategy.extended.batch_reduce_to(SUM, pairs)` from the main
+  thread, with the strategy's default `CrossDeviceOps` (`HostAllReduce`);
 * `replica_all_reduce`: `strategy.run(step)` where the step all-reduces its list of 160
   arrays with `get_replica_context().all_reduce` (includes the `run`).
 
@@ -72,6 +74,15 @@ def main() -> None:
             lambda: ops.reduce("sum", whole, destinations=whole), args.runs
         )[0]
 
+        # batch_reduce_to: the strategy's own batch reduce (default CrossDeviceOps)
+        extended = strategy.extended
+        results["batch_reduce_to_batch_ms"] = _common.median_seconds(
+            lambda: extended.batch_reduce_to("sum", pairs), args.runs
+        )[0]
+        results["batch_reduce_to_single_ms"] = _common.median_seconds(
+            lambda: extended.reduce_to("sum", whole, whole), args.runs
+        )[0]
+
         # replica_all_reduce: a step all-reducing its gradients, through strategy.run
         def batch_step() -> Any:
             ctx = crossdevice.get_replica_context()
@@ -89,7 +100,7 @@ def main() -> None:
         )[0]
     finally:
         threads.close()
-    for path in ("sharded", "reduce_to_one", "replica_all_reduce"):
+    for path in ("sharded", "reduce_to_one", "batch_reduce_to", "replica_all_reduce"):
         b = results[f"{path}_batch_ms"]
         s = results[f"{path}_single_ms"]
         results[f"{path}_batch_ms"], results[f"{path}_single_ms"] = b * 1e3, s * 1e3
