@@ -247,8 +247,9 @@ class ReplicaRunner:
         self._errors: list[tuple[float, int, BaseException]] = []
         self._pending = 0
         self._running = [False] * num_replicas  # replica i is inside this run's `fn`
-        # How a run the caller left early (KeyboardInterrupt) ran: "threads" or
-        # "cooperative"; the next run cleans up after it (`_recover`).
+        # How the current run runs ("threads" or "cooperative") from the moment its
+        # caller could leave it early (KeyboardInterrupt) until its state is reset; a
+        # run that finds it set cleans up first (`_recover`).
         self._abandoned: str | None = None
         self._broken: BaseException | None = None
         self._closed = False
@@ -328,6 +329,9 @@ class ReplicaRunner:
                 self._fail(-1, exc)
                 self._abandoned = "cooperative" if coop else "threads"
                 raise
+            # Every replica is done; should an interrupt land before _finish_run has reset
+            # the per-run state, the next run does it.
+            self._abandoned = "cooperative" if coop else "threads"
             if key is not None:
                 self._tuner.record(key, coop, time.perf_counter() - start)
             return self._finish_run()
@@ -469,7 +473,6 @@ class ReplicaRunner:
             participant.finish(replica_id)
         with self._lock:
             self._results[replica_id] = result
-            self._running[replica_id] = False
             self._finished += 1
             self._pending -= 1
             last = self._pending == 0
@@ -477,6 +480,8 @@ class ReplicaRunner:
                 self._check_mismatch_locked()
         if last:
             self._done_wake.release()
+        # After the release: once `_recover` sees no replica running, no release is due.
+        self._running[replica_id] = False
 
     def _wait_merge(self, replica_id: int, seq: int) -> Any:
         timeout = self._merge_timeout
@@ -547,12 +552,14 @@ class ReplicaRunner:
         if clean:
             for participant in self._participants:
                 participant.reset()
+            self._abandoned = None
             return results
         with self._lock:
             errors = sorted(self._errors, key=lambda e: e[0])
             broken = self._broken
             results = list(self._results)
         self._reset()  # for the next run, whatever happened in this one
+        self._abandoned = None
         if broken is not None:
             first = errors[0][2] if errors else broken
             for _, replica, other in errors[1:]:
@@ -586,12 +593,9 @@ class ReplicaRunner:
         cooperative replicas were unwound by the scheduler: neither is still running.
         """
         if self._abandoned == "threads":
-            while True:
-                with self._lock:
-                    if not any(self._running[1:]):
-                        break
+            while any(self._running[1:]):
                 time.sleep(_RECOVER_POLL_SECONDS)
-        self._done_wake.acquire(False)  # released by the abandoned run's last replica
+        self._done_wake.acquire(False)  # the abandoned run's last release, if not taken
         self._reset()
         self._abandoned = None
 
