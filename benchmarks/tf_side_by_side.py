@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,6 +100,12 @@ def _serve(worker: str, mib: int) -> None:
 
 
 class _Worker:
+    """One worker process; every read of its output has a deadline."""
+
+    #: Seconds allowed to start (TensorFlow's import is slow) and per timed call.
+    START_SECONDS = 600.0
+    CALL_SECONDS = 120.0
+
     def __init__(self, name: str, python: str, mib: int) -> None:
         self.name = name
         command = [python, str(Path(__file__).resolve()), "--worker", name, "--mib", str(mib)]
@@ -106,37 +114,55 @@ class _Worker:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p
             )
+        # TensorFlow's log goes to a file, not a pipe nobody drains while it runs
+        # (closed in close()).
+        self._log = tempfile.TemporaryFile() if name == "tf" else None  # noqa: SIM115
+        self._buffer = b""
         self.process = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE if name == "tf" else None,
-            text=True,
-            env=env,
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env
         )
 
     def ready(self) -> None:
-        line = self._line()
+        line = self._line(self.START_SECONDS)
         if line != "ready":
             raise RuntimeError(f"the {self.name} worker sent {line!r}, expected 'ready'")
 
-    def _line(self) -> str:
+    def _line(self, timeout: float) -> str:
         assert self.process.stdout is not None
-        line = self.process.stdout.readline().strip()
-        if not line:
-            err = self.process.stderr.read()[-3000:] if self.process.stderr else ""
-            raise RuntimeError(
-                f"the {self.name} worker exited (code {self.process.wait()}) instead of "
-                f"answering; expected a timing line. Its stderr ends with:\n{err}\n"
-                "For the TensorFlow worker, check that --tf-python can `import tensorflow`."
-            )
-        return line
+        fd = self.process.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            readable = select.select([fd], [], [], max(left, 0.0))[0] if left > 0 else []
+            if not readable:
+                self.process.kill()
+                raise RuntimeError(
+                    f"the {self.name} worker sent no line in {timeout:.0f} s; expected "
+                    "'ready' or a timing. It was killed: rerun on a quieter machine, or "
+                    "with a smaller --sizes."
+                )
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(
+                    f"the {self.name} worker exited (code {self.process.wait()}) instead of "
+                    f"answering; expected a line. Its stderr ends with:\n{self._log_tail()}\n"
+                    "For the TensorFlow worker, check that --tf-python can `import tensorflow`."
+                )
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode().strip()
+
+    def _log_tail(self) -> str:
+        if self._log is None:
+            return "(printed above)"
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-3000:]
 
     def call(self) -> float:
         assert self.process.stdin is not None
-        self.process.stdin.write("go\n")
+        self.process.stdin.write(b"go\n")
         self.process.stdin.flush()
-        return float(self._line())
+        return float(self._line(self.CALL_SECONDS))
 
     def close(self) -> None:
         if self.process.stdin is not None:
@@ -145,6 +171,8 @@ class _Worker:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
+        if self._log is not None:
+            self._log.close()
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:

@@ -28,7 +28,6 @@ error; on threads it waits for the timeout, or forever without one.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import time
@@ -186,16 +185,21 @@ class CooperativeScheduler:
                         raise  # failing again while draining: give the greenlets up
                     failed = True
                     self._fail(exc)
-        except BaseException:
+        except BaseException as exc:
             # Failing again while draining: unwind every replica still parked (a
             # ReplicaAbortedError where it waits), so that each leaves `fn` and reports
             # itself done now rather than when its greenlet is collected, mid-way through
-            # some later run. The runner then raises this second error.
+            # some later run. The runner then raises this second error; anything the
+            # unwinding raises is named on it rather than lost.
             for i, entry in enumerate(parked):
                 if entry is not None:
                     parked[i] = None
-                    with contextlib.suppress(BaseException):
+                    try:
                         self._resume(greenlets, states, parked, i, ReplicaAbortedError())
+                    except BaseException as other:
+                        exc.add_note(
+                            f"unwinding replica {i} also raised {type(other).__name__}: {other}"
+                        )
             self._local.greenlets = None  # parked or broken greenlets are never reused
             raise
         finally:
