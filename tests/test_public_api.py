@@ -42,8 +42,13 @@ TF_NAMES = {
 }
 
 
+#: Submodules imported only on request (they need an optional dependency), so not in
+#: `__all__`: `from crossdevice import *` must not import torch.
+OPTIONAL_SUBMODULES = {"torch"}
+
+
 def test_all_lists_every_public_name() -> None:
-    public = {n for n in dir(crossdevice) if not n.startswith("_")}
+    public = {n for n in dir(crossdevice) if not n.startswith("_")} - OPTIONAL_SUBMODULES
     assert set(crossdevice.__all__) - {"__version__"} == public
     assert set(crossdevice.__all__) >= TF_NAMES
 
@@ -91,3 +96,14 @@ def test_cli_devices() -> None:
 def test_public_classes_report_the_public_module() -> None:
     assert crossdevice.MirroredStrategy.__module__ == "crossdevice"
     assert crossdevice.ReductionToOneDevice.__module__ == "crossdevice"
+
+
+def test_torch_submodule_public_face(torch_module: object) -> None:
+    import crossdevice.torch as cdt
+
+    assert set(cdt.__all__) == {n for n in dir(cdt) if not n.startswith("_")} - {"annotations"}
+    for name in cdt.__all__:
+        obj = getattr(cdt, name)
+        if callable(obj):
+            assert inspect.getdoc(obj), f"crossdevice.torch.{name} has no docstring"
+            assert obj.__module__ == "crossdevice.torch"

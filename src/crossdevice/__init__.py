@@ -25,6 +25,7 @@ from crossdevice import datasets as datasets
 from crossdevice import experimental as experimental
 from crossdevice._core.devices import device_scope as device
 from crossdevice._core.errors import CollectiveTimeoutError as CollectiveTimeoutError
+from crossdevice._core.exports import fix_module_metadata as _fix_module_metadata
 from crossdevice._core.reduce_op import ReduceOp as ReduceOp
 from crossdevice._core.reduce_op import VariableAggregation as VariableAggregation
 from crossdevice._core.reduce_op import VariableSynchronization as VariableSynchronization
@@ -99,16 +100,4 @@ __all__ = [
 ]
 
 
-def _fixup_module_metadata() -> None:
-    """Point `__module__` of re-exported names at `crossdevice` (trio's fixup).
-
-    Tracebacks and reprs then say `crossdevice.MirroredStrategy`, not a private module.
-    """
-    for name in __all__:
-        obj = globals()[name]
-        if getattr(obj, "__module__", "").startswith("crossdevice._"):
-            obj.__module__ = "crossdevice"
-
-
-_fixup_module_metadata()
-del _fixup_module_metadata
+_fix_module_metadata(globals(), __all__, "crossdevice")

@@ -7,10 +7,13 @@ cross-replica frame; `strategy.run` pushes a replica frame on each replica's thr
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from crossdevice._core import context
+import numpy as np
+
+from crossdevice._core import context, nest
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -143,7 +146,19 @@ class ReplicaContext:
         if options is not None and not isinstance(options, CommunicationOptions):
             raise ValueError(f"options must be a CommunicationOptions or None, got {options!r}")
         self._check_current()
-        return self._strategy.extended._replica_all_reduce(self._replica_id, op, value, options)
+        extended = self._strategy.extended
+        differentiable, leaves, structure = _needs_grad(value)
+        if differentiable:
+            # TF's all_reduce is differentiable: route tensors that require grad
+            # through an autograd function whose backward all-reduces the gradients.
+            from crossdevice._arrays import torch_autograd
+
+            def reduce(op: ReduceOp, xs: list[Any]) -> list[Any]:
+                return extended._replica_all_reduce(self._replica_id, op, xs, options)
+
+            leaves = [_as_tensor(x) for x in leaves]
+            return nest.unflatten(structure, torch_autograd.all_reduce(reduce, op, leaves))
+        return extended._replica_all_reduce(self._replica_id, op, value, options)
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
         """Concatenate a nest of arrays from every replica along `axis`.
@@ -161,7 +176,24 @@ class ReplicaContext:
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise TypeError(f"axis must be an int, got {type(axis).__name__}: {axis!r}")
         self._check_current()
-        return self._strategy.extended._replica_all_gather(self._replica_id, value, axis, options)
+        extended = self._strategy.extended
+        differentiable, leaves, structure = _needs_grad(value)
+        if differentiable:
+            # Differentiable, as TF's: the gradient is this replica's slice of the
+            # SUM all-reduce of the upstream gradients.
+            from crossdevice._arrays import torch_autograd
+
+            def gather(xs: list[Any], gather_axis: int) -> list[Any]:
+                return extended._replica_all_gather(self._replica_id, xs, gather_axis, options)
+
+            def reduce(op: ReduceOp, xs: list[Any]) -> list[Any]:
+                return extended._replica_all_reduce(self._replica_id, op, xs, options)
+
+            leaves = [_as_tensor(x) for x in leaves]
+            index = self._replica_id
+            gathered = torch_autograd.all_gather(gather, reduce, ReduceOp.SUM, leaves, axis, index)
+            return nest.unflatten(structure, gathered)
+        return extended._replica_all_gather(self._replica_id, value, axis, options)
 
     def __enter__(self) -> ReplicaContext:
         self._frame = context.Frame(self._strategy, self, self._replica_id)
@@ -176,6 +208,21 @@ class ReplicaContext:
             f"<crossdevice.ReplicaContext replica_id_in_sync_group={self._replica_id} "
             f"of {type(self._strategy).__name__}>"
         )
+
+
+def _needs_grad(value: Any) -> tuple[bool, list[Any], Any]:
+    """(route through autograd?, leaves, structure) for a replica collective's value."""
+    if "torch" not in sys.modules or isinstance(value, np.ndarray | np.generic):
+        return False, [], None
+    from crossdevice._arrays import torch_autograd
+
+    leaves, structure = nest.flatten(value)
+    return torch_autograd.needs_grad(leaves), leaves, structure
+
+
+def _as_tensor(x: Any) -> Any:
+    torch = sys.modules["torch"]
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
 
 
 def _default_replica_context() -> ReplicaContext:

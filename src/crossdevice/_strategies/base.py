@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from crossdevice._arrays import backend_for
+from crossdevice._arrays import backend_for, torch_guard
 from crossdevice._core import context, nest
 from crossdevice._core.devices import canonicalize, device_scope
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED, ArgumentAssertionError
@@ -372,6 +373,8 @@ class Strategy:
     def __init__(self, extended: StrategyExtended) -> None:
         self._extended = extended
         self._run_frame: context.Frame | None = None
+        #: `run` calls so far (per-replica random streams are reseeded once per run).
+        self._runs = 0
 
     @property
     def extended(self) -> StrategyExtended:
@@ -440,6 +443,10 @@ class Strategy:
         cross = self._run_frame
         if cross is None:
             cross = self._run_frame = context.Frame(self)
+        self._runs += 1
+        if "torch" in sys.modules:
+            # Refuse torch modules and optimizers shared by every replica (at first use).
+            torch_guard.install()
         context.push_frame(cross)
         try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
