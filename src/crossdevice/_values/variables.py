@@ -26,6 +26,7 @@ __all__ = [
     "as_aggregation",
     "as_synchronization",
     "make_initial_value",
+    "resolve_trainable",
     "set_variable_creator",
 ]
 
@@ -48,7 +49,9 @@ def unique_name(name: str | None) -> str:
 
 
 def as_synchronization(value: Any) -> VariableSynchronization:
-    """A `VariableSynchronization` from the enum or its name."""
+    """A `VariableSynchronization` from the enum or its name; None means AUTO (as TF)."""
+    if value is None:
+        return VariableSynchronization.AUTO
     if isinstance(value, VariableSynchronization):
         return value
     if isinstance(value, str):
@@ -63,7 +66,9 @@ def as_synchronization(value: Any) -> VariableSynchronization:
 
 
 def as_aggregation(value: Any) -> VariableAggregation:
-    """A `VariableAggregation` from the enum or its name."""
+    """A `VariableAggregation` from the enum or its name; None means NONE (as TF)."""
+    if value is None:
+        return VariableAggregation.NONE
     if isinstance(value, VariableAggregation):
         return value
     if isinstance(value, str):
@@ -75,6 +80,17 @@ def as_aggregation(value: Any) -> VariableAggregation:
         f"Invalid variable aggregation mode: {value!r} for variable; expected one of "
         f"{[a.name for a in VariableAggregation]}"
     )
+
+
+def resolve_trainable(trainable: bool | None, synchronization: VariableSynchronization) -> bool:
+    """`trainable`, or TF's default when it is None: False for ON_READ, else True.
+
+    TF (`variables.validate_synchronization_aggregation_trainable`): sync-on-read
+    variables hold metrics and statistics, which optimisers must not update.
+    """
+    if trainable is None:
+        return synchronization != VariableSynchronization.ON_READ
+    return bool(trainable)
 
 
 def make_initial_value(initial_value: Any, dtype: Any) -> Any:
@@ -169,8 +185,9 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
     Args:
         initial_value: an array, a number, a nested list, or a callable returning one.
             Python numbers follow `tf.constant`: floats become float32, ints int32.
-        trainable: whether optimisers should update it.
-        name: the variable's name; `"Variable"` (made unique) by default.
+        trainable: whether optimisers should update it; None (the default) means True,
+            except for `synchronization=ON_READ` variables (False, as TF).
+        name: the variable's name; `"Variable"` by default (not made unique, as TF 2).
         dtype: cast the initial value to this NumPy (or torch) dtype.
         synchronization: a `VariableSynchronization`; used under a strategy scope.
         aggregation: a `VariableAggregation`; how replica-context updates combine.
@@ -187,7 +204,7 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
     def __init__(
         self,
         initial_value: Any = None,
-        trainable: bool = True,
+        trainable: bool | None = None,
         name: str | None = None,
         dtype: Any = None,
         synchronization: Any = VariableSynchronization.AUTO,
@@ -207,7 +224,7 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
         self._value = value
         self._device = target
         self._name = unique_name(name)
-        self._trainable = bool(trainable)
+        self._trainable = resolve_trainable(trainable, self._synchronization)
         self._distributed_container: Any = None
         self._distribute_strategy: Any = None
 
