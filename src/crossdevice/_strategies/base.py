@@ -383,6 +383,15 @@ class Strategy:
         """The number of replicas over which values are aggregated."""
         return self._extended._num_replicas_in_sync
 
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver of a multi-worker strategy; None for this one (TF).
+
+        Strategies that run on one worker have no cluster; `MultiWorkerMirroredStrategy`
+        returns a resolver (`cluster_spec()`, `task_type`, `task_id`, ...).
+        """
+        return None
+
     def scope(self) -> _Scope:
         """Context manager making this strategy current (cross-replica context).
 
@@ -434,6 +443,10 @@ class Strategy:
                 "strategy.run was called inside a replica context (from inside another "
                 "strategy.run); call it from cross-replica context"
             )
+        if self._extended._is_default:
+            # TF: the default strategy's scope pushes no cross-replica context.
+            self.scope().__enter__()
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         # `with self.scope():` without building a scope object per step: frames are
         # immutable, so one cross-replica frame serves every run.
         _check_can_enter(self, frame)
