@@ -204,6 +204,15 @@ def _check_outside_replica_fn() -> None:
         )
 
 
+def _summary(dataset: Any) -> str:
+    """A one-line description of a user's dataset for reprs (never its contents)."""
+    name = type(dataset).__name__
+    try:
+        return f"<{name} of {len(dataset)} batches>"
+    except TypeError:  # no len(): a generator, an iterator, an IterableDataset
+        return f"<{name}>"
+
+
 class DistributedDataset:
     """Global batches split across replicas (`strategy.experimental_distribute_dataset`).
 
@@ -265,7 +274,8 @@ class DistributedDataset:
 
     def __repr__(self) -> str:
         return (
-            f"DistributedDataset(dataset={self._dataset!r}, devices={self._layout.devices!r}, "
+            f"DistributedDataset(dataset={_summary(self._dataset)}, "
+            f"devices={self._layout.devices!r}, "
             f"num_workers={self._layout.num_workers}, worker_index={self._layout.worker_index})"
         )
 

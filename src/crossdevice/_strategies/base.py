@@ -76,6 +76,10 @@ class StrategyExtended:
     def __init__(self, container_strategy: Strategy) -> None:
         self._container_strategy_ref = container_strategy
 
+    def __repr__(self) -> str:
+        strategy = type(self._container_strategy_ref).__name__.lstrip("_")
+        return f"<crossdevice.{strategy}.extended devices={list(self._local_devices)}>"
+
     # --- facts a concrete strategy provides ------------------------------------------------
     @property
     def _local_devices(self) -> tuple[str, ...]:

@@ -306,7 +306,7 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
     def __repr__(self) -> str:
         return (
             f"<crossdevice.Variable {self.name!r} shape={self.shape} "
-            f"dtype={_dtype_str(self.dtype)}, numpy={_numpy_str(self.numpy())}>"
+            f"dtype={_dtype_str(self.dtype)}, {_library(self._value)}={_numpy_str(self.numpy())}>"
         )
 
 
@@ -314,10 +314,27 @@ def _dtype_str(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: Arrays with more elements than this are summarised in reprs (first and last
+#: `_REPR_EDGE_ITEMS` per axis). Lower than NumPy's 1000: a distributed variable prints
+#: one array per replica, and a 30x30 weight already fills a screen.
+_REPR_THRESHOLD = 100
+_REPR_EDGE_ITEMS = 3
+
+
+def _library(value: Any) -> str:
+    """What a repr calls the value: `numpy=` (TF's word, for NumPy) or `torch=`."""
+    return "torch" if is_torch(value) else "numpy"
+
+
 def _numpy_str(value: Any) -> str:
     if isinstance(value, np.generic):
         return str(value.item())
-    return np.array2string(np.asarray(value), separator=", ")
+    return np.array2string(
+        np.asarray(value),
+        separator=", ",
+        threshold=_REPR_THRESHOLD,
+        edgeitems=_REPR_EDGE_ITEMS,
+    )
 
 
 def _unwrap(value: Any) -> Any:
