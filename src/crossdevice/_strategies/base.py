@@ -448,9 +448,10 @@ class Strategy:
                 "strategy.run); call it from cross-replica context"
             )
         if self._extended._is_default:
-            # TF: the default strategy's scope pushes no cross-replica context.
-            self.scope().__enter__()
-            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            # TF: the default strategy's scope pushes no cross-replica context; entering
+            # it only checks that no other strategy is current.
+            with self.scope():
+                return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         # `with self.scope():` without building a scope object per step: frames are
         # immutable, so one cross-replica frame serves every run.
         _check_can_enter(self, frame)
