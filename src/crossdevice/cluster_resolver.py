@@ -492,8 +492,9 @@ class _ClusterViewResolver(SimpleClusterResolver):
 
     def __init__(self, cluster: Cluster | None) -> None:
         if cluster is None:
-            # TF's local mode: a TFConfigClusterResolver with an empty cluster spec.
-            super().__init__(ClusterSpec({}), task_type="worker", task_id=0)
+            # TF's local mode: a TFConfigClusterResolver without TF_CONFIG (empty cluster
+            # spec, task type and id None, master "").
+            super().__init__(ClusterSpec({}))
         else:
             jobs: dict[str, list[str]] = {job: list(tasks) for job, tasks in cluster.jobs}
             if not jobs:
@@ -536,6 +537,6 @@ def resolver_for_cluster(cluster: Cluster | None) -> ClusterResolver:
     Example:
         >>> resolver = resolver_for_cluster(None)
         >>> resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id
-        ({}, 'worker', 0)
+        ({}, None, None)
     """
     return _ClusterViewResolver(cluster)

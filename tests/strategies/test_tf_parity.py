@@ -109,6 +109,17 @@ def test_default_strategy_merge_fn_is_cross_replica() -> None:
     assert default.run(fn) == "foo_bar"
 
 
+def test_default_scope_inside_another_strategy_is_an_error(mirrored: Any) -> None:
+    """TF: "Must not nest tf.distribute.Strategy scopes." (checked against TF 2.21)."""
+    default = cd.get_strategy()
+    with mirrored.scope():
+        with pytest.raises(RuntimeError, match="Must not nest"), default.scope():
+            pass
+        with pytest.raises(RuntimeError, match="Must not nest"):
+            default.run(lambda: None)
+    _assert_in_default_state()
+
+
 def test_other_scope_inside_default_scope_still_works(mirrored: Any) -> None:
     with cd.get_strategy().scope(), mirrored.scope():
         assert cd.get_cross_replica_context() is mirrored
@@ -276,7 +287,7 @@ def test_cluster_resolver_is_none_for_single_worker_strategies(make: Any) -> Non
 
 
 def test_multi_worker_cluster_resolver_local_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TF `testClusterResolverProperty`: a resolver with TF's methods, stable under scope."""
+    """TF `strategy_common_test.testClusterResolverProperty`: TF's methods, stable in scope."""
     for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     strategy = cd.MultiWorkerMirroredStrategy()
@@ -285,9 +296,10 @@ def test_multi_worker_cluster_resolver_local_mode(monkeypatch: pytest.MonkeyPatc
         assert strategy.cluster_resolver is resolver
     for name in ("cluster_spec", "master", "num_accelerators", "task_id", "task_type"):
         assert hasattr(resolver, name)
-    assert resolver.task_id == 0
-    assert resolver.task_type in ("chief", "worker")
+    # TF 2.21 in local mode: TFConfigClusterResolver with no task and an empty spec.
+    assert (resolver.task_type, resolver.task_id) == (None, None)
     assert resolver.cluster_spec().as_dict() == {}
+    assert resolver.master() == ""
     assert resolver.num_accelerators() == {}  # no GPU on this host
 
 
@@ -315,7 +327,7 @@ def test_resolver_for_a_cluster() -> None:
     assert spec.task_address("worker", 0) == "10.0.0.1:29500"
     local = cluster_resolver.resolver_for_cluster(None)
     assert local.cluster_spec().as_dict() == {}
-    assert (local.task_type, local.task_id) == ("worker", 0)
+    assert (local.task_type, local.task_id) == (None, None)
 
 
 # --- feature 3: distribute_strategy ------------------------------------------------------------

@@ -201,7 +201,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         """The resolver given at construction, else one describing this worker's cluster.
 
         As TF: `cluster_spec()`, `master()`, `task_type`, `task_id`, `num_accelerators()`;
-        in local mode the cluster spec is empty and the task is `("worker", 0)`.
+        in local mode the cluster spec is empty and `task_type`/`task_id` are None.
         """
         if self._cluster_resolver is None:
             from crossdevice.cluster_resolver import resolver_for_cluster
