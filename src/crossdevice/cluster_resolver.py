@@ -42,6 +42,7 @@ __all__ = [
     "SimpleClusterResolver",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
+    "resolver_for_cluster",
 ]
 
 
@@ -480,3 +481,62 @@ class TorchrunClusterResolver(ClusterResolver):
         if not count:
             return {}
         return {"GPU": max(1, count // self.local_world_size)}
+
+
+class _ClusterViewResolver(SimpleClusterResolver):
+    """The resolver `MultiWorkerMirroredStrategy.cluster_resolver` returns for its `Cluster`.
+
+    It answers TF's resolver API from the cluster the strategy actually joined, and hands
+    that same `Cluster` back from `cluster()`.
+    """
+
+    def __init__(self, cluster: Cluster | None) -> None:
+        if cluster is None:
+            # TF's local mode: a TFConfigClusterResolver without TF_CONFIG (empty cluster
+            # spec, task type and id None, master "").
+            super().__init__(ClusterSpec({}))
+        else:
+            jobs: dict[str, list[str]] = {job: list(tasks) for job, tasks in cluster.jobs}
+            if not jobs:
+                # torchrun tells a worker no address but the rendezvous (worker 0's).
+                jobs = {"worker": [cluster.master] + [""] * (cluster.world_size - 1)}
+            spec = ClusterSpec(jobs)
+            master = (
+                spec.task_address(cluster.task_type, cluster.task_id)
+                if cluster.jobs
+                else cluster.master
+            )
+            super().__init__(spec, master, cluster.task_type, cluster.task_id)
+        self._cluster = cluster
+
+    def cluster(self) -> Cluster | None:
+        """The strategy's own `Cluster` (None in local mode)."""
+        return self._cluster
+
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: Any = None
+    ) -> dict[str, int]:
+        """This worker's accelerators: `{"GPU": n}`, or `{}` without any (TF's counting).
+
+        Under torchrun each process on a host gets an equal share of its GPUs.
+        """
+        del task_type, task_id, config_proto
+        count = _devices.num_gpus()
+        if not count:
+            return {}
+        share = self._cluster.local_world_size if self._cluster is not None else 1
+        return {"GPU": max(1, count // share)}
+
+
+def resolver_for_cluster(cluster: Cluster | None) -> ClusterResolver:
+    """A TF-style resolver describing `cluster` (None: local mode, an empty cluster spec).
+
+    `cluster_spec()`, `master()`, `task_type`, `task_id` and `num_accelerators()` follow
+    TF's resolvers; `cluster()` returns `cluster` itself.
+
+    Example:
+        >>> resolver = resolver_for_cluster(None)
+        >>> resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id
+        ({}, None, None)
+    """
+    return _ClusterViewResolver(cluster)

@@ -133,3 +133,16 @@ def test_a_lone_array_is_packed_as_a_view(backend: Backend) -> None:
         assert np.shares_memory(pieces[0], big)  # no copy of a large single tensor
     else:
         assert pieces[0].data_ptr() == big.data_ptr()
+
+
+@pytest.mark.parametrize("num_packs", [1, 2])
+def test_numpy_and_torch_of_one_dtype_pack_apart(num_packs: int, torch_module: Any) -> None:
+    """A NumPy float32 (a Python float) beside a torch float32 is never concatenated."""
+    arrays = [torch_module.ones(3), np.float32(2.0) * np.ones((), np.float32), torch_module.ones(2)]
+    plan = plan_packs(arrays, num_packs)
+    assert sorted(plan.groups) == [(0, 2), (1,)]
+    out = unpack(plan, pack(plan, arrays))
+    assert torch_module.equal(out[0], arrays[0])
+    assert torch_module.equal(out[2], arrays[2])
+    assert isinstance(out[1], np.ndarray)
+    assert float(out[1]) == 2.0

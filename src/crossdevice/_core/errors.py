@@ -5,6 +5,8 @@ ported `except` clauses keep working:
 
     Exception
     ├── ValueError          bad values, devices, structures, axes, reduce ops
+    │   ├── ArgumentAssertionError   (also AssertionError) where TF asserts on an argument
+    │   └── StructureMismatchError   (also AssertionError) replicas' structures differ
     ├── TypeError           wrong kinds of arguments (a reduce op that is no ReduceOp)
     ├── RuntimeError        wrong context (cross-replica API in a replica), mixing strategies,
     │   │                   mismatched merge_call counts
@@ -21,6 +23,7 @@ __all__ = [
     "ArgumentAssertionError",
     "CollectiveTimeoutError",
     "ReplicaAbortedError",
+    "StructureMismatchError",
 ]
 
 CROSS_REPLICA_REQUIRED = (
@@ -49,4 +52,13 @@ class ArgumentAssertionError(ValueError, AssertionError):
 
     It is also a ValueError, which is what it is: `except AssertionError` in ported code
     and `except ValueError` in new code both catch it.
+    """
+
+
+class StructureMismatchError(ValueError, AssertionError):
+    """Replicas gave differently structured values (results, merge_call or input batches).
+
+    TF's `regroup` asserts (AssertionError); the message here names both structures. It
+    is also a ValueError, so `except AssertionError` (ported code) and `except ValueError`
+    both catch it.
     """

@@ -11,6 +11,8 @@ from typing import Any
 
 import optree
 
+from crossdevice._core.errors import StructureMismatchError
+
 __all__ = [
     "assert_same_structure",
     "flatten",
@@ -36,7 +38,8 @@ def flatten_columns(
     Column k holds leaf k of every tree, in the order of `trees`.
 
     Raises:
-        ValueError: `mismatch(structure_0, i, structure_i)` for the first tree `i` whose
+        StructureMismatchError: (a ValueError and an AssertionError, as TF's `regroup`
+            asserts) `mismatch(structure_0, i, structure_i)` for the first tree `i` whose
             structure differs from the first tree's.
     """
     flats = []
@@ -46,7 +49,7 @@ def flatten_columns(
         if structure is None:
             structure = spec
         elif spec != structure:
-            raise ValueError(mismatch(structure, i, spec))
+            raise StructureMismatchError(mismatch(structure, i, spec))
         flats.append(leaves)
     return structure, list(zip(*flats, strict=True))
 

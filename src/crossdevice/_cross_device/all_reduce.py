@@ -171,7 +171,6 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
     ) -> list[Any]:
         devices = tuple(values[0]._devices)
         per_value = [_arrays_in_order(value, devices) for value in values]
-        like_numpy = isinstance(per_value[0][0], np.ndarray)
         per_device = [[arrays[j] for arrays in per_value] for j in range(len(devices))]
         plan = packing.plan_packs(per_device[0], self.num_packs)
         _LOG.debug(
@@ -197,7 +196,11 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                 column = _owned_column(column, arrays)
             out.append(
                 results.mirror(
-                    column, devices, get_devices_from(destinations[i]), like_numpy=like_numpy
+                    column,
+                    devices,
+                    get_devices_from(destinations[i]),
+                    # Per value: a nest may mix NumPy leaves with torch tensors.
+                    like_numpy=isinstance(arrays[0], np.ndarray),
                 )
             )
         return out

@@ -52,6 +52,9 @@ class HostAllReduce(CrossDeviceOps):
     def __init__(self) -> None:
         self._fallback = ReductionToOneDevice()
 
+    def __repr__(self) -> str:
+        return "HostAllReduce()"
+
     def _is_host_all_reduce(self, value: DistributedValues, destinations: Any) -> bool:
         # One replica takes ReductionToOneDevice's per-pair identity shortcut (TF's).
         return (

@@ -30,8 +30,8 @@ class PackPlan:
     Attributes:
         num_packs: pieces per dtype group; 0 means every array is its own piece.
         shapes: the shape of each array of the batch, in order.
-        groups: per dtype group, the indices of its arrays in the batch (empty when
-            `num_packs` is 0).
+        groups: per dtype group (of one array library), the indices of its arrays in the
+            batch (empty when `num_packs` is 0).
         piece_sizes: per dtype group, the element count of each piece.
     """
 
@@ -97,9 +97,12 @@ def plan_packs(arrays: Sequence[Any], num_packs: int) -> PackPlan:
     shapes = tuple(backend_for(a).shape(a) for a in arrays)
     if num_packs == 0:
         return PackPlan(0, shapes, (), ())
-    by_dtype: dict[str, list[int]] = {}
+    # Group by array library as well as dtype: a NumPy float32 (what a Python float
+    # becomes) and a torch float32 tensor cannot be concatenated into one buffer.
+    by_dtype: dict[tuple[str, str], list[int]] = {}
     for i, a in enumerate(arrays):
-        by_dtype.setdefault(backend_for(a).dtype_name(a), []).append(i)
+        backend = backend_for(a)
+        by_dtype.setdefault((type(backend).__name__, backend.dtype_name(a)), []).append(i)
     groups = tuple(tuple(indices) for indices in by_dtype.values())
     sizes = tuple(
         split_sizes(sum(math.prod(shapes[i]) for i in group), num_packs) for group in groups

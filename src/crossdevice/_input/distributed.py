@@ -24,7 +24,7 @@ import numpy as np
 import optree
 
 from crossdevice._arrays import backend_for, is_array, is_torch
-from crossdevice._core import nest
+from crossdevice._core import context, nest
 from crossdevice._core.devices import canonicalize
 from crossdevice._input.batching import split_batch_leaves
 from crossdevice._input.input_context import (
@@ -33,6 +33,7 @@ from crossdevice._input.input_context import (
     InputReplicationMode,
     check_options,
 )
+from crossdevice._input.optional import Optional
 from crossdevice._values.values import PerReplica
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator"]
@@ -153,7 +154,9 @@ class DistributedIterator:
     """Iterator over a distributed dataset: `next(it)` (or `it.get_next()`) is one step.
 
     Raises StopIteration once no local replica has data left (TF raises OutOfRangeError
-    from `get_next`; a Python iterator stops instead).
+    from `get_next`; a Python iterator stops instead); `get_next_as_optional()` returns
+    an empty `Optional` instead. Call it outside `strategy.run` and pass the step in:
+    `strategy.run(step_fn, args=(next(it),))`.
     """
 
     def __init__(self, next_step: Callable[[], Any]) -> None:
@@ -163,11 +166,51 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> Any:
+        _check_outside_replica_fn()
         return self._next_step()
 
     def get_next(self) -> Any:
         """The next step's per-replica values (TF's `DistributedIterator.get_next`)."""
+        _check_outside_replica_fn()
         return self._next_step()
+
+    def get_next_as_optional(self) -> Optional[Any]:
+        """The next step's per-replica values as an `Optional`, empty at the end.
+
+        TF's `DistributedIterator.get_next_as_optional`: `has_value()` is False once no
+        replica has data left; otherwise `get_value()` is what `get_next()` returns.
+
+        Example:
+            >>> import numpy as np
+            >>> it = iter(DistributedDataset([np.arange(4)], devices=("CPU:0", "CPU:1")))
+            >>> it.get_next_as_optional().has_value(), it.get_next_as_optional().has_value()
+            (True, False)
+        """
+        _check_outside_replica_fn()
+        try:
+            return Optional.from_value(self._next_step())
+        except StopIteration:
+            return Optional.empty()
+
+
+def _check_outside_replica_fn() -> None:
+    """TF's input_lib raises this ValueError: each replica would get the whole step."""
+    frame = context.current_frame()
+    if frame is not None and frame.replica_context is not None:
+        raise ValueError(
+            "next(iterator) should be called from outside of replica_fn, e.g. "
+            "strategy.run(replica_fn, args=(next(iterator),)); inside strategy.run every "
+            "replica would get the whole step's PerReplica values"
+        )
+
+
+def _summary(dataset: Any) -> str:
+    """A one-line description of a user's dataset for reprs (never its contents)."""
+    name = type(dataset).__name__
+    try:
+        return f"<{name} of {len(dataset)} batches>"
+    except TypeError:  # no len(): a generator, an iterator, an IterableDataset
+        return f"<{name}>"
 
 
 class DistributedDataset:
@@ -231,7 +274,8 @@ class DistributedDataset:
 
     def __repr__(self) -> str:
         return (
-            f"DistributedDataset(dataset={self._dataset!r}, devices={self._layout.devices!r}, "
+            f"DistributedDataset(dataset={_summary(self._dataset)}, "
+            f"devices={self._layout.devices!r}, "
             f"num_workers={self._layout.num_workers}, worker_index={self._layout.worker_index})"
         )
 

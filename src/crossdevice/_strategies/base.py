@@ -77,6 +77,10 @@ class StrategyExtended:
     def __init__(self, container_strategy: Strategy) -> None:
         self._container_strategy_ref = container_strategy
 
+    def __repr__(self) -> str:
+        strategy = type(self._container_strategy_ref).__name__.lstrip("_")
+        return f"<crossdevice.{strategy}.extended devices={list(self._local_devices)}>"
+
     # --- facts a concrete strategy provides ------------------------------------------------
     @property
     def _local_devices(self) -> tuple[str, ...]:
@@ -386,6 +390,15 @@ class Strategy:
         """The number of replicas over which values are aggregated."""
         return self._extended._num_replicas_in_sync
 
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver of a multi-worker strategy; None for this one (TF).
+
+        Strategies that run on one worker have no cluster; `MultiWorkerMirroredStrategy`
+        returns a resolver (`cluster_spec()`, `task_type`, `task_id`, ...).
+        """
+        return None
+
     def scope(self) -> _Scope:
         """Context manager making this strategy current (cross-replica context).
 
@@ -437,6 +450,11 @@ class Strategy:
                 "strategy.run was called inside a replica context (from inside another "
                 "strategy.run); call it from cross-replica context"
             )
+        if self._extended._is_default:
+            # TF: the default strategy's scope pushes no cross-replica context; entering
+            # it only checks that no other strategy is current.
+            with self.scope():
+                return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         # `with self.scope():` without building a scope object per step: frames are
         # immutable, so one cross-replica frame serves every run.
         _check_can_enter(self, frame)

@@ -11,6 +11,7 @@ from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.replicated import ReplicatedExtended, canonical_devices
+from crossdevice._strategies.variable_creation import create_in_replica_context
 from crossdevice._values.distributed_variables import AggregatingVariable
 from crossdevice._values.values import Mirrored, PerReplica
 from crossdevice._values.variables import Variable, as_aggregation, as_synchronization
@@ -39,7 +40,7 @@ class _CentralStorageExtended(ReplicatedExtended):
         self,
         frame: context.Frame,
         initial_value: Any = None,
-        trainable: bool = True,
+        trainable: bool | None = None,
         name: str | None = None,
         dtype: Any = None,
         synchronization: Any = "AUTO",
@@ -48,6 +49,11 @@ class _CentralStorageExtended(ReplicatedExtended):
         device: str | None = None,
     ) -> Any:
         del device
+        if frame.replica_context is not None and len(self._devices) > 1:
+            # Created inside strategy.run: replica 0 creates, the others reuse (TF).
+            return create_in_replica_context(
+                frame, initial_value, trainable, name, dtype, synchronization, aggregation
+            )
         sync = as_synchronization(synchronization)
         agg = as_aggregation(aggregation)
         variable = type.__call__(

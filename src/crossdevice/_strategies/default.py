@@ -1,7 +1,12 @@
 """The default strategy: what is current outside any `strategy.scope()`.
 
-One replica, no distribution: `run` calls the function directly in the default replica
-context (replica 0), reductions return their value, `update` calls the function.
+One replica, no distribution: `run` calls the function directly in a replica context
+(replica 0), reductions return their value, `update` calls the function.
+
+As in TF (`distribute_lib._DefaultDistributionContext`), the default strategy's `scope()`
+pushes no cross-replica context: inside it the thread stays in the default replica
+context, so `get_replica_context()` and its `all_reduce`, `all_gather` and `merge_call`
+work there, and `run` gives `fn` a `ReplicaContext(strategy, 0)`.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from typing import Any, final
 
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize
-from crossdevice._strategies.base import SingleReplicaExtended, Strategy
+from crossdevice._replica.context import ReplicaContext, has_strategy
+from crossdevice._strategies.base import SingleReplicaExtended, Strategy, _Scope
 from crossdevice._values.variables import Variable
 
 __all__ = ["default_strategy"]
@@ -20,6 +26,14 @@ __all__ = ["default_strategy"]
 @final
 class _DefaultExtended(SingleReplicaExtended):
     _is_default = True
+
+    def __init__(self, container_strategy: Strategy) -> None:
+        super().__init__(container_strategy)
+        # TF `_DefaultDistributionExtended._call_for_each_replica`: fn runs under
+        # `ReplicaContext(strategy, replica_id_in_sync_group=0)`.
+        self._replica_frame = context.Frame(
+            container_strategy, ReplicaContext(container_strategy, 0), 0
+        )
 
     @property
     def _local_devices(self) -> tuple[str, ...]:
@@ -44,9 +58,7 @@ class _DefaultExtended(SingleReplicaExtended):
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        from crossdevice._replica.context import get_replica_context
-
-        with context.entered(context.Frame(self._container_strategy_ref, get_replica_context(), 0)):
+        with context.entered(self._replica_frame):
             return fn(*args, **kwargs)
 
     def _update(
@@ -70,11 +82,34 @@ class _DefaultExtended(SingleReplicaExtended):
 
 
 @final
+class _DefaultScope(_Scope):
+    """`with default_strategy.scope():` stays in the default replica context (TF).
+
+    Entering it inside another strategy's scope or replica is TF's RuntimeError.
+    """
+
+    def __enter__(self) -> Strategy:
+        if has_strategy():
+            raise RuntimeError(
+                "Must not nest tf.distribute.Strategy scopes: the default strategy's scope "
+                "was entered inside another strategy's scope or replica; leave that first"
+            )
+        return self._strategy
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@final
 class _DefaultStrategy(Strategy):
     """The strategy in effect outside any scope (a singleton)."""
 
     def __init__(self) -> None:
         super().__init__(_DefaultExtended(self))
+
+    def scope(self) -> _Scope:
+        """A no-op context: the default strategy is current in its default replica context."""
+        return _DefaultScope(self)
 
     def __repr__(self) -> str:
         return "<crossdevice default strategy>"

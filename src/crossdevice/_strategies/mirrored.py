@@ -10,8 +10,8 @@ from crossdevice._core.devices import list_logical_devices
 from crossdevice._core.reduce_op import VariableSynchronization
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.replicated import ReplicatedExtended, canonical_devices
+from crossdevice._strategies.variable_creation import create_in_replica_context
 from crossdevice._values.distributed_variables import MirroredVariable, SyncOnReadVariable
-from crossdevice._values.values import PerReplica
 from crossdevice._values.variables import (
     Variable,
     as_aggregation,
@@ -27,7 +27,7 @@ def create_mirrored_variable(
     extended: ReplicatedExtended,
     frame: context.Frame,
     initial_value: Any = None,
-    trainable: bool = True,
+    trainable: bool | None = None,
     name: str | None = None,
     dtype: Any = None,
     synchronization: Any = VariableSynchronization.AUTO,
@@ -38,7 +38,8 @@ def create_mirrored_variable(
     """Create one component per local device and wrap them.
 
     ON_WRITE/AUTO gives a MirroredVariable, ON_READ a SyncOnReadVariable. Replica 0's
-    initial value is copied to the other components.
+    initial value is copied to the other components. Inside `run`, replica 0's
+    arguments create one variable that every replica gets.
     """
     del device  # mirrored variables live on every replica device
     sync = as_synchronization(synchronization)
@@ -52,16 +53,10 @@ def create_mirrored_variable(
         )
     strategy = extended._container_strategy_ref
     if frame.replica_context is not None:
-        # Created inside strategy.run: all replicas rendezvous and replica 0's value wins,
-        # as TF's replica 0 creates the variable and the others reuse it.
-        value = make_initial_value(initial_value, dtype)
-
-        def merge_fn(strategy: Any, value: Any) -> Any:
-            first = value.values[0] if isinstance(value, PerReplica) else value
-            with strategy.scope():
-                return Variable(first, trainable, name, None, synchronization, aggregation)
-
-        return frame.replica_context.merge_call(merge_fn, args=(value,))
+        # Created inside strategy.run: replica 0 creates, the others reuse (TF).
+        return create_in_replica_context(
+            frame, initial_value, trainable, name, dtype, synchronization, aggregation
+        )
     primary = make_initial_value(initial_value, dtype)
     base = unique_name(name)
     components = []

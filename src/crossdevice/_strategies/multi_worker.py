@@ -177,6 +177,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"CommunicationOptions, got {communication_options!r}"
             )
         options = CommunicationOptions().merge(communication_options)
+        self._cluster_resolver = cluster_resolver
         cluster = (
             cluster_from_resolver(cluster_resolver)
             if cluster_resolver is not None
@@ -197,10 +198,18 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     @property
     def cluster_resolver(self) -> Any:
-        """The cluster this worker belongs to (a `Cluster`), or None in local mode."""
-        extended = self._extended
-        assert isinstance(extended, _MultiWorkerExtended)
-        return extended._cluster
+        """The resolver given at construction, else one describing this worker's cluster.
+
+        As TF: `cluster_spec()`, `master()`, `task_type`, `task_id`, `num_accelerators()`;
+        in local mode the cluster spec is empty and `task_type`/`task_id` are None.
+        """
+        if self._cluster_resolver is None:
+            from crossdevice.cluster_resolver import resolver_for_cluster
+
+            extended = self._extended
+            assert isinstance(extended, _MultiWorkerExtended)
+            self._cluster_resolver = resolver_for_cluster(extended._cluster)
+        return self._cluster_resolver
 
 
 def _on_task(device: str, cluster: Cluster) -> str:

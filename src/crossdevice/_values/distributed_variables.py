@@ -71,6 +71,11 @@ class DistributedVariable(AssignMethods, ArrayOperators, DistributedValues):
         return self._strategy
 
     @property
+    def distribute_strategy(self) -> Any:
+        """The strategy this variable was created under (TF's `distribute_strategy`)."""
+        return self._strategy
+
+    @property
     def name(self) -> str:
         """The primary component's name."""
         return self._primary.name

@@ -51,7 +51,9 @@ class ArrayOperators:
     __truediv__ = _forward(operator.truediv)
     __floordiv__ = _forward(operator.floordiv)
     __mod__ = _forward(operator.mod)
-    __pow__ = _forward(operator.pow)
+    __and__ = _forward(operator.and_)
+    __or__ = _forward(operator.or_)
+    __xor__ = _forward(operator.xor)
     __matmul__ = _forward(operator.matmul)
     __radd__ = _reflected(operator.add)
     __rsub__ = _reflected(operator.sub)
@@ -60,14 +62,32 @@ class ArrayOperators:
     __rfloordiv__ = _reflected(operator.floordiv)
     __rmod__ = _reflected(operator.mod)
     __rpow__ = _reflected(operator.pow)
+    __rand__ = _reflected(operator.and_)
+    __ror__ = _reflected(operator.or_)
+    __rxor__ = _reflected(operator.xor)
     __rmatmul__ = _reflected(operator.matmul)
     __neg__ = _forward(operator.neg)
+    __invert__ = _forward(operator.invert)
     __abs__ = _forward(operator.abs)
     __lt__ = _forward(operator.lt)
     __le__ = _forward(operator.le)
     __gt__ = _forward(operator.gt)
     __ge__ = _forward(operator.ge)
     __getitem__ = _forward(operator.getitem)
+
+    def __pow__(self, other: Any, modulo: Any = None) -> Any:
+        """`pow(value, other[, modulo])` on the array this value stands for.
+
+        TF's `DistributedDelegate` forwards the three-argument form too. NumPy arrays and
+        torch tensors do not implement it, so for them it is `(value ** other) % modulo`;
+        Python numbers use the built-in `pow`.
+        """
+        operand = self._operand()
+        if modulo is None:
+            return operand**other
+        if isinstance(operand, int | float):
+            return pow(operand, other, modulo)
+        return (operand**other) % modulo
 
     def __float__(self) -> float:
         return float(self._operand())

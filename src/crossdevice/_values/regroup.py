@@ -3,8 +3,8 @@
 TF's rules (`distribute_utils.regroup`): structures are walked together (lists, tuples,
 namedtuples, dicts); at each leaf, identical objects stay one plain object, components of
 one distributed variable become that variable, and anything else is wrapped in a
-`PerReplica` (or the given class). Unlike TF, which raises AssertionError for lists of
-different lengths, a structure mismatch is a ValueError naming both structures.
+`PerReplica` (or the given class). A structure mismatch raises `StructureMismatchError`
+naming both structures: an AssertionError, as in TF, and a ValueError.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _regroup_leaf(
         and (collapse_arrays or not _is_tensor(first))
     ):
         return first
-    if isinstance(first, Variable):
+    if isinstance(first, Variable) and not type(first)._is_distributed_variable:
+        # A component of a distributed variable (distributed variables have no container).
         container = first._distributed_container
         if container is not None and all(
             isinstance(c, Variable) and c._distributed_container is container for c in components

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from crossdevice._arrays import backend_for
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize
@@ -140,6 +142,20 @@ class PerReplica(DistributedValues):
     """
 
     __slots__ = ()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """This replica's component as a NumPy array; outside a replica, TF's ValueError.
+
+        TF converts a PerReplica to a tensor only inside a replica context; without this
+        NumPy would fail with an unclear TypeError (or build an object array). Unlike
+        `_get()`, outside any strategy this does not pick replica 0's component: a value
+        of several replicas has no single array there.
+        """
+        frame = context.current_frame()
+        if frame is None or (frame.replica_context is None and frame.update_replica_id is None):
+            self._get_cross_replica()
+        value = self._get()
+        return np.asarray(backend_for(value).to_numpy(value), dtype=dtype)
 
     def _get_cross_replica(self) -> Any:
         raise ValueError(

@@ -26,6 +26,7 @@ __all__ = [
     "as_aggregation",
     "as_synchronization",
     "make_initial_value",
+    "resolve_trainable",
     "set_variable_creator",
 ]
 
@@ -48,7 +49,9 @@ def unique_name(name: str | None) -> str:
 
 
 def as_synchronization(value: Any) -> VariableSynchronization:
-    """A `VariableSynchronization` from the enum or its name."""
+    """A `VariableSynchronization` from the enum or its name; None means AUTO (as TF)."""
+    if value is None:
+        return VariableSynchronization.AUTO
     if isinstance(value, VariableSynchronization):
         return value
     if isinstance(value, str):
@@ -63,7 +66,9 @@ def as_synchronization(value: Any) -> VariableSynchronization:
 
 
 def as_aggregation(value: Any) -> VariableAggregation:
-    """A `VariableAggregation` from the enum or its name."""
+    """A `VariableAggregation` from the enum or its name; None means NONE (as TF)."""
+    if value is None:
+        return VariableAggregation.NONE
     if isinstance(value, VariableAggregation):
         return value
     if isinstance(value, str):
@@ -75,6 +80,17 @@ def as_aggregation(value: Any) -> VariableAggregation:
         f"Invalid variable aggregation mode: {value!r} for variable; expected one of "
         f"{[a.name for a in VariableAggregation]}"
     )
+
+
+def resolve_trainable(trainable: bool | None, synchronization: VariableSynchronization) -> bool:
+    """`trainable`, or TF's default when it is None: False for ON_READ, else True.
+
+    TF (`variables.validate_synchronization_aggregation_trainable`): sync-on-read
+    variables hold metrics and statistics, which optimisers must not update.
+    """
+    if trainable is None:
+        return synchronization != VariableSynchronization.ON_READ
+    return bool(trainable)
 
 
 def make_initial_value(initial_value: Any, dtype: Any) -> Any:
@@ -169,8 +185,9 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
     Args:
         initial_value: an array, a number, a nested list, or a callable returning one.
             Python numbers follow `tf.constant`: floats become float32, ints int32.
-        trainable: whether optimisers should update it.
-        name: the variable's name; `"Variable"` (made unique) by default.
+        trainable: whether optimisers should update it; None (the default) means True,
+            except for `synchronization=ON_READ` variables (False, as TF).
+        name: the variable's name; `"Variable"` by default (not made unique, as TF 2).
         dtype: cast the initial value to this NumPy (or torch) dtype.
         synchronization: a `VariableSynchronization`; used under a strategy scope.
         aggregation: a `VariableAggregation`; how replica-context updates combine.
@@ -187,7 +204,7 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
     def __init__(
         self,
         initial_value: Any = None,
-        trainable: bool = True,
+        trainable: bool | None = None,
         name: str | None = None,
         dtype: Any = None,
         synchronization: Any = VariableSynchronization.AUTO,
@@ -207,7 +224,7 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
         self._value = value
         self._device = target
         self._name = unique_name(name)
-        self._trainable = bool(trainable)
+        self._trainable = resolve_trainable(trainable, self._synchronization)
         self._distributed_container: Any = None
         self._distribute_strategy: Any = None
 
@@ -291,7 +308,7 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
     def __repr__(self) -> str:
         return (
             f"<crossdevice.Variable {self.name!r} shape={self.shape} "
-            f"dtype={_dtype_str(self.dtype)}, numpy={_numpy_str(self.numpy())}>"
+            f"dtype={_dtype_str(self.dtype)}, {_library(self._value)}={_numpy_str(self.numpy())}>"
         )
 
 
@@ -321,10 +338,27 @@ def _dtype_str(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: Arrays with more elements than this are summarised in reprs (first and last
+#: `_REPR_EDGE_ITEMS` per axis). Lower than NumPy's 1000: a distributed variable prints
+#: one array per replica, and a 30x30 weight already fills a screen.
+_REPR_THRESHOLD = 100
+_REPR_EDGE_ITEMS = 3
+
+
+def _library(value: Any) -> str:
+    """What a repr calls the value: `numpy=` (TF's word, for NumPy) or `torch=`."""
+    return "torch" if is_torch(value) else "numpy"
+
+
 def _numpy_str(value: Any) -> str:
     if isinstance(value, np.generic):
         return str(value.item())
-    return np.array2string(np.asarray(value), separator=", ")
+    return np.array2string(
+        np.asarray(value),
+        separator=", ",
+        threshold=_REPR_THRESHOLD,
+        edgeitems=_REPR_EDGE_ITEMS,
+    )
 
 
 def _unwrap(value: Any) -> Any:
