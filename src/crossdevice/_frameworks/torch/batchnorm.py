@@ -80,12 +80,16 @@ def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
         module, SyncBatchNorm
     ):
+        like = next(iter([*module.parameters(), *module.buffers()]), None)
+        floating = [t for t in (module.weight, module.running_mean) if t is not None]
         converted = SyncBatchNorm(
             module.num_features,
             module.eps,
             module.momentum,
             module.affine,
             module.track_running_stats,
+            device=None if like is None else like.device,
+            dtype=floating[0].dtype if floating else None,
         )
         with torch.no_grad():
             if module.affine:
@@ -97,7 +101,6 @@ def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
                 converted.running_mean.copy_(module.running_mean)
                 converted.running_var.copy_(module.running_var)
                 converted.num_batches_tracked.copy_(module.num_batches_tracked)
-        converted.to(next(iter(module.buffers()), torch.empty(0)).device)
         converted.train(module.training)
     for name, child in module.named_children():
         converted.add_module(name, convert_sync_batchnorm(child))
