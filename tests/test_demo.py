@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 import pytest
 
-from crossdevice._cli import demo
+from crossdevice._cli import demo, demo_common, demo_numpy
 from crossdevice._data.digits import load_digits, train_test_split
 
 
@@ -41,19 +41,19 @@ def test_train_test_split_is_seeded_and_disjoint() -> None:
 
 def test_gradient_matches_finite_differences() -> None:
     rng = np.random.default_rng(0)
-    params = [p.astype(np.float64) for p in demo.init_params(1, hidden=5)]
+    params = [p.astype(np.float64) for p in demo_numpy.init_params(1, hidden=5)]
     params = [p + 0.1 * rng.standard_normal(p.shape) for p in params]
     x = rng.random((7, 64))
     labels = rng.integers(0, 10, 7)
-    _, _, grads = demo.loss_and_grad_sums(params, x, labels)
+    _, _, grads = demo_numpy.loss_and_grad_sums(params, x, labels)
     eps = 1e-6
     for k, p in enumerate(params):
         for index in np.ndindex(p.shape):
             bumped = [q.copy() for q in params]
             bumped[k][index] += eps
-            up = demo.loss_and_grad_sums(bumped, x, labels)[0].sum()
+            up = demo_numpy.loss_and_grad_sums(bumped, x, labels)[0].sum()
             bumped[k][index] -= 2 * eps
-            down = demo.loss_and_grad_sums(bumped, x, labels)[0].sum()
+            down = demo_numpy.loss_and_grad_sums(bumped, x, labels)[0].sum()
             assert abs((up - down) / (2 * eps) - grads[k][index]) < 1e-6, (k, index)
 
 
@@ -61,12 +61,13 @@ def test_gradient_of_split_batches_adds_up() -> None:
     # Data parallelism rests on this: the sum of per-slice gradient sums is the gradient
     # sum of the whole batch, including an empty slice (a replica without data).
     rng = np.random.default_rng(1)
-    params = demo.init_params(0)
+    params = demo_numpy.init_params(0)
     x = rng.random((9, 64)).astype(np.float32)
     labels = rng.integers(0, 10, 9)
-    losses, correct, whole = demo.loss_and_grad_sums(params, x, labels)
+    losses, correct, whole = demo_numpy.loss_and_grad_sums(params, x, labels)
     parts = [
-        demo.loss_and_grad_sums(params, x[a:b], labels[a:b]) for a, b in [(0, 5), (5, 9), (9, 9)]
+        demo_numpy.loss_and_grad_sums(params, x[a:b], labels[a:b])
+        for a, b in [(0, 5), (5, 9), (9, 9)]
     ]
     assert parts[2][0].shape == (0,)
     assert all(not g.any() for g in parts[2][2])
@@ -78,7 +79,7 @@ def test_gradient_of_split_batches_adds_up() -> None:
 
 def test_epoch_batches_cover_every_example_once() -> None:
     x = np.arange(20).reshape(10, 2)
-    batches = demo.epoch_batches(x, np.arange(10), 4, seed=5)
+    batches = demo_common.epoch_batches(x, np.arange(10), 4, seed=5)
     assert [len(labels) for _, labels in batches] == [4, 4, 2]
     assert sorted(np.concatenate([labels for _, labels in batches]).tolist()) == list(range(10))
     assert all(np.array_equal(xb[:, 0] // 2, yb) for xb, yb in batches)
@@ -113,24 +114,38 @@ def test_bad_flags_exit_with_usage(
     assert "demo" in capsys.readouterr().err
 
 
-def test_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse("--replicas", "2", "--epochs", "3")
+def test_demo_end_to_end(torch_module: object, capsys: pytest.CaptureFixture[str]) -> None:
+    # The main job: the torch CNN, mirrored with crossdevice.torch, on 4 replicas.
+    args = parse("--replicas", "4")
     assert args.func(args) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert "MirroredStrategy on 2 replicas (logical CPU devices" in out
-    assert out.count("held-out accuracy ") == 3  # one line per epoch
+    assert "PyTorch CNN" in out
+    assert "MirroredStrategy on 4 replicas (logical CPU devices" in out
+    assert out.count("held-out accuracy ") == 10  # one line per epoch
     accuracy = float(out.split("held-out accuracy: ")[1].split()[0])
-    assert accuracy >= 0.9
+    assert accuracy >= 0.95
     assert "parameters match" in out
-    assert "identical on all 2 replicas" in out
+    assert "identical on all 4 replicas" in out
     assert out.rstrip().endswith("demo: OK")
-    assert "2 replicas: " in captured.err  # the progress bar
+    assert captured.err == ""  # no progress bars when stderr is not a terminal
+
+
+def test_numpy_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("--numpy", "--replicas", "2", "--epochs", "3")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "NumPy MLP 64-64-10" in out
+    assert out.count("held-out accuracy ") == 3
+    assert "parameters match" in out
+    assert out.rstrip().endswith("demo: OK")
 
 
 @pytest.mark.parametrize("ops", sorted(demo.CROSS_DEVICE_OPS))
 def test_demo_with_each_cross_device_ops(ops: str, capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse("--replicas", "3", "--epochs", "3", "--cross-device-ops", ops, "--no-progress")
+    args = parse(
+        "--numpy", "--replicas", "3", "--epochs", "3", "--cross-device-ops", ops, "--no-progress"
+    )
     assert args.func(args) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "parameters match" in out
@@ -139,7 +154,9 @@ def test_demo_with_each_cross_device_ops(ops: str, capsys: pytest.CaptureFixture
 
 def test_demo_fails_when_accuracy_is_too_low(capsys: pytest.CaptureFixture[str]) -> None:
     # One step on the whole training set cannot learn the digits: the exit status says so.
-    args = parse("--replicas", "2", "--epochs", "1", "--batch-size", "2000", "--no-progress")
+    args = parse(
+        "--numpy", "--replicas", "2", "--epochs", "1", "--batch-size", "2000", "--no-progress"
+    )
     assert args.func(args) == 1
     out = capsys.readouterr().out
     assert "FAILED: needs >= 0.90" in out

@@ -67,7 +67,7 @@ def test_all_reduce_gradient_is_the_all_reduce_of_gradients(torch_module: Any) -
         ctx = cd.get_replica_context()
         r = ctx.replica_id_in_sync_group
         x = torch.ones(2, requires_grad=True)
-        y, = ctx.all_reduce("sum", [x * (r + 1)])  # y = 6 * 1 on every replica
+        (y,) = ctx.all_reduce("sum", [x * (r + 1)])  # y = 6 * 1 on every replica
         (y * (r + 1)).sum().backward()  # upstream gradient r + 1
         return x.grad, y.requires_grad
 

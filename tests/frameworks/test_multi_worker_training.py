@@ -15,12 +15,24 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def test_example_on_two_workers_matches_a_single_replica_run(torch_module: Any) -> None:
-    argv = ["--strategy", "multi_worker", "--replicas", "2", "--quiet"]
+    argv = ["--strategy", "multi_worker", "--replicas", "2", "--quiet", "--dtype", "float64"]
     results = [r.unwrap() for r in run_workers(train_example, 2, args=(argv,), timeout=240)]
     # The same global batches (4 x 16) on one replica.
-    reference = load_example("custom_training_loop").main(
-        ["--strategy", "one_device", "--batch-size-per-replica", "64", "--quiet"]
-    )
+    dtype = torch_module.get_default_dtype()
+    try:
+        reference = load_example("custom_training_loop").main(
+            [
+                "--strategy",
+                "one_device",
+                "--batch-size-per-replica",
+                "64",
+                "--quiet",
+                "--dtype",
+                "float64",
+            ]
+        )
+    finally:
+        torch_module.set_default_dtype(dtype)
     for result in results:
         assert result["steps"] >= 100
         assert result["test_accuracy"] >= 0.95

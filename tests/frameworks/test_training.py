@@ -20,10 +20,12 @@ MODES = ["threads", "cooperative"]
 
 @pytest.fixture
 def torch(torch_module: Any) -> Any:
-    """torch, with its intra-op thread count restored after the test."""
+    """torch, with its intra-op thread count and default dtype restored after the test."""
     threads = torch_module.get_num_threads()
+    dtype = torch_module.get_default_dtype()
     yield torch_module
     torch_module.set_num_threads(threads)
+    torch_module.set_default_dtype(dtype)
 
 
 @pytest.fixture
@@ -45,7 +47,8 @@ def cdt(torch: Any) -> Any:
 )
 def test_example_matches_a_single_replica_run(torch: Any, strategy: str, argv: list[str]) -> None:
     example = load_example("custom_training_loop")
-    out = example.main(["--strategy", strategy, "--quiet", "--check", *argv])
+    # float64: the check then compares like with like (see the example's doc).
+    out = example.main(["--strategy", strategy, "--quiet", "--check", "--dtype", "float64", *argv])
     assert out["steps"] >= 100
     assert out["max_difference"] <= 1e-5
     assert out["test_accuracy"] >= 0.95
