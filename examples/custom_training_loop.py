@@ -1,4 +1,4 @@
-r"""TF's "Custom training with tf.distribute.Strategy" tutorial, ported to PyTorch + crossdevice.
+rr"""TF's "Custom training with tf.distribute.Strategy" tutorial, ported to PyTorch + crossdevice.
 
 The TensorFlow tutorial trains a small CNN with a custom training loop under
 `tf.distribute.MirroredStrategy`. This is the same program, line by line, on the UCI
@@ -51,6 +51,15 @@ def make_strategy(name: str, replicas: int) -> crossdevice.Strategy:
     return crossdevice.MultiWorkerMirroredStrategy(devices=devices)
 
 
+def is_chief(strategy: crossdevice.Strategy) -> bool:
+    """TF's `_is_chief(task_type, task_id)` of the multi-worker tutorial."""
+    resolver = strategy.cluster_resolver
+    if resolver is None:
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    return task_type is None or task_type == "chief" or (task_type == "worker" and task_id == 0)
+
+
 def create_model() -> torch.nn.Module:
     """The tutorial's CNN (`tf.keras.Sequential`), for 1x8x8 digits."""
     return torch.nn.Sequential(
@@ -92,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     crossdevice.config.set_logical_cpu_devices(max(2, args.replicas))
     torch.set_default_dtype(getattr(torch, args.dtype))  # TF: tf.keras.backend.set_floatx
     strategy = make_strategy(args.strategy, args.replicas)
+    if not is_chief(strategy):
+        say = lambda *_: None  # noqa: E731  (TF: only the chief writes summaries)
     say(f"Number of devices: {strategy.num_replicas_in_sync}")
 
     images, labels = load_digits()  # TF: fashion_mnist.load_data()
