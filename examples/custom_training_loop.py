@@ -1,4 +1,4 @@
-rr"""TF's "Custom training with tf.distribute.Strategy" tutorial, ported to PyTorch + crossdevice.
+r"""TF's "Custom training with tf.distribute.Strategy" tutorial, ported to PyTorch + crossdevice.
 
 The TensorFlow tutorial trains a small CNN with a custom training loop under
 `tf.distribute.MirroredStrategy`. This is the same program, line by line, on the UCI
