@@ -48,3 +48,17 @@ def test_readme_tour_runs_and_matches_its_comments() -> None:
     for local in strategy.experimental_local_results(result):  # type: ignore[attr-defined]
         assert int(local["a"]) == 4
         assert [int(x) for x in local["b"]] == [42, 99]
+
+
+def test_readme_torch_training_section_runs(torch_module: object) -> None:
+    text = README.read_text()
+    start = text.index("## Training a PyTorch model")
+    match = re.search(r"```python\n(.*?)```", text[start:], re.DOTALL)
+    assert match is not None, "the README's torch section has no python block"
+    import crossdevice
+
+    crossdevice.config.set_logical_cpu_devices(4)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(match.group(1), str(README), "exec"), {})
+    assert float(out.getvalue()) > 0  # the printed step loss
