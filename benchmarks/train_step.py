@@ -141,7 +141,7 @@ class _DDP:
 
 # --- in-process variants ----------------------------------------------------------------
 class _Crossdevice:
-    def __init__(self) -> None:
+    def __init__(self, **prepare: Any) -> None:
         import torch
 
         import crossdevice
@@ -152,7 +152,7 @@ class _Crossdevice:
         with self.strategy.scope():
             model = _model(torch)
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
-            self.model, self.optimizer = cdt.prepare(model, optimizer)
+            self.model, self.optimizer = cdt.prepare(model, optimizer, **prepare)
         self.threads = torch.get_num_threads()  # the policy's choice
         self.x, self.y = _data()
         self.cache: dict[int, list[tuple[Any, Any]]] = {}
@@ -212,6 +212,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-replica", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per batch size")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument(
+        "--crossdevice",
+        nargs="+",
+        default=["default"],
+        metavar="CONFIG",
+        help="crossdevice variants to take turns with the others: 'default', or "
+        "comma-separated prepare() options such as threads_per_replica=0 or "
+        "bucket_cap_bytes=131072 (the first is the one the ratios use)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -223,7 +232,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     ddp = _DDP()
     try:
-        variants = {"crossdevice": _Crossdevice(), "ddp": ddp, "torch": _Torch(cores or 1)}
+        variants: dict[str, Any] = {}
+        for config in args.crossdevice:
+            options = {}
+            if config != "default":
+                for item in config.split(","):
+                    key, value = item.split("=")
+                    options[key] = int(value)
+            name = "crossdevice" if not variants else f"crossdevice[{config}]"
+            variants[name] = _Crossdevice(**options)
+        variants["ddp"] = ddp
+        variants["torch"] = _Torch(cores or 1)
         for per_replica in args.per_replica:
             times: dict[str, list[float]] = {name: [] for name in variants}
             for round_ in range(args.warmup + args.rounds):
@@ -244,6 +263,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"{max(a / b for a, b in zip(cd, dd, strict=True)):.3f} vs DDP)",
                 flush=True,
             )
+            for name, seconds_list in times.items():
+                if name.startswith("crossdevice["):
+                    ratio = statistics.median(a / b for a, b in zip(seconds_list, cd, strict=True))
+                    print(
+                        f"  {name}: {statistics.median(seconds_list) * 1e3:.1f} ms, "
+                        f"{ratio:.3f}x the default (median per-round ratio)",
+                        flush=True,
+                    )
     finally:
         ddp.close()
 
