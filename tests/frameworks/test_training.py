@@ -353,3 +353,12 @@ def test_random_draws_outside_replicas_are_torchs_own(torch: Any, cdt: Any) -> N
     torch.manual_seed(3)
     expected = torch.rand(4, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(torch.rand(4), expected)
+
+
+def test_a_single_replica_draws_from_torchs_generator(torch: Any, cdt: Any) -> None:
+    strategy = cd.OneDeviceStrategy("CPU:0")
+    torch.manual_seed(5)
+    inside = strategy.run(lambda: torch.rand(3))
+    torch.manual_seed(5)
+    torch.testing.assert_close(inside, torch.rand(3))
+    assert strategy.run(cdt.replica_generator) is None

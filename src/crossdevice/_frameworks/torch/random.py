@@ -75,7 +75,7 @@ _INSTALLED: dict[str, Any] = {}
 
 
 def replica_generator() -> torch.Generator | None:
-    """The running replica's generator, or None outside `strategy.run`.
+    """The running replica's generator; None outside `strategy.run` or with one replica.
 
     Pass it explicitly (`generator=`) to draw from the replica's stream in code the
     wrappers do not cover.
@@ -84,6 +84,8 @@ def replica_generator() -> torch.Generator | None:
     if frame is None or frame.replica_context is None:
         return None
     strategy = frame.strategy
+    if strategy.num_replicas_in_sync == 1:
+        return None  # one replica races with nobody: torch's own generator, as without run
     streams = _STREAMS.get(strategy)
     if streams is None:
         with _STREAMS_LOCK:
