@@ -3,7 +3,7 @@
 Prints one row per (size, implementation) with nccl-tests' columns (size, count, type,
 redop, time, algbw, busbw, #wrong) plus the fraction of the memory-bandwidth limit: an
 all-reduce of N host arrays of S bytes must read N·S bytes and write S, so it cannot beat
-(N+1)·S / B at memory bandwidth B, which is measured in the same run (DESIGN.md §4).
+(N+1)·S / B at memory bandwidth B, which is measured in the same run (docs/design.md §4).
 
 Flags follow nccl-tests: `-b/-e` smallest and largest size in bytes (K, M, G suffixes are
 powers of 1024), `-f` the multiplication factor between sizes (`-i` the increment when
