@@ -12,7 +12,7 @@ A `tf.distribute` program ports by replacing `tf.distribute` with `crossdevice`,
     >>> strategy.experimental_local_results(strategy.run(step))[0]
     np.float32(3.0)
 
-Layers (DESIGN.md §2), each importing only those below it: `_core` (devices, config,
+Layers (docs/design.md §2), each importing only those below it: `_core` (devices, config,
 reduce ops, options, context stack) → `_arrays` (NumPy, lazy torch) → `_values`
 (distributed values and variables) → `_collectives` (algorithms, communicators) →
 `_cross_device` (TF's CrossDeviceOps classes) → `_replica` (threads, merge_call) →
@@ -21,6 +21,7 @@ reduce ops, options, context stack) → `_arrays` (NumPy, lazy torch) → `_valu
 
 from crossdevice import cluster_resolver as cluster_resolver
 from crossdevice import config as config
+from crossdevice import datasets as datasets
 from crossdevice import experimental as experimental
 from crossdevice._core.devices import device_scope as device
 from crossdevice._core.errors import CollectiveTimeoutError as CollectiveTimeoutError
@@ -86,6 +87,7 @@ __all__ = [
     "__version__",
     "cluster_resolver",
     "config",
+    "datasets",
     "device",
     "experimental",
     "experimental_set_strategy",
