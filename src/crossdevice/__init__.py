@@ -43,6 +43,7 @@ from crossdevice._replica.context import get_replica_context as get_replica_cont
 from crossdevice._replica.context import get_strategy as get_strategy
 from crossdevice._replica.context import has_strategy as has_strategy
 from crossdevice._replica.context import in_cross_replica_context as in_cross_replica_context
+from crossdevice._replica.context import replica_context as replica_context
 from crossdevice._strategies.base import Strategy as Strategy
 from crossdevice._strategies.base import StrategyExtended as StrategyExtended
 from crossdevice._strategies.mirrored import MirroredStrategy as MirroredStrategy
@@ -96,6 +97,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "replica_context",
 ]
 
 

@@ -383,7 +383,7 @@ class Strategy:
         """The number of replicas over which values are aggregated."""
         return self._extended._num_replicas_in_sync
 
-    def scope(self) -> _Scope:
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Context manager making this strategy current (cross-replica context).
 
         Variables created inside are distributed variables of this strategy.
