@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install --disable-pip-version-check -q "torch==2.13.0"
-.venv/bin/python -m pip install --disable-pip-version-check -q -e ".[torch,dev]"
+.venv/bin/python -m pip install --disable-pip-version-check -q -e ".[torch,dev,plot]"
 .venv/bin/ruff format --check src tests benchmarks
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/mypy
