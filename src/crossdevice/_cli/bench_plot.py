@@ -91,11 +91,13 @@ def plot_rows(
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(sizes, [_size_label(s) for s in sizes], rotation=45 if len(sizes) > 10 else 0)
     ax.set_xlim(sizes[0] / 1.3, sizes[-1] * 1.3)
-    ax.set_ylim(bottom=0)
+    top = max([limit, *(r["busbw_GBps"] for r in rows)])
+    ax.set_ylim(0, top * 1.12)  # headroom, so the top points and the limit stay visible
     ax.set_xlabel("message size per replica (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)\nbusbw = size / time · 2(N-1)/N")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="upper left", fontsize="small", framealpha=0.9)
+    # Below the axes: inside, any corner can hide a point or the limit line.
+    fig.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
     title = f"crossdevice all-reduce: {datatype} {redop}, {replicas} replicas"
     ax.set_title(title if not note else f"{title}\n{note}", fontsize="medium")
     fig.savefig(path)
