@@ -9,8 +9,8 @@ A `tf.distribute` program ports by replacing `tf.distribute` with `crossdevice`,
     >>> def step():
     ...     ctx = crossdevice.get_replica_context()
     ...     return ctx.all_reduce("sum", np.float32(ctx.replica_id_in_sync_group + 1))
-    >>> strategy.experimental_local_results(strategy.run(step))[0]
-    np.float32(3.0)
+    >>> float(strategy.experimental_local_results(strategy.run(step))[0])
+    3.0
 
 Layers (docs/design.md §2), each importing only those below it: `_core` (devices, config,
 reduce ops, options, context stack) → `_arrays` (NumPy, lazy torch) → `_values`
