@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from crossdevice._core import context
+from crossdevice._core import context, validate
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -117,6 +117,7 @@ class ReplicaContext:
         Returns:
             The return value of `merge_fn`, with per-replica values unpacked.
         """
+        validate.function(merge_fn, "ReplicaContext.merge_call")
         if not isinstance(args, list | tuple):
             raise ValueError(
                 f"merge_call args must be a list or tuple, got {type(args).__name__}: {args!r}"
@@ -144,6 +145,7 @@ class ReplicaContext:
             The reduced nest (host results may be read-only arrays shared by replicas).
         """
         op = as_reduce_op(reduce_op)
+        validate.reducible(value, "ReplicaContext.all_reduce")
         if options is not None and not isinstance(options, CommunicationOptions):
             raise ValueError(f"options must be a CommunicationOptions or None, got {options!r}")
         self._check_current()
