@@ -9,8 +9,8 @@ A `tf.distribute` program ports by replacing `tf.distribute` with `crossdevice`,
     >>> def step():
     ...     ctx = crossdevice.get_replica_context()
     ...     return ctx.all_reduce("sum", np.float32(ctx.replica_id_in_sync_group + 1))
-    >>> strategy.experimental_local_results(strategy.run(step))[0]
-    np.float32(3.0)
+    >>> float(strategy.experimental_local_results(strategy.run(step))[0])
+    3.0
 
 Layers (docs/design.md §2), each importing only those below it: `_core` (devices, config,
 reduce ops, options, context stack) → `_arrays` (NumPy, lazy torch) → `_values`
@@ -23,7 +23,7 @@ from crossdevice import cluster_resolver as cluster_resolver
 from crossdevice import config as config
 from crossdevice import datasets as datasets
 from crossdevice import experimental as experimental
-from crossdevice._core.devices import device_scope as device
+from crossdevice._core.devices import device as device
 from crossdevice._core.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from crossdevice._core.exports import fix_module_metadata as _fix_module_metadata
 from crossdevice._core.reduce_op import ReduceOp as ReduceOp
@@ -44,6 +44,7 @@ from crossdevice._replica.context import get_replica_context as get_replica_cont
 from crossdevice._replica.context import get_strategy as get_strategy
 from crossdevice._replica.context import has_strategy as has_strategy
 from crossdevice._replica.context import in_cross_replica_context as in_cross_replica_context
+from crossdevice._replica.context import replica_context as replica_context
 from crossdevice._strategies.base import Strategy as Strategy
 from crossdevice._strategies.base import StrategyExtended as StrategyExtended
 from crossdevice._strategies.mirrored import MirroredStrategy as MirroredStrategy
@@ -97,6 +98,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "replica_context",
 ]
 
 

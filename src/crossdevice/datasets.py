@@ -33,12 +33,12 @@ __all__ = [
     "train_test_split",
 ]
 
-#: Examples in the digits data set (rows of `load_digits()`'s arrays).
 DIGITS_NUM_EXAMPLES: Final[int] = _digits.NUM_EXAMPLES
-#: Features per digits example: 8x8 pixels, row-major, each a count in 0..16.
+"""Examples in the digits data set (rows of `load_digits()`'s arrays): 1797."""
 DIGITS_NUM_FEATURES: Final[int] = _digits.NUM_FEATURES
-#: Classes of the digits data set: the digits 0..9.
+"""Features per digits example: 8x8 pixels, row-major, each a count in 0..16: 64."""
 DIGITS_NUM_CLASSES: Final[int] = _digits.NUM_CLASSES
+"""Classes of the digits data set, the digits 0..9: 10."""
 
 for _function in (load_digits, train_test_split):
     _function.__module__ = __name__

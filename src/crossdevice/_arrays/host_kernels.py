@@ -1,7 +1,7 @@
 """Bandwidth-optimal in-order sums of host NumPy arrays.
 
 An all-reduce of N host arrays of S bytes must read N·S bytes and write S; the physical
-limit is memory bandwidth (DESIGN.md §4). The naive chain `out = x0 + x1; out += x2; ...`
+limit is memory bandwidth (docs/design.md §4). The naive chain `out = x0 + x1; out += x2; ...`
 streams the accumulator through DRAM once per input (about 3·(N-1)·S bytes). Here the
 work is cut into cache-sized blocks: each block of the accumulator stays in cache while
 every input's block is added to it, so each input byte is read from DRAM once and the

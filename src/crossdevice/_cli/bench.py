@@ -3,7 +3,7 @@
 Prints one row per (size, implementation) with nccl-tests' columns (size, count, type,
 redop, time, algbw, busbw, #wrong) plus the fraction of the memory-bandwidth limit: an
 all-reduce of N host arrays of S bytes must read N·S bytes and write S, so it cannot beat
-(N+1)·S / B at memory bandwidth B, which is measured in the same run (DESIGN.md §4).
+(N+1)·S / B at memory bandwidth B, which is measured in the same run (docs/design.md §4).
 
 Flags follow nccl-tests: `-b/-e` smallest and largest size in bytes (K, M, G suffixes are
 powers of 1024), `-f` the multiplication factor between sizes (`-i` the increment when
@@ -367,6 +367,11 @@ def register(subparsers: Any) -> None:
     add("--bw-bytes", type=parse_size, default=parse_size("256M"), help="bandwidth probe size")
     add("--json", metavar="FILE", help="also write the results as JSON to FILE")
     add(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw bus bandwidth against size, with the memory limit (needs matplotlib)",
+    )
+    add(
         "--multi-worker",
         action="store_true",
         help="all-reduce across worker processes instead: launch with `torchrun "
@@ -504,6 +509,12 @@ def _header(args: argparse.Namespace, bw: MemoryBandwidth, ops: list[str]) -> li
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by `args`; returns the exit status (1 if any #wrong)."""
+    if getattr(args, "plot", None):
+        if getattr(args, "multi_worker", False):
+            raise SystemExit("crossdevice bench: --plot draws single-process runs only")
+        from crossdevice._cli.bench_plot import require_matplotlib
+
+        require_matplotlib()  # before the benchmark, not after minutes of it
     if getattr(args, "multi_worker", False):
         from crossdevice._cli.bench_workers import run_multi_worker
 
@@ -587,6 +598,19 @@ def run(args: argparse.Namespace) -> int:
                 f,
                 indent=2,
             )
+    if getattr(args, "plot", None):
+        from crossdevice._cli.bench_plot import plot_rows
+
+        plot_rows(
+            rows,
+            args.plot,
+            replicas=n,
+            datatype=args.datatype,
+            redop=args.op,
+            bandwidth_gbps=bw.best / 1e9,
+            note=_kernel_description(),
+        )
+        print(f"# plot: {args.plot}")
     return 1 if any(row["wrong"] for row in rows) else 0
 
 

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Final
 
+import crossdevice
+
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand modules, in the order `--help` lists them.
@@ -24,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crossdevice",
         description="TensorFlow's tf.distribute API for NumPy and PyTorch.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {crossdevice.__version__}"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:

@@ -2,7 +2,7 @@
 
 An all-reduce of N host arrays of S bytes must read every input once and write the
 result once: (N+1)·S bytes. At memory bandwidth B it cannot take less than
-(N+1)·S / B seconds (DESIGN.md §4). B is measured the way the issue defines it: a large
+(N+1)·S / B seconds (docs/design.md §4). B is measured as the design defines it: a large
 `np.copyto`, once on one thread and once split across every CPU, counting the bytes read
 plus the bytes written per second, and taking the better of the two.
 

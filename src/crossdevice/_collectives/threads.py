@@ -16,7 +16,7 @@ plans it. Then:
 Adds run in replica order, `((x0 + x1) + x2) + ...` element by element, so results are
 bitwise reproducible and equal to the naive in-order chain whatever the thread timing.
 
-Reliability (DESIGN.md §5): bad input raises ValueError in every replica, naming what
+Reliability (docs/design.md §5): bad input raises ValueError in every replica, naming what
 was expected and received; `abort(exc)` releases every waiter with `ReplicaAbortedError`;
 a wait past `timeout` raises `CollectiveTimeoutError` naming the collective, its
 sequence number and the replicas that did not arrive, and breaks the communicator until

@@ -267,11 +267,22 @@ def check_device_exists(canonical: str) -> None:
             " Call crossdevice.config.set_logical_cpu_devices(n) or set "
             f"{_ENV_LOGICAL_CPUS}=n for more logical CPU devices."
             if kind == "CPU"
-            else ""
+            else _gpu_hint(kind, index)
         )
         raise ValueError(
             f"device {canonical!r} does not exist; the devices of this host are {existing}.{hint}"
         )
+
+
+def _gpu_hint(kind: str, index: int) -> str:
+    if kind == "CUDA":
+        return f" CUDA devices are named as in TensorFlow: write 'GPU:{index}', not 'cuda:{index}'."
+    if kind == "GPU" and num_gpus() == 0:
+        return (
+            " No CUDA GPU is visible to this process (torch is not installed, or "
+            "torch.cuda.is_available() is False): use CPU devices such as 'CPU:0'."
+        )
+    return ""
 
 
 def local_host_device() -> str:
@@ -317,3 +328,27 @@ class device_scope:  # noqa: N801 (a context manager named like `tf.device`)
 
     def __exit__(self, *exc: object) -> None:
         _DEVICE_STACK.stack.pop()
+
+
+class device(device_scope):  # noqa: N801 (named like `tf.device`)
+    """Context manager that sets the current device (`tf.device`).
+
+    Plain host arrays created or passed inside it are taken to live on that device.
+    Unlike TF, whose soft placement silently runs on another device, a local device
+    that does not exist is an error, with a hint (`"cuda:0"` is written `"GPU:0"`).
+
+    Args:
+        spec: a device string such as `"CPU:1"` or `"/device:GPU:0"`; it is canonicalised.
+
+    Raises:
+        ValueError: a device of this worker that does not exist.
+
+    Example:
+        >>> with device("CPU:0") as name:
+        ...     name
+        '/job:localhost/replica:0/task:0/device:CPU:0'
+    """
+
+    def __init__(self, spec: str) -> None:
+        super().__init__(spec)
+        check_device_exists(self._device)

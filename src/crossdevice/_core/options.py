@@ -6,6 +6,8 @@ import copy
 import dataclasses
 import enum
 
+from crossdevice._core import validate
+
 __all__ = ["CommunicationImplementation", "CommunicationOptions"]
 
 
@@ -59,13 +61,7 @@ class CommunicationOptions:
             )
         if bytes_per_pack < 0:
             raise ValueError(f"Argument bytes_per_pack must be >=0, Received {bytes_per_pack}.")
-        if timeout_seconds is not None:
-            if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, int | float):
-                raise ValueError(
-                    f"timeout_seconds must be None or a number of seconds, got {timeout_seconds!r}"
-                )
-            if timeout_seconds < 0:
-                raise ValueError(f"timeout_seconds must be >= 0 or None, got {timeout_seconds!r}")
+        timeout_seconds = validate.timeout_seconds(timeout_seconds)
         if isinstance(implementation, str):
             try:
                 implementation = CommunicationImplementation(implementation.upper())
@@ -80,7 +76,7 @@ class CommunicationOptions:
                 f"crossdevice.experimental.CommunicationImplementation, got {implementation!r}"
             )
         object.__setattr__(self, "bytes_per_pack", bytes_per_pack)
-        object.__setattr__(self, "timeout_seconds", timeout_seconds or None)
+        object.__setattr__(self, "timeout_seconds", timeout_seconds)
         object.__setattr__(self, "implementation", implementation)
 
     def merge(self, options: CommunicationOptions | None) -> CommunicationOptions:

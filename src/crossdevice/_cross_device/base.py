@@ -12,6 +12,7 @@ import abc
 from typing import Any
 
 from crossdevice._arrays import backend_for
+from crossdevice._core import validate
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._cross_device import inputs, results
@@ -87,6 +88,7 @@ class CrossDeviceOps(abc.ABC):
         options = inputs.check_options(options)
         value = inputs.make_per_replica(per_replica_value)
         inputs.component_arrays(value)
+        validate.reducible(value, "CrossDeviceOps.reduce")
         get_devices_from(destinations)
         return self._reduce_checked(op, value, destinations, options)
 
@@ -118,6 +120,7 @@ class CrossDeviceOps(abc.ABC):
         for value, destinations in pairs:
             inputs.component_arrays(value)
             get_devices_from(destinations)
+        validate.reducible([value for value, _ in pairs], "CrossDeviceOps.batch_reduce")
         if not pairs:
             return []
         if (

@@ -1,7 +1,7 @@
 """`HostAllReduce`: the default `CrossDeviceOps` for host (CPU) devices.
 
 An all-reduce between logical CPU devices is a reduction in one address space, bounded by
-memory bandwidth (DESIGN.md §4). This op hands it to the blocked, multi-threaded host
+memory bandwidth (docs/design.md §4). This op hands it to the blocked, multi-threaded host
 all-reduce (`crossdevice._collectives.threads`): arrays grouped by dtype, small ones
 packed, large ones summed in cache-sized blocks by a pool of threads, every input byte
 read once, adds in replica order (bitwise equal to `x0 + x1 + ...`), one read-only result

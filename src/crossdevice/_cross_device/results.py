@@ -1,6 +1,6 @@
 """Turning computed arrays into what the user gets back.
 
-Rules (DESIGN §3): results never alias inputs; host (NumPy) results are read-only and
+Rules (docs/design.md §3): results never alias inputs; host (NumPy) results are read-only and
 every host destination may share one buffer (TF tensors are immutable too); torch
 results are one tensor per destination, so an in-place edit on one replica's result
 cannot leak into another's. One destination device gives the bare array, several a

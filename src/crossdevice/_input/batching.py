@@ -1,6 +1,6 @@
 """Splitting one global batch across replicas: pure functions over nests of arrays.
 
-The rule (TF's `batch_sizes_for_worker`, reference §10): a batch of `B` examples over
+The rule (TF's `batch_sizes_for_worker` in distribute.py): a batch of `B` examples over
 `N` replicas gives every replica `B // N` examples and the first `B % N` replicas one
 more, in order; a replica left without examples gets an empty slice (leading dimension
 0, same dtype and trailing shape), as TF's partial-batch handling does. So 9 examples in

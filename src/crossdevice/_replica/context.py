@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from crossdevice._core import context, nest
+from crossdevice._core import context, nest, validate
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+
+if TYPE_CHECKING:
+    from crossdevice._strategies.base import Strategy
 
 __all__ = [
     "ReplicaContext",
@@ -26,13 +29,14 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "replica_context",
     "require_cross_replica",
 ]
 
 _DEFAULT: dict[str, Any] = {}
 
 
-def _default_strategy() -> Any:
+def _default_strategy() -> Strategy:
     strategy = _DEFAULT.get("strategy")
     if strategy is None:
         from crossdevice._strategies.default import default_strategy
@@ -54,7 +58,7 @@ class ReplicaContext:
         replica_id_in_sync_group: the replica's id among all replicas in sync.
     """
 
-    def __init__(self, strategy: Any, replica_id_in_sync_group: int) -> None:
+    def __init__(self, strategy: Strategy, replica_id_in_sync_group: int) -> None:
         if isinstance(replica_id_in_sync_group, bool) or not isinstance(
             replica_id_in_sync_group, int
         ):
@@ -66,7 +70,7 @@ class ReplicaContext:
         self._replica_id = replica_id_in_sync_group
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> Strategy:
         """The current strategy."""
         return self._strategy
 
@@ -116,6 +120,7 @@ class ReplicaContext:
         Returns:
             The return value of `merge_fn`, with per-replica values unpacked.
         """
+        validate.function(merge_fn, "ReplicaContext.merge_call")
         if not isinstance(args, list | tuple):
             raise ValueError(
                 f"merge_call args must be a list or tuple, got {type(args).__name__}: {args!r}"
@@ -143,6 +148,7 @@ class ReplicaContext:
             The reduced nest (host results may be read-only arrays shared by replicas).
         """
         op = as_reduce_op(reduce_op)
+        validate.reducible(value, "ReplicaContext.all_reduce")
         if options is not None and not isinstance(options, CommunicationOptions):
             raise ValueError(f"options must be a CommunicationOptions or None, got {options!r}")
         self._check_current()
@@ -246,13 +252,48 @@ def get_replica_context() -> ReplicaContext | None:
     return frame.replica_context
 
 
+def replica_context() -> ReplicaContext:
+    """The current `ReplicaContext`, for code that runs inside `strategy.run` (ours).
+
+    TensorFlow has only `get_replica_context()`, which returns None in cross-replica
+    context, so typed step functions must check for None on every call. This accessor
+    returns a `ReplicaContext` or raises, so `ctx = crossdevice.replica_context()` needs no
+    check. Outside any strategy it is the default replica context, as
+    `get_replica_context()` is.
+
+    Returns:
+        The running replica's context.
+
+    Raises:
+        RuntimeError: in cross-replica context (inside `strategy.scope()` or a
+            `merge_fn`), where there is no replica.
+
+    Example:
+        >>> import crossdevice, numpy as np
+        >>> strategy = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> def step() -> int:
+        ...     return crossdevice.replica_context().replica_id_in_sync_group
+        >>> strategy.experimental_local_results(strategy.run(step))
+        (0, 1)
+    """
+    ctx = get_replica_context()
+    if ctx is None:
+        raise RuntimeError(
+            "crossdevice.replica_context() was called in cross-replica context (inside "
+            "`strategy.scope()` or a `merge_fn`), where there is no replica; call it inside the "
+            "function passed to `strategy.run`, or use `crossdevice.get_replica_context()`, "
+            "which returns None here"
+        )
+    return ctx
+
+
 def in_cross_replica_context() -> bool:
     """True inside `strategy.scope()` or `merge_fn`, False in a replica or the default context."""
     frame = context.current_frame()
     return frame is not None and frame.replica_context is None
 
 
-def get_cross_replica_context() -> Any:
+def get_cross_replica_context() -> Strategy | None:
     """The current strategy in cross-replica context, else None."""
     frame = context.current_frame()
     if frame is not None and frame.replica_context is None:
@@ -260,7 +301,7 @@ def get_cross_replica_context() -> Any:
     return None
 
 
-def get_strategy() -> Any:
+def get_strategy() -> Strategy:
     """The current strategy: the one whose scope or replica we are in, else the default."""
     frame = context.current_frame()
     return frame.strategy if frame is not None else _default_strategy()
@@ -274,7 +315,7 @@ def has_strategy() -> bool:
 _SET_STRATEGY: dict[str, Any] = {}
 
 
-def experimental_set_strategy(strategy: Any) -> None:
+def experimental_set_strategy(strategy: Strategy | None) -> None:
     """Make `strategy` current without `with strategy.scope()` (None to undo).
 
     Raises:

@@ -5,7 +5,7 @@ another. Here each strategy keeps N-1 long-lived worker threads and runs replica
 calling thread, so a `run` costs a few thread hand-offs, and replicas really run in
 parallel (NumPy and torch release the GIL in their kernels).
 
-Rendezvous rules (DESIGN.md §3):
+Rendezvous rules (docs/design.md §3):
 * `merge_call`: every replica pauses; the last to arrive runs `merge_fn` once, in
   cross-replica context, with arguments regrouped; each replica gets its own component.
 * A replica that returns while its peers wait in a `merge_call` is a RuntimeError

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from crossdevice._arrays import backend_for, torch_guard
-from crossdevice._core import context, nest
+from crossdevice._core import context, nest, validate
 from crossdevice._core.devices import canonicalize, device_scope
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED, ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
@@ -145,6 +145,7 @@ class StrategyExtended:
                 f"DistributedValues or a variable, got {destinations!r}"
             )
         op = as_reduce_op(reduce_op)
+        validate.reducible(value, "StrategyExtended.reduce_to")
         return self._reduce_to(op, value, destinations, _check_options(options))
 
     def batch_reduce_to(
@@ -173,6 +174,7 @@ class StrategyExtended:
         require_cross_replica(self._container_strategy_ref)
         op = as_reduce_op(reduce_op)
         pairs = _check_pairs(value_destination_pairs)
+        validate.reducible([v for v, _ in pairs], "StrategyExtended.batch_reduce_to")
         return self._batch_reduce_to(op, pairs, _check_options(options))
 
     def update(
@@ -399,7 +401,7 @@ class Strategy:
         """
         return None
 
-    def scope(self) -> _Scope:
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Context manager making this strategy current (cross-replica context).
 
         Variables created inside are distributed variables of this strategy.
@@ -437,6 +439,7 @@ class Strategy:
             3.0
         """
         del options
+        validate.function(fn, "Strategy.run")
         if not isinstance(args, list | tuple):
             raise ValueError(
                 f"positional args must be a list or tuple, got {type(args)}; wrap a single "
@@ -489,6 +492,7 @@ class Strategy:
         """
         require_cross_replica(self)
         op = as_reduce_op(reduce_op)
+        validate.reducible(value, "Strategy.reduce")
         extended = self._extended
         if axis is None:
             reduced = extended.reduce_to(op, value, destinations=extended._host_device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, final
 
-from crossdevice._core import context
+from crossdevice._core import context, validate
 from crossdevice._core.devices import canonicalize, check_device_exists, device_scope
 from crossdevice._replica.context import ReplicaContext
 from crossdevice._strategies.base import SingleReplicaExtended, Strategy
@@ -76,6 +76,7 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device: str) -> None:
+        validate.single_device(device, "OneDeviceStrategy")
         canonical = canonicalize(device)
         check_device_exists(canonical)
         super().__init__(_OneDeviceExtended(self, canonical))

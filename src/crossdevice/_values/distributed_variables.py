@@ -1,7 +1,7 @@
 """Distributed variables: `MirroredVariable`, `SyncOnReadVariable`, `AggregatingVariable`.
 
 Each holds one plain `Variable` per local replica (`AggregatingVariable`: one on the
-parameter device) and applies TF's synchronisation and aggregation rules (reference §9).
+parameter device) and applies TF's synchronisation and aggregation rules (values_util.py).
 The strategy they belong to provides `extended.update`, `extended.reduce_to` and the
 replica context's `merge_call`; this layer only calls them.
 """

@@ -1,0 +1,187 @@
+"""Argument checks shared by the public entry points, run before any replica blocks.
+
+Each public entry point makes one call here, so every input gets the same clear answer
+whichever door it came through (design §5: what was expected, what was received, what to
+do). The checks:
+
+* `reducible`: only numbers are reduced. A nest given to `all_reduce`, `reduce`,
+  `reduce_to`, `batch_reduce_to` or a `CrossDeviceOps` must hold integer, floating-point or
+  complex leaves. Strings, bytes, objects, datetimes and None raise TypeError naming the
+  leaf's path in the nest and its dtype. Booleans too, as in TensorFlow, whose reduction
+  kernels take no bool (NumPy would silently turn SUM into logical OR): cast to an integer
+  type to count. Gathers are not reductions and take any dtype.
+* `function`: `run(fn)` and `merge_call(fn)` need a callable.
+* `timeout_seconds`: a finite number of seconds up to `MAX_TIMEOUT_SECONDS`, or None.
+* `single_device`: `OneDeviceStrategy` takes one device string, not a list.
+
+Devices that do not exist are checked where devices are parsed
+(`devices.check_device_exists`, which `crossdevice.device` and every strategy call).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+import numpy as np
+import optree
+
+__all__ = [
+    "MAX_TIMEOUT_SECONDS",
+    "function",
+    "reducible",
+    "single_device",
+    "timeout_seconds",
+]
+
+#: The longest `timeout_seconds` accepted: 30 days. Longer waits are no timeout at all
+#: (pass None), and waits beyond `threading.TIMEOUT_MAX` (about 292 years) overflow.
+MAX_TIMEOUT_SECONDS: Final = 30 * 24 * 3600.0
+
+#: NumPy dtype kinds that are reduced: signed and unsigned integers, floats, complex.
+_NUMERIC_KINDS: Final = frozenset("iufc")
+
+_NEST: Final[dict[str, Any]] = {"none_is_leaf": True, "namespace": "crossdevice"}
+
+
+_DISTRIBUTED: list[Any] = []
+
+
+def _distributed_values_type() -> Any:
+    # The one check here that needs a higher layer: distributed values are leaves of a
+    # nest whose components must be checked too. Imported on first use, to keep `_core`
+    # free of `_values` at import time.
+    if not _DISTRIBUTED:
+        from crossdevice._values.values import DistributedValues
+
+        _DISTRIBUTED.append(DistributedValues)
+    return _DISTRIBUTED[0]
+
+
+def _problem(x: Any) -> str | None:
+    """Why the leaf `x` cannot be reduced (its type or dtype, described), or None if it can."""
+    if isinstance(x, bool):
+        return "a Python bool"
+    if isinstance(x, int | float | complex):
+        return None
+    if x is None:
+        return "None"
+    if isinstance(x, str | bytes):
+        return f"a {type(x).__name__} ({x!r})"
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return f"a {type(x).__name__} (not a number or an array)"
+    if isinstance(dtype, np.dtype):
+        return None if dtype.kind in _NUMERIC_KINDS else f"of dtype {dtype}"
+    # torch dtypes: everything but bool is a number type.
+    if str(dtype) == "torch.bool":
+        return "of dtype torch.bool"
+    return None
+
+
+def _hint(problem: str) -> str:
+    if "bool" in problem:
+        return (
+            "TensorFlow does not reduce booleans either (summing them in NumPy would be a "
+            "logical OR): cast to an integer type to count them, e.g. x.astype(np.int32)"
+        )
+    if problem == "None":
+        return "return a number (or an array) from every replica, or leave the entry out"
+    return "gather non-numeric values instead (all_gather or strategy.gather)"
+
+
+def _path(keys: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in keys)
+
+
+def reducible(value: Any, what: str) -> None:
+    """Raise TypeError unless every leaf of the nest `value` is a number or numeric array.
+
+    Distributed values (`PerReplica`, `Mirrored`, distributed variables) are checked
+    component by component.
+
+    Args:
+        value: the nest about to be reduced.
+        what: the entry point, for the message (e.g. `"ReplicaContext.all_reduce"`).
+
+    Raises:
+        TypeError: naming the first bad leaf's path in the nest and its dtype.
+    """
+    leaves = optree.tree_leaves(value, **_NEST)
+    distributed = None
+    for leaf in leaves:
+        # The common cases first, without the general checks below (`all_reduce` is hot).
+        kind = type(leaf)
+        if kind is float or kind is int:
+            continue
+        if (kind is np.ndarray or isinstance(leaf, np.generic)) and (
+            leaf.dtype.kind in _NUMERIC_KINDS
+        ):
+            continue
+        if distributed is None:
+            distributed = _distributed_values_type()
+        components = leaf.values if isinstance(leaf, distributed) else (leaf,)
+        for component in components:
+            if _problem(component) is not None:
+                _raise(value, what)
+
+
+def _raise(value: Any, what: str) -> None:
+    distributed = _distributed_values_type()
+    paths, leaves, _ = optree.tree_flatten_with_path(value, **_NEST)
+    for keys, leaf in zip(paths, leaves, strict=True):
+        if isinstance(leaf, distributed):
+            named = [(f"{_path(keys)} (replica {i})", c) for i, c in enumerate(leaf.values)]
+        else:
+            named = [(_path(keys), leaf)]
+        for where, component in named:
+            problem = _problem(component)
+            if problem is not None:
+                raise TypeError(
+                    f"{what}: only numbers are reduced (integer, floating-point or complex "
+                    f"dtypes), but the value{where} is {problem}; {_hint(problem)}"
+                )
+    raise AssertionError("unreachable: a bad leaf was found but not named")  # pragma: no cover
+
+
+def function(fn: Any, what: str) -> None:
+    """Raise TypeError unless `fn` is callable (`run(None)`, `merge_call(None)`)."""
+    if not callable(fn):
+        raise TypeError(
+            f"{what} needs a function to call, got {type(fn).__name__}: {fn!r}; pass the "
+            "function itself (fn, not fn())"
+        )
+
+
+def timeout_seconds(value: Any) -> float | None:
+    """A checked `timeout_seconds`: None (or 0) for no timeout, else a finite number.
+
+    Raises:
+        ValueError: not a number; negative, NaN or infinite; above `MAX_TIMEOUT_SECONDS`.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"timeout_seconds must be None or a number of seconds, got {value!r}")
+    if math.isnan(value):
+        raise ValueError("timeout_seconds must be a number of seconds or None, got nan")
+    if value < 0:
+        raise ValueError(f"timeout_seconds must be >= 0 or None, got {value!r}")
+    if value > MAX_TIMEOUT_SECONDS:
+        raise ValueError(
+            f"timeout_seconds must be at most {MAX_TIMEOUT_SECONDS:.0f} (30 days), got "
+            f"{value!r}; pass None for no timeout"
+        )
+    return value or None
+
+
+def single_device(device: Any, what: str) -> None:
+    """Raise TypeError unless `device` is one device string (not a list of them)."""
+    if isinstance(device, str):
+        return
+    if isinstance(device, list | tuple) and len(device) == 1 and isinstance(device[0], str):
+        raise TypeError(
+            f"{what} takes one device string, got a {type(device).__name__} {device!r}; "
+            f"write {what}({device[0]!r})"
+        )
+    raise TypeError(f"{what} takes one device string such as 'CPU:0', got {device!r}")

@@ -1,0 +1,174 @@
+"""Every input gets a clear answer: the checks of `_core/validate.py` at each entry point.
+
+Each case here did something else before the validation layer: summed strings
+(`'a' + 'b'`), turned SUM of booleans into logical OR, raised NumPy's or Python's own
+errors from inside a replica, or accepted NaN and infinite timeouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import crossdevice
+from crossdevice import PerReplica
+from crossdevice._core import validate
+
+BAD_LEAVES = {
+    "str-array": (np.array(["a"]), "of dtype <U1"),
+    "python-str": ("a", r"a str \('a'\)"),
+    "bytes": (b"a", "a bytes"),
+    "object": (np.array([object()], dtype=object), "of dtype object"),
+    "datetime": (np.array(["2020-01-01"], dtype="datetime64[D]"), r"of dtype datetime64\[D\]"),
+    "timedelta": (np.array([1], dtype="timedelta64[s]"), r"of dtype timedelta64\[s\]"),
+    "none": (None, "None"),
+    "bool-array": (np.array([True, False]), "of dtype bool"),
+    "python-bool": (True, "a Python bool"),
+    "numpy-bool": (np.bool_(True), "of dtype bool"),
+    "other-object": (object(), "an? object"),
+}
+
+
+@pytest.fixture
+def strategy() -> crossdevice.MirroredStrategy:
+    return crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LEAVES))
+def test_all_reduce_rejects_non_numeric_leaves_naming_path_and_dtype(
+    strategy: crossdevice.MirroredStrategy, case: str
+) -> None:
+    leaf, described = BAD_LEAVES[case]
+
+    def step() -> Any:
+        value = {"loss": np.float32(1.0), "extra": [np.ones(2), leaf]}
+        return crossdevice.replica_context().all_reduce("sum", value)
+
+    pattern = rf"ReplicaContext\.all_reduce: .*the value\['extra'\]\[1\] is {described}"
+    with pytest.raises(TypeError, match=pattern):
+        strategy.run(step)
+
+
+def test_bool_is_rejected_as_in_tf_with_the_cast_to_use(
+    strategy: crossdevice.MirroredStrategy,
+) -> None:
+    def step() -> Any:
+        return crossdevice.replica_context().all_reduce("mean", np.array([True, False]))
+
+    with pytest.raises(TypeError, match=r"astype\(np\.int32\)"):
+        strategy.run(step)
+    # Cast, and the count is right (NumPy's bool sum would have been a logical OR).
+    counts = strategy.run(
+        lambda: crossdevice.replica_context().all_reduce(
+            "sum", np.array([True, False]).astype(np.int32)
+        )
+    )
+    assert [c.tolist() for c in strategy.experimental_local_results(counts)] == [[2, 0]] * 2
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda s, v: s.reduce("sum", v, axis=None), id="Strategy.reduce"),
+        pytest.param(lambda s, v: s.reduce("mean", v, axis=0), id="Strategy.reduce-axis"),
+        pytest.param(
+            lambda s, v: s.extended.reduce_to("sum", v, destinations="CPU:0"),
+            id="StrategyExtended.reduce_to",
+        ),
+        pytest.param(
+            lambda s, v: s.extended.batch_reduce_to("sum", [(v, "CPU:0")]),
+            id="StrategyExtended.batch_reduce_to",
+        ),
+        pytest.param(
+            lambda s, v: crossdevice.ReductionToOneDevice().reduce("sum", v, destinations="CPU:0"),
+            id="CrossDeviceOps.reduce",
+        ),
+        pytest.param(
+            lambda s, v: crossdevice.HierarchicalCopyAllReduce().batch_reduce("sum", [(v, v)]),
+            id="CrossDeviceOps.batch_reduce",
+        ),
+    ],
+)
+def test_cross_replica_reductions_reject_strings_per_replica(
+    strategy: crossdevice.MirroredStrategy,
+    call: Callable[[crossdevice.MirroredStrategy, Any], Any],
+) -> None:
+    value = PerReplica([np.array(["a"]), np.array(["b"])])  # summed to 'ab' before
+    with pytest.raises(TypeError, match=r"only numbers are reduced.*\(replica 0\) is of dtype"):
+        call(strategy, value)
+
+
+def test_gathers_take_any_dtype(strategy: crossdevice.MirroredStrategy) -> None:
+    gathered = strategy.gather(PerReplica([np.array(["a"]), np.array(["b"])]), axis=0)
+    assert gathered.tolist() == ["a", "b"]
+
+
+def test_numbers_of_every_kind_still_reduce(strategy: crossdevice.MirroredStrategy) -> None:
+    value = {"f": np.float32(1), "i": np.arange(3), "u": np.uint8(2), "c": np.array([1j]), "p": 2}
+    result = strategy.run(lambda: crossdevice.replica_context().all_reduce("sum", value))
+    local = strategy.experimental_local_results(result)[0]
+    assert float(local["f"]) == 2.0
+    assert local["i"].tolist() == [0, 2, 4]
+    assert int(local["u"]) == 4
+    assert local["c"].tolist() == [2j]
+    assert int(local["p"]) == 4
+
+
+def test_run_and_merge_call_need_a_function(strategy: crossdevice.MirroredStrategy) -> None:
+    with pytest.raises(TypeError, match=r"Strategy\.run needs a function to call, got NoneType"):
+        strategy.run(None)  # type: ignore[arg-type]
+
+    def step() -> None:
+        crossdevice.replica_context().merge_call(None)  # type: ignore[arg-type]
+
+    with pytest.raises(TypeError, match=r"ReplicaContext\.merge_call needs a function"):
+        strategy.run(step)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "message"),
+    [
+        (float("nan"), "got nan"),
+        (float("inf"), r"at most 2592000 \(30 days\), got inf; pass None for no timeout"),
+        (1e12, r"at most 2592000 \(30 days\)"),
+        (-1, ">= 0"),
+        ("5", "a number of seconds"),
+        (True, "a number of seconds"),
+    ],
+)
+def test_communication_options_reject_bad_timeouts(timeout: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        crossdevice.experimental.CommunicationOptions(timeout_seconds=timeout)
+
+
+def test_communication_options_keep_good_timeouts() -> None:
+    options = crossdevice.experimental.CommunicationOptions
+    assert options(timeout_seconds=120).timeout_seconds == 120
+    assert options(timeout_seconds=0).timeout_seconds is None  # 0 means no timeout
+    assert options(timeout_seconds=validate.MAX_TIMEOUT_SECONDS).timeout_seconds is not None
+
+
+def test_one_device_strategy_takes_one_device_string() -> None:
+    with pytest.raises(
+        TypeError, match=r"got a list \['CPU:0'\]; write OneDeviceStrategy\('CPU:0'\)"
+    ):
+        crossdevice.OneDeviceStrategy(["CPU:0"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="one device string"):
+        crossdevice.OneDeviceStrategy(0)  # type: ignore[arg-type]
+
+
+def test_device_scope_needs_an_existing_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from crossdevice._core import devices
+
+    monkeypatch.setattr(devices, "num_gpus", lambda: 0)
+    with pytest.raises(ValueError, match="No CUDA GPU is visible"):
+        crossdevice.device("GPU:0")
+    with pytest.raises(ValueError, match="write 'GPU:0', not 'cuda:0'"):
+        crossdevice.device("cuda:0")
+    with pytest.raises(ValueError, match="write 'GPU:1', not 'cuda:1'"):
+        crossdevice.MirroredStrategy(["cuda:1"])
+    with crossdevice.device("CPU:1") as name:
+        assert name.endswith("device:CPU:1")
