@@ -70,7 +70,12 @@ def test_reference_lists_every_public_name() -> None:
 
 
 def _resolve(dotted: str) -> object:
+    import importlib
+
     obj: object = crossdevice
-    for part in dotted.split(".")[1:]:
+    parts = dotted.split(".")
+    for k, part in enumerate(parts[1:], start=1):
+        if not hasattr(obj, part):  # a submodule imported only on request (crossdevice.torch)
+            importlib.import_module(".".join(parts[: k + 1]))
         obj = getattr(obj, part)
     return obj
