@@ -28,10 +28,11 @@ error; on threads it waits for the timeout, or forever without one.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from crossdevice._core import context, devices
@@ -47,6 +48,8 @@ __all__ = [
     "ReplicaState",
     "available",
     "block",
+    "blocking",
+    "grad_enabled",
     "in_cooperative_replica",
 ]
 
@@ -90,6 +93,29 @@ def block(lock: Any, timeout: float | None) -> bool:
         return True
     deadline = None if timeout is None else time.monotonic() + timeout
     return hub.switch((lock, deadline))
+
+
+@contextlib.contextmanager
+def blocking() -> Iterator[None]:
+    """Inside: `block` blocks the thread even in a cooperative replica.
+
+    For a nested `strategy.run` inside a merge_fn: its replica 0 runs on this thread
+    while every other replica of the outer cooperative run is parked in that merge_call,
+    so there is nobody to switch to, and its waits must really wait (for the nested
+    run's replica threads).
+    """
+    hub = _LOCAL.hub
+    _LOCAL.hub = None
+    try:
+        yield
+    finally:
+        _LOCAL.hub = hub
+
+
+def grad_enabled() -> bool | None:
+    """The grad mode of torch on this thread, or None where torch is not imported."""
+    torch_c = _torch_c()
+    return None if torch_c is None else bool(torch_c.is_grad_enabled())
 
 
 def in_cooperative_replica() -> bool:

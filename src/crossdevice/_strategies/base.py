@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from crossdevice._arrays import backend_for
+from crossdevice._collectives.rendezvous import describe_leaves
 from crossdevice._core import context, nest
 from crossdevice._core.devices import canonicalize, device_scope
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED, ArgumentAssertionError
@@ -96,6 +97,36 @@ class StrategyExtended:
 
     def _replica_devices(self, replica_id: int) -> tuple[str, ...]:
         return (self._local_devices[replica_id - self._replica_id_offset],)
+
+    # --- replica execution and lifecycle (ours) ----------------------------------------------
+    @property
+    def replica_execution(self) -> str:
+        """How `run` executes this strategy's replicas: "threads", "cooperative" or "auto".
+
+        One replica runs on the caller's thread ("threads"); MultiWorkerMirroredStrategy
+        and GPU replicas always use threads; in-process CPU strategies follow
+        `crossdevice.config.set_replica_execution`.
+        """
+        return self._replica_execution()
+
+    def replica_execution_choices(self) -> dict[str, str]:
+        """Under "auto": the mode chosen, once, for each step function run so far.
+
+        Example:
+            >>> import crossdevice
+            >>> crossdevice.MirroredStrategy(["CPU:0"]).extended.replica_execution_choices()
+            {}
+        """
+        return self._replica_execution_choices()
+
+    def _replica_execution(self) -> str:
+        return "threads"
+
+    def _replica_execution_choices(self) -> dict[str, str]:
+        return {}
+
+    def _close(self) -> None:
+        """End the replica threads (strategies without any have nothing to do)."""
 
     # --- public properties -----------------------------------------------------------------
     @property
@@ -288,6 +319,23 @@ class StrategyExtended:
         with context.entered(context.Frame(strategy)):
             return merge_fn(strategy, *args, **kwargs)
 
+    def _merge_call_checked(
+        self,
+        replica_id: int,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        call: tuple[Any, ...],
+        description: Callable[[], str],
+    ) -> Any:
+        """`_merge_call(..., always_wrap=True)` for a collective every replica makes alike.
+
+        `call` is what the replicas must agree on (kind, op, structure, leaves), and
+        `description` says what this replica called. One replica has nobody to disagree
+        with; strategies with several override this to compare at the rendezvous.
+        """
+        del call, description
+        return self._merge_call(replica_id, merge_fn, args, {}, always_wrap=True)
+
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
     ) -> Any:
@@ -296,7 +344,7 @@ class StrategyExtended:
         def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
             return strategy.extended.batch_reduce_to(op, [(v, v) for v in per_replica], options)
 
-        return self._merge_leaves(replica_id, value, merge_fn)
+        return self._merge_leaves(replica_id, value, merge_fn, "all_reduce", op.name, None)
 
     def _replica_all_gather(
         self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
@@ -306,18 +354,37 @@ class StrategyExtended:
         def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
             return [strategy.extended._gather_to(v, v, axis, options) for v in per_replica]
 
-        return self._merge_leaves(replica_id, value, merge_fn)
+        return self._merge_leaves(replica_id, value, merge_fn, "all_gather", f"axis={axis}", axis)
 
-    def _merge_leaves(self, replica_id: int, value: Any, merge_fn: Callable[..., list[Any]]) -> Any:
+    def _merge_leaves(
+        self,
+        replica_id: int,
+        value: Any,
+        merge_fn: Callable[..., list[Any]],
+        kind: str,
+        argument: str,
+        axis: int | None,
+    ) -> Any:
         """Run `merge_fn(strategy, *per_replica_leaves)` in one merge_call over a nest.
 
-        Each replica gets its component of every result, in the nest's shape.
+        Each replica gets its component of every result, in the nest's shape. The
+        replicas must agree on `kind`, `argument` (the reduce op or the axis), the nest's
+        structure and each leaf's dtype and shape (except along a gather's `axis`).
         """
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
         arrays = tuple(as_reducible_leaf(x) for x in leaves)
-        merged = self._merge_call(replica_id, merge_fn, arrays, {}, always_wrap=True)
+        sig = tuple((backend_for(x).shape(x), backend_for(x).dtype_name(x)) for x in arrays)
+        agreed = tuple(
+            (dtype, shape if axis is None else _without_axis(shape, axis)) for shape, dtype in sig
+        )
+        call = (kind, argument, structure, agreed)
+
+        def description() -> str:
+            return f"{kind}({argument}, {describe_leaves(sig, structure)})"
+
+        merged = self._merge_call_checked(replica_id, merge_fn, arrays, call, description)
         return nest.unflatten(structure, list(merged))
 
     def _local_results(self, value: Any) -> tuple[Any, ...]:
@@ -377,6 +444,25 @@ class Strategy:
     def extended(self) -> StrategyExtended:
         """The lower-level API (`StrategyExtended`)."""
         return self._extended
+
+    def close(self) -> None:
+        """End this strategy's replica threads now; a later `run` raises RuntimeError.
+
+        A strategy nobody references is closed when it is collected; `close()` (or a
+        `with` block) ends its threads at a known point. Idempotent.
+
+        Example:
+            >>> import crossdevice
+            >>> with crossdevice.MirroredStrategy(["CPU:0", "CPU:1"]) as strategy:
+            ...     _ = strategy.run(lambda: 1)
+        """
+        self._extended._close()
+
+    def __enter__(self) -> Strategy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -630,6 +716,13 @@ def as_reducible_leaf(x: Any) -> Any:
             return x.read_value()
         return x
     return backend_for(x).asarray(x)
+
+
+def _without_axis(shape: tuple[int, ...], axis: int) -> tuple[Any, ...]:
+    """`shape` with the gather axis blanked: sizes may differ there (a partial batch)."""
+    if not -len(shape) <= axis < len(shape):
+        return shape
+    return tuple(None if k == axis % len(shape) else d for k, d in enumerate(shape))
 
 
 def _variable_creator(frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
