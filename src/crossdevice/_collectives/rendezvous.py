@@ -424,16 +424,15 @@ class Rendezvous:
     def _wake_locked(self) -> None:
         """Release every sleeping replica (each re-checks why it was woken)."""
         sleepers = self._sleepers
-        first = None
         for r, gate in sleepers:
             if r:
                 gate.release()
-            else:
-                first = gate
-        if first is not None:
-            # Replica 0 last: in a strategy it runs on the caller's thread, which waits for
-            # the others at the end of `run`; finishing last saves it a wake-up there.
-            first.release()
+        # Replica 0 last: in a strategy it runs on the caller's thread, which waits for the
+        # others at the end of `run`; finishing last saves it a wake-up there. (Two replica
+        # 0s may sleep: a nested run's, and its outer run's waiting in the merge_call.)
+        for r, gate in sleepers:
+            if not r:
+                gate.release()
         sleepers.clear()
 
     def _wait(
