@@ -13,6 +13,7 @@ import numpy as np
 import optree
 import pytest
 
+from crossdevice._collectives import host_all_reduce as host_all_reduce_module
 from crossdevice._collectives import host_reduce as host_reduce_module
 from crossdevice._collectives import threads as threads_module
 from crossdevice._collectives.threads import ThreadCommunicator
@@ -466,7 +467,7 @@ def test_all_reduce_host_from_one_thread(n: int, backend: Backend, path: str) ->
     data = replica_data(n, shapes, np.float32, seed=3)
     per_replica = [[backend.make(x) for x in xs] for xs in data]
     for op in ("sum", "mean"):
-        results = threads_module.all_reduce_host(per_replica, op)
+        results = host_all_reduce_module.all_reduce_host(per_replica, op)
         assert len(results) == n
         for i in range(len(shapes)):
             expected = chain([data[r][i] for r in range(n)])
@@ -479,9 +480,9 @@ def test_all_reduce_host_from_one_thread(n: int, backend: Backend, path: str) ->
 
 def test_all_reduce_host_validates() -> None:
     with pytest.raises(ValueError, match="at least one"):
-        threads_module.all_reduce_host([], "sum")
+        host_all_reduce_module.all_reduce_host([], "sum")
     with pytest.raises(ValueError, match=r"expected shape \(2,\)"):
-        threads_module.all_reduce_host([[np.ones(2)], [np.ones(3)]], "sum")
+        host_all_reduce_module.all_reduce_host([[np.ones(2)], [np.ones(3)]], "sum")
     comm = ThreadCommunicator(2)
     with pytest.raises(ValueError, match="one list of arrays per replica"):
         comm.cross_replica_all_reduce([[np.ones(2)]], "sum")

@@ -28,9 +28,7 @@ immutable too; copy a result before mutating it).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,18 +36,25 @@ from typing import Any, Final
 
 import numpy as np
 
-from crossdevice._arrays import backend_for, is_torch
+from crossdevice._arrays import backend_for
 from crossdevice._arrays.buffer_pool import BufferPool
 from crossdevice._arrays.host_kernels import available_cpus, plain_sum, run_parallel
 from crossdevice._arrays.numpy_backend import NUMPY
+from crossdevice._collectives.arrivals import (
+    NUMERIC_KINDS,
+    ONE_NUMPY,
+    CollectiveArrival,
+    host_view,
+    no_torch,
+    validate,
+)
+from crossdevice._collectives.copies import setup_broadcast, setup_gather
 from crossdevice._collectives.host_reduce import (
-    ALIGN_BYTES,
     PACK_BELOW_BYTES,
     PARALLEL_MIN_BYTES,
     PIECE_MAX_BYTES,
     PIECE_MIN_BYTES,
     Plan,
-    describe_sig,
     make_plan,
     reduce_pieces,
 )
@@ -61,7 +66,6 @@ __all__ = [
     "PARALLEL_MIN_BYTES",
     "POOL_MIN_BYTES",
     "ThreadCommunicator",
-    "all_reduce_host",
 ]
 
 #: Output buffers of at least this many bytes are recycled once nobody holds a view of
@@ -72,31 +76,6 @@ POOL_MIN_BYTES: Final = 1024 * 1024
 
 #: Plans cached per input signature.
 _PLAN_CACHE_SIZE: Final = 64
-
-_NUMERIC_KINDS: Final = frozenset("iufc")
-
-
-@dataclasses.dataclass(slots=True)
-class _Arrival:
-    """What one replica brought to a round."""
-
-    kind: str
-    values: list[Any]
-    #: host NumPy views of `values` (C-contiguous), or None when some value is not a
-    #: host array NumPy can add (CUDA or bfloat16 tensors, bool or object arrays).
-    arrays: list[np.ndarray] | None
-    #: ((shape, dtype), ...) for validation and planning.
-    sig: tuple[Any, ...]
-    #: which values are torch tensors (results follow each replica's own library).
-    torch_mask: tuple[bool, ...]
-    op: ReduceOp | None = None
-    plan: Plan | None = None
-    #: per dtype group: this replica's packed small arrays (or None).
-    packs: list[np.ndarray | None] | None = None
-    extra: Any = None
-    #: the nest structure the arrays were flattened from (None: a flat list).
-    structure: Any = None
-    handler: Any = None
 
 
 class ThreadCommunicator:
@@ -232,11 +211,13 @@ class ThreadCommunicator:
         if (
             type(array) is np.ndarray
             and array.flags.c_contiguous
-            and array.dtype.kind in _NUMERIC_KINDS
+            and array.dtype.kind in NUMERIC_KINDS
         ):
             values = [array]
             sig = ((array.shape, array.dtype),)
-            arrival = _Arrival("all_reduce", values, values, sig, _ONE_NUMPY, op, handler=self)
+            arrival = CollectiveArrival(
+                "all_reduce", values, values, sig, ONE_NUMPY, op, handler=self
+            )
             plan = self._plans.get(sig)
             # One array is never packed (`make_plan`): nothing to copy before arriving.
             arrival.plan = plan if plan is not None else self._plan(sig)
@@ -282,7 +263,7 @@ class ThreadCommunicator:
                 f"broadcast root must be a replica id in [0, {self._n}), received {root!r}"
             )
         if array is None:  # the root passing None is reported to everyone at validation
-            arrival = _Arrival("broadcast", [], None, (), (), handler=self)
+            arrival = CollectiveArrival("broadcast", [], None, (), (), handler=self)
         else:
             arrival = self._prepare_single("broadcast", array)
         arrival.extra = root
@@ -345,41 +326,24 @@ class ThreadCommunicator:
                 f"received {replica_id!r}"
             )
 
-    def _host_view(self, value: Any) -> tuple[Any, np.ndarray | None, bool]:
-        """(value as an array, its C-contiguous host NumPy view or None, is_torch)."""
-        if type(value) is np.ndarray:
-            arr = value
-        elif is_torch(value):
-            t = value.detach()
-            if t.device.type != "cpu" or str(t.dtype) not in _TORCH_NUMPY_DTYPES:
-                return value, None, True
-            arr = t.resolve_conj().resolve_neg().numpy()
-            value = t
-        else:
-            value = NUMPY.asarray(value)
-            arr = value
-        if arr.dtype.kind not in _NUMERIC_KINDS:
-            return value, None, is_torch(value)
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-        return value, arr, is_torch(value)
-
-    def _prepare_reduce(self, replica_id: int, values: list[Any], op: ReduceOp) -> _Arrival:
+    def _prepare_reduce(
+        self, replica_id: int, values: list[Any], op: ReduceOp
+    ) -> CollectiveArrival:
         if all(
-            type(v) is np.ndarray and v.flags.c_contiguous and v.dtype.kind in _NUMERIC_KINDS
+            type(v) is np.ndarray and v.flags.c_contiguous and v.dtype.kind in NUMERIC_KINDS
             for v in values
         ):
             # Fast path (contiguous NumPy arrays, the common case): no per-array dispatch.
             sig_fast = tuple([(v.shape, v.dtype) for v in values])
-            arrival = _Arrival(
-                "all_reduce", values, values, sig_fast, _no_torch(len(values)), op, handler=self
+            arrival = CollectiveArrival(
+                "all_reduce", values, values, sig_fast, no_torch(len(values)), op, handler=self
             )
             return self._plan_and_pack(replica_id, arrival)
         hosts: list[np.ndarray] | None = []
         torch_mask: list[bool] = []
         sig: list[Any] = []
         for i, raw in enumerate(values):
-            value, arr, from_torch = self._host_view(raw)
+            value, arr, from_torch = host_view(raw)
             values[i] = value
             torch_mask.append(from_torch)
             if arr is None:
@@ -390,12 +354,12 @@ class ThreadCommunicator:
                 if hosts is not None:
                     hosts.append(arr)
                 sig.append((arr.shape, arr.dtype))
-        arrival = _Arrival(
+        arrival = CollectiveArrival(
             "all_reduce", values, hosts, tuple(sig), tuple(torch_mask), op, handler=self
         )
         return self._plan_and_pack(replica_id, arrival)
 
-    def _plan_and_pack(self, replica_id: int, arrival: _Arrival) -> _Arrival:
+    def _plan_and_pack(self, replica_id: int, arrival: CollectiveArrival) -> CollectiveArrival:
         if arrival.arrays is not None:
             plan = self._plan(arrival.sig)
             arrival.plan = plan
@@ -403,13 +367,13 @@ class ThreadCommunicator:
                 arrival.packs = self._pack(replica_id, plan, arrival.arrays)
         return arrival
 
-    def _prepare_single(self, kind: str, value: Any) -> _Arrival:
-        value, arr, from_torch = self._host_view(value)
+    def _prepare_single(self, kind: str, value: Any) -> CollectiveArrival:
+        value, arr, from_torch = host_view(value)
         be = backend_for(value)
         if arr is None:
             sig: Any = ((be.shape(value), be.dtype_name(value)),)
-            return _Arrival(kind, [value], None, sig, (from_torch,), handler=self)
-        return _Arrival(
+            return CollectiveArrival(kind, [value], None, sig, (from_torch,), handler=self)
+        return CollectiveArrival(
             kind, [value], [arr], ((arr.shape, arr.dtype),), (from_torch,), handler=self
         )
 
@@ -449,7 +413,7 @@ class ThreadCommunicator:
 
     # ------------------------------------------------------------------ rounds
 
-    def describe(self, arrival: _Arrival) -> str:
+    def describe(self, arrival: CollectiveArrival) -> str:
         """What `arrival` asked for: `all_reduce(SUM, float32[3])`, `all_gather(axis=0, ...)`."""
         leaves = describe_leaves(arrival.sig, arrival.structure)
         if arrival.kind == "all_reduce":
@@ -462,126 +426,27 @@ class ThreadCommunicator:
     def complete(self, rendezvous: Rendezvous, rnd: Round, replica_id: int) -> None:
         """Run by the last arriver: validate, plan, and compute or hand out the work."""
         del replica_id
-        arrivals: list[_Arrival] = rnd.arrivals
+        arrivals: list[CollectiveArrival] = rnd.arrivals
         first = arrivals[0]
         rnd.kind = first.kind
-        error = self._validate(rendezvous, rnd, arrivals)
+        error = validate(rendezvous, rnd, arrivals)
         if error is not None:
             rnd.set_error(ValueError, error)
             return
         if first.kind == "all_reduce":
             self._setup_reduce(rnd, arrivals)
         elif first.kind == "all_gather":
-            self._setup_gather(rnd, arrivals)
+            setup_gather(rnd, arrivals, self._output)
         else:
-            self._setup_broadcast(rnd, arrivals)
+            setup_broadcast(rnd, arrivals, self._output)
 
     def result(self, rnd: Round, replica_id: int) -> list[Any]:
         """Replica `replica_id`'s results of a completed round (shared buffers)."""
         return list(rnd.results[self._result_key(rnd, replica_id)])
 
-    def _validate(self, rendezvous: Rendezvous, rnd: Round, arrivals: list[_Arrival]) -> str | None:
-        first = arrivals[0]
-        if any(a.structure != first.structure for a in arrivals):
-            return (
-                f"{self._name}: {first.kind} #{rnd.seq}: the replicas passed different nest "
-                f"structures: {rendezvous.describe_calls(rnd)}. Every replica must pass the "
-                "same structure."
-            )
-        if first.kind == "all_reduce":
-            for r, a in enumerate(arrivals):
-                if a.op is not first.op:
-                    return (
-                        f"{self._name}: all_reduce #{rnd.seq}: replica 0 reduces with "
-                        f"{first.op} but replica {r} with {a.op}; use one reduce op "
-                        f"everywhere ({rendezvous.describe_calls(rnd)})."
-                    )
-                if a.sig != first.sig:
-                    return self._sig_mismatch(rnd, first, r, a)
-            return None
-        if first.kind == "broadcast":
-            root = first.extra
-            for r, a in enumerate(arrivals):
-                if a.extra != root:
-                    return (
-                        f"{self._name}: broadcast #{rnd.seq}: replica 0 broadcasts from root "
-                        f"{root} but replica {r} from root {a.extra}; use one root everywhere."
-                    )
-            if not arrivals[root].values:
-                return (
-                    f"{self._name}: broadcast #{rnd.seq}: the root replica {root} passed "
-                    "None; expected the array to broadcast."
-                )
-            expected = arrivals[root].sig
-            for r, a in enumerate(arrivals):
-                if a.values and a.sig != expected:
-                    return (
-                        f"{self._name}: broadcast #{rnd.seq}: expected every replica's "
-                        f"array to match the root's {describe_sig(expected)}, but replica {r} "
-                        f"passed {describe_sig(a.sig)}; pass None or a matching array."
-                    )
-            return None
-        return self._validate_gather(rnd, arrivals)
-
-    def _sig_mismatch(self, rnd: Round, first: _Arrival, r: int, a: _Arrival) -> str:
-        head = f"{self._name}: all_reduce #{rnd.seq}:"
-        if len(a.sig) != len(first.sig):
-            return (
-                f"{head} expected {len(first.sig)} arrays (as replica 0 passed) but replica "
-                f"{r} passed {len(a.sig)}; every replica must reduce the same structure."
-            )
-        for i, (want, got) in enumerate(zip(first.sig, a.sig, strict=True)):
-            if want != got:
-                return (
-                    f"{head} array {i}: expected shape {want[0]!r} dtype {want[1]!s} (as "
-                    f"replica 0 passed) but replica {r} passed shape {got[0]!r} dtype "
-                    f"{got[1]!s}; every replica must pass the same shapes and dtypes."
-                )
-        return f"{head} replica {r}'s arrays differ from replica 0's"  # pragma: no cover
-
-    def _validate_gather(self, rnd: Round, arrivals: list[_Arrival]) -> str | None:
-        head = f"{self._name}: all_gather #{rnd.seq}:"
-        axis = arrivals[0].extra
-        shape0, dtype0 = arrivals[0].sig[0]
-        for r, a in enumerate(arrivals):
-            if a.extra != axis:
-                return (
-                    f"{head} replica 0 gathers along axis {axis} but replica {r} along "
-                    f"axis {a.extra}; use one axis everywhere."
-                )
-        if isinstance(axis, bool) or not isinstance(axis, int):
-            return f"{head} axis must be an int, received {axis!r}"
-        ndim = len(shape0)
-        if ndim == 0:
-            return (
-                f"{head} cannot gather 0-d (scalar) values along axis {axis}; expected "
-                "arrays with at least one dimension (reshape scalars to [1])."
-            )
-        if not -ndim <= axis < ndim:
-            return f"{head} axis {axis} is out of range for arrays of shape {shape0!r}"
-        axis %= ndim
-        for r, a in enumerate(arrivals):
-            shape, dtype = a.sig[0]
-            if dtype != dtype0:
-                return (
-                    f"{head} expected dtype {dtype0!s} (as replica 0 passed) but replica {r} "
-                    f"passed {dtype!s}; every replica must gather the same dtype."
-                )
-            if len(shape) != ndim or any(
-                d != e for k, (d, e) in enumerate(zip(shape, shape0, strict=True)) if k != axis
-            ):
-                return (
-                    f"{head} shapes may differ along axis {axis} only, but replica 0 passed "
-                    f"shape {shape0!r} and replica {r} passed shape {shape!r}."
-                )
-        arrivals[0].extra = axis
-        for a in arrivals:
-            a.extra = axis
-        return None
-
     # all_reduce ---------------------------------------------------------------
 
-    def _setup_reduce(self, rnd: Round, arrivals: list[_Arrival]) -> None:
+    def _setup_reduce(self, rnd: Round, arrivals: list[CollectiveArrival]) -> None:
         first = arrivals[0]
         op = first.op
         if first.arrays is None or any(a.arrays is None for a in arrivals):
@@ -629,7 +494,7 @@ class ThreadCommunicator:
 
         rnd.work = work
 
-    def _reduce_one_small(self, rnd: Round, arrivals: list[_Arrival], plan: Plan) -> None:
+    def _reduce_one_small(self, rnd: Round, arrivals: list[CollectiveArrival], plan: Plan) -> None:
         """One small NumPy array per replica (a step's loss or metric): the plain chain.
 
         `plain_sum`: the same adds in the same order as `sum_slice` (bitwise equal),
@@ -645,12 +510,12 @@ class ThreadCommunicator:
                 np.true_divide(out, self._n, out=out)
             else:
                 result = NUMPY.divide(out, self._n)
-        rnd.results[_no_torch(1)] = [NUMPY.freeze(result)]
+        rnd.results[no_torch(1)] = [NUMPY.freeze(result)]
 
     def _reduce_pieces(
         self,
         rnd: Round,
-        arrivals: list[_Arrival],
+        arrivals: list[CollectiveArrival],
         pieces: Sequence[tuple[int, int, int]],
         blocked: bool = False,
     ) -> None:
@@ -669,7 +534,7 @@ class ThreadCommunicator:
         if rnd.plan is None:
             return
         plan = rnd.plan
-        arrivals: list[_Arrival] = rnd.arrivals
+        arrivals: list[CollectiveArrival] = rnd.arrivals
         mean = arrivals[0].op is ReduceOp.MEAN
         readonly = []
         for out in rnd.outputs:
@@ -710,7 +575,9 @@ class ThreadCommunicator:
             return arrival.torch_mask
         return rnd.arrivals[replica_id].torch_mask
 
-    def _fallback_reduce(self, rnd: Round, arrivals: list[_Arrival], op: ReduceOp | None) -> None:
+    def _fallback_reduce(
+        self, rnd: Round, arrivals: list[CollectiveArrival], op: ReduceOp | None
+    ) -> None:
         """Values NumPy cannot add here (CUDA, bfloat16, bool...): their library, in order."""
         results: list[Any] = []
         for i in range(len(arrivals[0].values)):
@@ -723,84 +590,6 @@ class ThreadCommunicator:
         for a in arrivals:
             rnd.results.setdefault(a.torch_mask, results)
 
-    # all_gather / broadcast -----------------------------------------------------
-
-    def _setup_gather(self, rnd: Round, arrivals: list[_Arrival]) -> None:
-        axis: int = arrivals[0].extra
-        if any(a.arrays is None for a in arrivals):
-            column = [a.values[0] for a in arrivals]
-            be = backend_for(column[0])
-            result = be.freeze(be.concat(column, axis))
-            for a in arrivals:
-                rnd.results.setdefault(a.torch_mask, [result])
-            return
-        hosts = [a.arrays[0] for a in arrivals]  # type: ignore[index]
-        shape = list(hosts[0].shape)
-        shape[axis] = sum(h.shape[axis] for h in hosts)
-        size = math.prod(shape)
-        flat = self._output(hosts[0].dtype, size)
-        out = flat.reshape(shape)
-        starts = [0]
-        for h in hosts:
-            starts.append(starts[-1] + h.shape[axis])
-        lead = (slice(None),) * axis
-
-        def copy(replica_id: int) -> None:
-            dest = out[(*lead, slice(starts[replica_id], starts[replica_id + 1]))]
-            np.copyto(dest, hosts[replica_id])
-
-        rnd.outputs = [flat]
-        self._share_single(rnd, arrivals, out)
-        if size * flat.itemsize < PARALLEL_MIN_BYTES or self._n == 1:
-            for r in range(self._n):
-                copy(r)
-        else:
-            rnd.work = copy
-
-    def _setup_broadcast(self, rnd: Round, arrivals: list[_Arrival]) -> None:
-        root: int = arrivals[0].extra
-        source = arrivals[root]
-        if source.arrays is None:
-            value = source.values[0]
-            be = backend_for(value)
-            result = be.freeze(be.copy(value))
-            for a in arrivals:
-                rnd.results.setdefault(a.torch_mask, [result])
-            return
-        src = source.arrays[0]
-        flat = self._output(src.dtype, src.size)
-        out = flat.reshape(src.shape)
-        rnd.outputs = [flat]
-        self._share_single(rnd, arrivals, out)
-        src_flat = src.reshape(-1)
-        if src.nbytes < PARALLEL_MIN_BYTES or self._n == 1:
-            np.copyto(flat, src_flat)
-            return
-        n = self._n
-        align = max(1, ALIGN_BYTES // src.itemsize)
-        bounds = [min(src.size, (src.size * k // n) // align * align) for k in range(n)]
-        bounds.append(src.size)
-
-        def copy(replica_id: int) -> None:
-            lo, hi = bounds[replica_id], bounds[replica_id + 1]
-            np.copyto(flat[lo:hi], src_flat[lo:hi])
-
-        rnd.work = copy
-
-    def _share_single(self, rnd: Round, arrivals: list[_Arrival], out: np.ndarray) -> None:
-        readonly = out.view()
-        readonly.flags.writeable = False
-        for a in arrivals:
-            key = a.torch_mask
-            if not key or key in rnd.results:
-                continue
-            if key[0]:
-                import torch
-
-                rnd.results[key] = [torch.from_numpy(out)]
-            else:
-                rnd.results[key] = [readonly]
-
     # ------------------------------------------------------------------ buffers
 
     def _output(self, dtype: np.dtype, size: int) -> np.ndarray:
@@ -808,77 +597,3 @@ class ThreadCommunicator:
         if size * dtype.itemsize < POOL_MIN_BYTES:
             return np.empty(size, dtype=dtype)
         return self._pool.take(dtype, size)
-
-
-_NO_TORCH: dict[int, tuple[bool, ...]] = {}
-
-
-def _no_torch(n: int) -> tuple[bool, ...]:
-    """`(False,) * n`, cached (the result key of an all-NumPy arrival)."""
-    mask = _NO_TORCH.get(n)
-    if mask is None:
-        mask = _NO_TORCH[n] = (False,) * n
-    return mask
-
-
-_ONE_NUMPY: Final = _no_torch(1)
-
-
-_HOST_REDUCERS: dict[int, ThreadCommunicator] = {}
-_HOST_REDUCERS_LOCK: Final = threading.Lock()
-
-
-def all_reduce_host(
-    per_replica: Sequence[Sequence[Any]], reduce_op: ReduceOp | str
-) -> list[list[Any]]:
-    """The default host all-reduce for a caller holding every replica's arrays.
-
-    `per_replica[r]` is replica r's list of arrays (NumPy, scalars or torch tensors; the
-    same shapes and dtypes in every list). Arrays are grouped by dtype, small ones packed,
-    large ones reduced in place in cache-sized blocks across the worker pool, adding in
-    replica order (bitwise equal to `x0 + x1 + ...`). Every replica gets views of the same
-    read-only result buffers, in its own library.
-
-    Args:
-        per_replica: one list of arrays per replica (at least one replica).
-        reduce_op: `ReduceOp.SUM`, `ReduceOp.MEAN` or their names.
-
-    Returns:
-        One list of results per replica.
-
-    Raises:
-        ValueError: the lists differ in length, shapes or dtypes (naming both).
-
-    Example:
-        >>> a, b = np.ones(3, np.float32), np.full(3, 2.0, np.float32)
-        >>> all_reduce_host([[a], [b]], "mean")[1][0]
-        array([1.5, 1.5, 1.5], dtype=float32)
-    """
-    n = len(per_replica)
-    if n < 1:
-        raise ValueError("all_reduce_host expected at least one replica's arrays, received none")
-    with _HOST_REDUCERS_LOCK:
-        comm = _HOST_REDUCERS.get(n)
-        if comm is None:
-            comm = _HOST_REDUCERS[n] = ThreadCommunicator(n, name="all_reduce_host")
-    return comm.cross_replica_all_reduce(per_replica, reduce_op)
-
-
-_TORCH_NUMPY_DTYPES: Final = frozenset(
-    f"torch.{name}"
-    for name in (
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-    )
-)

@@ -89,7 +89,7 @@ class HostAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
     ) -> list[Any]:
         """One packed host all-reduce for every pair that is one; the rest as TF does."""
-        from crossdevice._collectives.threads import all_reduce_host
+        from crossdevice._collectives.host_all_reduce import all_reduce_host
 
         hosted = [
             i

@@ -21,7 +21,9 @@ from crossdevice._core.devices import canonicalize, device_scope
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED, ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
-from crossdevice._replica.context import get_replica_context, require_cross_replica
+from crossdevice._input.distributed import DistributedDataset, DistributedDatasetsFromFunction
+from crossdevice._input.input_context import ValueContext
+from crossdevice._strategies.context import get_replica_context, require_cross_replica
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, PerReplica
@@ -396,8 +398,6 @@ class StrategyExtended:
         return (value,)
 
     def _distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
-        from crossdevice._input.input_context import ValueContext
-
         n = self._num_replicas_in_sync
         values = []
         for i, device in enumerate(self._local_devices):
@@ -633,8 +633,6 @@ class Strategy:
         Returns:
             An iterable of per-replica batches (`PerReplica` leaves).
         """
-        from crossdevice._input.distributed import DistributedDataset
-
         workers, index = self._extended._input_workers()
         return DistributedDataset(
             dataset,
@@ -651,8 +649,6 @@ class Strategy:
 
         Each replica takes the next element of its worker's pipeline each step.
         """
-        from crossdevice._input.distributed import DistributedDatasetsFromFunction
-
         workers, index = self._extended._input_workers()
         return DistributedDatasetsFromFunction(
             dataset_fn,

@@ -11,6 +11,7 @@ from typing import Any, final
 
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize
+from crossdevice._input.input_context import ValueContext
 from crossdevice._strategies.base import SingleReplicaExtended, Strategy
 from crossdevice._values.variables import Variable
 
@@ -44,7 +45,7 @@ class _DefaultExtended(SingleReplicaExtended):
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        from crossdevice._replica.context import get_replica_context
+        from crossdevice._strategies.context import get_replica_context
 
         with context.entered(context.Frame(self._container_strategy_ref, get_replica_context(), 0)):
             return fn(*args, **kwargs)
@@ -64,8 +65,6 @@ class _DefaultExtended(SingleReplicaExtended):
         return type.__call__(Variable, *args, **kwargs)
 
     def _distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
-        from crossdevice._input.input_context import ValueContext
-
         return value_fn(ValueContext())
 
 

@@ -19,9 +19,9 @@ from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exi
 from crossdevice._core.errors import ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._replica.context import ReplicaContext
 from crossdevice._replica.runner import ReplicaRunner
 from crossdevice._strategies.base import Strategy, StrategyExtended, as_reducible_leaf
+from crossdevice._strategies.context import ReplicaContext
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
