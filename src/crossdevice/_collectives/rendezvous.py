@@ -495,7 +495,8 @@ class Rendezvous:
         raise CollectiveTimeoutError(self._broken)
 
     def _check_departed_locked(self, rnd: Round) -> None:
-        if not self._departed or rnd.count == 0 or rnd.ready:
+        # The first finding stands: replicas that raise it and return must not rewrite it.
+        if not self._departed or rnd.count == 0 or rnd.ready or self._mismatch is not None:
             return
         waiting = [r for r, a in enumerate(rnd.arrivals) if a is not None]
         if len(waiting) + len(self._departed - set(waiting)) < self._n:
