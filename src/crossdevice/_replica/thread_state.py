@@ -58,11 +58,13 @@ def capture() -> ThreadState | None:
         return None
     grad = bool(torch.is_grad_enabled())
     inference = bool(torch.is_inference_mode_enabled())
-    autocast = tuple(
-        (device, torch.get_autocast_dtype(device))
-        for device in _AUTOCAST_DEVICES
-        if torch.is_autocast_enabled(device)
-    )
+    autocast: tuple[tuple[str, Any], ...] = ()
+    if torch._C._is_any_autocast_enabled():  # one cheap call in the common case
+        autocast = tuple(
+            (device, torch.get_autocast_dtype(device))
+            for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)
+        )
     if grad and not inference and not autocast:
         return None
     return ThreadState(grad, inference, autocast)
