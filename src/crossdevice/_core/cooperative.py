@@ -12,18 +12,17 @@ thread, `block` switches back to the scheduler (the caller's greenlet), which re
 next replica that can go on. Every wait in the library goes through `block`, so the
 rendezvous code is the same in both modes: the same gates are released by the same
 peers, aborts and timeouts work the same way. Nothing runs in parallel, so this pays only
-for steps whose replica work is small; `ReplicaRunner` times both modes per step function
-and picks the faster.
+for steps whose replica work is small (`crossdevice.config.set_replica_execution`).
 
 Thread-local state a replica sees is switched with it: the context stack (replica
-context), the device scope, and torch's grad mode. Other thread-local state (torch's
-autocast and inference mode, a user's `threading.local`) is shared by the replicas of a
-cooperative run, which is why `ReplicaRunner` does not pick this mode by itself once torch
-is imported.
+context), the device scope, and torch's grad mode (each replica starts with the caller's).
+torch's autocast and inference mode are the caller's thread's, as the runner carries them
+into replica threads too. A user's own `threading.local` is shared by the replicas.
 
-A state the threads would never leave (every replica waiting, none can go on: replicas
-that called different collectives) is detected at once and fails the run with a clear
-error; on threads it waits for the timeout, or forever without one.
+A state the threads would never leave (every replica waiting, none can go on) cannot come
+from replicas that called different collectives: those meet in one rendezvous, which
+fails them at once in both modes. Should it happen anyway, it fails the run with a clear
+error rather than spinning.
 """
 
 from __future__ import annotations
