@@ -10,9 +10,10 @@ Also measured: a step with one `merge_call`, and `ThreadCommunicator.all_reduce`
 scalar called directly by 4 replica threads (the collective without the strategy).
 Each number is the median of `--runs` runs of `--inner` back-to-back steps.
 
-The steps run with the default replica execution ("auto": these small steps end up as
-cooperative replicas on the caller's thread) and again with replica threads only
-(`crossdevice.config.set_replica_execution("threads")`), the rows marked `threads:`.
+The steps run with the default replica execution (replica threads) and again as
+cooperative replicas on the caller's thread
+(`crossdevice.config.set_replica_execution("cooperative")`), the rows marked
+`cooperative:`. `--torch` imports torch first (the targets hold either way).
 
     python -m benchmarks.run_overhead --json overhead.json
 """
@@ -56,7 +57,10 @@ def merge_step() -> Any:
 def main() -> None:
     p = _common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--inner", type=int, default=200, help="steps per timed run (200)")
+    p.add_argument("--torch", action="store_true", help="import torch first")
     args = p.parse_args()
+    if args.torch:
+        import torch  # noqa: F401  (imported for its effect: torch's thread state is carried)
     devices = _common.setup_devices()
     strategy = crossdevice.MirroredStrategy(devices)
     results: dict[str, Any] = {}
@@ -66,15 +70,16 @@ def main() -> None:
         "run_1KiB_all_reduce": kib_step,
         "run_merge_call": merge_step,
     }
-    for mode in ("auto", "threads"):
+    default = crossdevice.config.get_replica_execution()
+    for mode in (default, "cooperative"):
         crossdevice.config.set_replica_execution(mode)  # type: ignore[arg-type]
-        prefix = "" if mode == "auto" else "threads:"
+        prefix = "" if mode == default else f"{mode}:"
         for name, fn in steps.items():
             seconds, _ = _common.median_seconds(
                 lambda fn=fn: strategy.run(fn), args.runs, args.inner, warmup=20
             )
             results[f"{prefix}{name}_us"] = seconds * 1e6
-    crossdevice.config.set_replica_execution("auto")
+    crossdevice.config.set_replica_execution(default)  # type: ignore[arg-type]
     n = _common.REPLICAS
     threads = ReplicaThreads(n)
     comm = ThreadCommunicator(n, name="overhead-bench")
@@ -91,7 +96,8 @@ def main() -> None:
         threads.close()
     results["communicator_scalar_all_reduce_us"] = seconds * 1e6
     print(
-        f"per-step overhead, {n} replicas (median of {args.runs} x {args.inner} steps; "
+        f"per-step overhead, {n} replicas (median of {args.runs} x {args.inner} steps; default "
+        f"replica execution {default!r}; "
         f"cooperative replicas available: {cooperative.available()}, torch imported: "
         f"{'torch' in sys.modules}):"
     )

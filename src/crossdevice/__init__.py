@@ -14,9 +14,10 @@ A `tf.distribute` program ports by replacing `tf.distribute` with `crossdevice`,
 
 Layers (docs/design.md §2), each importing only those below it: `_core` (devices, config,
 reduce ops, options, context stack) → `_arrays` (NumPy, lazy torch) → `_values`
-(distributed values and variables) → `_collectives` (algorithms, communicators) →
-`_cross_device` (TF's CrossDeviceOps classes) → `_replica` (threads, merge_call) →
-`_strategies` → `_input` → `_cli`. This file only re-exports (and fixes `__module__`).
+(distributed values and variables) → `_collectives` (algorithms, the rendezvous,
+communicators) → `_cross_device` (TF's CrossDeviceOps classes) → `_replica` (replica
+threads and modes) → `_input` → `_strategies` (with `ReplicaContext`) → `_cli`, checked by
+`tests/test_layers.py`. This file only re-exports (and fixes `__module__`).
 """
 
 from crossdevice import cluster_resolver as cluster_resolver
@@ -37,16 +38,16 @@ from crossdevice._cross_device import ReductionToOneDevice as ReductionToOneDevi
 from crossdevice._input.input_context import InputContext as InputContext
 from crossdevice._input.input_context import InputOptions as InputOptions
 from crossdevice._input.input_context import InputReplicationMode as InputReplicationMode
-from crossdevice._replica.context import ReplicaContext as ReplicaContext
-from crossdevice._replica.context import experimental_set_strategy as experimental_set_strategy
-from crossdevice._replica.context import get_cross_replica_context as get_cross_replica_context
-from crossdevice._replica.context import get_replica_context as get_replica_context
-from crossdevice._replica.context import get_strategy as get_strategy
-from crossdevice._replica.context import has_strategy as has_strategy
-from crossdevice._replica.context import in_cross_replica_context as in_cross_replica_context
-from crossdevice._replica.context import replica_context as replica_context
 from crossdevice._strategies.base import Strategy as Strategy
 from crossdevice._strategies.base import StrategyExtended as StrategyExtended
+from crossdevice._strategies.context import ReplicaContext as ReplicaContext
+from crossdevice._strategies.context import experimental_set_strategy as experimental_set_strategy
+from crossdevice._strategies.context import get_cross_replica_context as get_cross_replica_context
+from crossdevice._strategies.context import get_replica_context as get_replica_context
+from crossdevice._strategies.context import get_strategy as get_strategy
+from crossdevice._strategies.context import has_strategy as has_strategy
+from crossdevice._strategies.context import in_cross_replica_context as in_cross_replica_context
+from crossdevice._strategies.context import replica_context as replica_context
 from crossdevice._strategies.mirrored import MirroredStrategy as MirroredStrategy
 from crossdevice._strategies.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,

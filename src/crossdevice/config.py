@@ -9,9 +9,9 @@ from crossdevice._core.devices import LogicalDevice as LogicalDevice
 from crossdevice._core.devices import get_logical_cpu_devices as get_logical_cpu_devices
 from crossdevice._core.devices import list_logical_devices as list_logical_devices
 from crossdevice._core.devices import set_logical_cpu_devices as set_logical_cpu_devices
-from crossdevice._replica.runner import EXECUTION_MODES as EXECUTION_MODES
-from crossdevice._replica.runner import get_replica_execution as get_replica_execution
-from crossdevice._replica.runner import set_replica_execution as set_replica_execution
+from crossdevice._replica.execution import EXECUTION_MODES as EXECUTION_MODES
+from crossdevice._replica.execution import get_replica_execution as get_replica_execution
+from crossdevice._replica.execution import set_replica_execution as set_replica_execution
 
 __all__ = [
     "DEFAULT_LOGICAL_CPUS",

@@ -10,8 +10,11 @@ import time
 from typing import Any
 
 import numpy as np
+import optree
 import pytest
 
+from crossdevice._collectives import host_all_reduce as host_all_reduce_module
+from crossdevice._collectives import host_reduce as host_reduce_module
 from crossdevice._collectives import threads as threads_module
 from crossdevice._collectives.threads import ThreadCommunicator
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
@@ -266,16 +269,18 @@ def test_mismatched_shapes_raise_in_every_replica_and_the_communicator_survives(
     assert results[3][0].tolist() == [4.0, 4.0]
 
 
-def test_mismatched_structure_dtype_op_and_collective_are_value_errors() -> None:
+def test_mismatched_structure_dtype_and_op_are_value_errors() -> None:
     comm = ThreadCommunicator(2)
     cases = {
         "expected 1 arrays": lambda r: comm.all_reduce(r, [np.ones(2)] * (r + 1), "sum"),
         "dtype float32": lambda r: comm.all_reduce(
             r, [np.ones(2, [np.float32, np.int32][r])], "sum"
         ),
-        "reduce op": lambda r: comm.all_reduce(r, [np.ones(2)], ["sum", "mean"][r]),
-        "called all_reduce but replica 1 called all_gather": lambda r: (
-            comm.all_reduce(r, [np.ones(2)], "sum") if r == 0 else comm.all_gather(r, np.ones(2))
+        "replica 0: all_reduce(SUM, [float64[2]]) #2; replica 1: all_reduce(MEAN, [": lambda r: (
+            comm.all_reduce(r, [np.ones(2)], ["sum", "mean"][r], structure=_LIST1)
+        ),
+        "different nest structures": lambda r: comm.all_reduce(
+            r, [np.ones(2)], "sum", structure=[_LIST1, _TUPLE1][r]
         ),
     }
     for fragment, fn in cases.items():
@@ -283,6 +288,28 @@ def test_mismatched_structure_dtype_op_and_collective_are_value_errors() -> None
         for exc in errors:
             assert isinstance(exc, ValueError), fragment
             assert fragment in str(exc)
+
+
+_LIST1 = optree.tree_structure([0], none_is_leaf=True, namespace="crossdevice")
+_TUPLE1 = optree.tree_structure((0,), none_is_leaf=True, namespace="crossdevice")
+
+
+def test_different_collectives_are_a_runtime_error_naming_each_call() -> None:
+    comm = ThreadCommunicator(2)
+
+    def fn(r: int) -> Any:
+        if r == 0:
+            return comm.all_reduce(r, [np.ones(3, np.float32)], "sum")
+        return comm.all_gather(r, np.ones(2), axis=0)
+
+    _, errors = run_replicas(2, fn)
+    assert len(errors) == 2
+    for exc in errors:
+        assert isinstance(exc, RuntimeError)
+        assert (
+            "replica 0: all_reduce(SUM, float32[3]) #0; replica 1: all_gather(axis=0, "
+            "float64[2]) #0" in str(exc)
+        )
 
 
 def test_abort_releases_every_waiter_and_reset_restores_the_communicator() -> None:
@@ -342,7 +369,7 @@ def test_a_failure_inside_one_replicas_share_releases_the_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(threads_module, "PARALLEL_MIN_BYTES", 0)
-    real = threads_module.sum_slice
+    real = host_reduce_module.sum_slice
     failure = MemoryError("injected")
 
     def flaky(inputs: Any, out: Any, start: int, stop: int, **kw: Any) -> None:
@@ -350,7 +377,7 @@ def test_a_failure_inside_one_replicas_share_releases_the_others(
             raise failure
         real(inputs, out, start, stop, **kw)
 
-    monkeypatch.setattr(threads_module, "sum_slice", flaky)
+    monkeypatch.setattr(host_reduce_module, "sum_slice", flaky)
     comm = ThreadCommunicator(3)
     _, errors = run_replicas(3, lambda r: comm.all_reduce(r, [np.ones(3000)], "sum", timeout=30))
     # Whichever replica took the failing piece re-raises it; its peers are released.
@@ -358,7 +385,7 @@ def test_a_failure_inside_one_replicas_share_releases_the_others(
     others = [e for e in errors if e is not failure]
     assert all(isinstance(e, ReplicaAbortedError) for e in others)
     assert all(e.__cause__ is failure for e in others)
-    monkeypatch.setattr(threads_module, "sum_slice", real)
+    monkeypatch.setattr(host_reduce_module, "sum_slice", real)
     results, errors = run_replicas(3, lambda r: comm.all_reduce(r, [np.ones(3000)], "sum"))
     raise_first(errors)
     assert results[1][0][-1] == 3.0
@@ -440,7 +467,7 @@ def test_all_reduce_host_from_one_thread(n: int, backend: Backend, path: str) ->
     data = replica_data(n, shapes, np.float32, seed=3)
     per_replica = [[backend.make(x) for x in xs] for xs in data]
     for op in ("sum", "mean"):
-        results = threads_module.all_reduce_host(per_replica, op)
+        results = host_all_reduce_module.all_reduce_host(per_replica, op)
         assert len(results) == n
         for i in range(len(shapes)):
             expected = chain([data[r][i] for r in range(n)])
@@ -453,9 +480,9 @@ def test_all_reduce_host_from_one_thread(n: int, backend: Backend, path: str) ->
 
 def test_all_reduce_host_validates() -> None:
     with pytest.raises(ValueError, match="at least one"):
-        threads_module.all_reduce_host([], "sum")
+        host_all_reduce_module.all_reduce_host([], "sum")
     with pytest.raises(ValueError, match=r"expected shape \(2,\)"):
-        threads_module.all_reduce_host([[np.ones(2)], [np.ones(3)]], "sum")
+        host_all_reduce_module.all_reduce_host([[np.ones(2)], [np.ones(3)]], "sum")
     comm = ThreadCommunicator(2)
     with pytest.raises(ValueError, match="one list of arrays per replica"):
         comm.cross_replica_all_reduce([[np.ones(2)]], "sum")

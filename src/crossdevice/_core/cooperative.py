@@ -12,26 +12,26 @@ thread, `block` switches back to the scheduler (the caller's greenlet), which re
 next replica that can go on. Every wait in the library goes through `block`, so the
 rendezvous code is the same in both modes: the same gates are released by the same
 peers, aborts and timeouts work the same way. Nothing runs in parallel, so this pays only
-for steps whose replica work is small; `ReplicaRunner` times both modes per step function
-and picks the faster.
+for steps whose replica work is small (`crossdevice.config.set_replica_execution`).
 
 Thread-local state a replica sees is switched with it: the context stack (replica
-context), the device scope, and torch's grad mode. Other thread-local state (torch's
-autocast and inference mode, a user's `threading.local`) is shared by the replicas of a
-cooperative run, which is why `ReplicaRunner` does not pick this mode by itself once torch
-is imported.
+context), the device scope, and torch's grad mode (each replica starts with the caller's).
+torch's autocast and inference mode are the caller's thread's, as the runner carries them
+into replica threads too. A user's own `threading.local` is shared by the replicas.
 
-A state the threads would never leave (every replica waiting, none can go on: replicas
-that called different collectives) is detected at once and fails the run with a clear
-error; on threads it waits for the timeout, or forever without one.
+A state the threads would never leave (every replica waiting, none can go on) cannot come
+from replicas that called different collectives: those meet in one rendezvous, which
+fails them at once in both modes. Should it happen anyway, it fails the run with a clear
+error rather than spinning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from crossdevice._core import context, devices
@@ -47,6 +47,8 @@ __all__ = [
     "ReplicaState",
     "available",
     "block",
+    "blocking",
+    "grad_enabled",
     "in_cooperative_replica",
 ]
 
@@ -90,6 +92,29 @@ def block(lock: Any, timeout: float | None) -> bool:
         return True
     deadline = None if timeout is None else time.monotonic() + timeout
     return hub.switch((lock, deadline))
+
+
+@contextlib.contextmanager
+def blocking() -> Iterator[None]:
+    """Inside: `block` blocks the thread even in a cooperative replica.
+
+    For a nested `strategy.run` inside a merge_fn: its replica 0 runs on this thread
+    while every other replica of the outer cooperative run is parked in that merge_call,
+    so there is nobody to switch to, and its waits must really wait (for the nested
+    run's replica threads).
+    """
+    hub = _LOCAL.hub
+    _LOCAL.hub = None
+    try:
+        yield
+    finally:
+        _LOCAL.hub = hub
+
+
+def grad_enabled() -> bool | None:
+    """The grad mode of torch on this thread, or None where torch is not imported."""
+    torch_c = _torch_c()
+    return None if torch_c is None else bool(torch_c.is_grad_enabled())
 
 
 def in_cooperative_replica() -> bool:

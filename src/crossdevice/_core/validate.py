@@ -47,15 +47,17 @@ _NEST: Final[dict[str, Any]] = {"none_is_leaf": True, "namespace": "crossdevice"
 _DISTRIBUTED: list[Any] = []
 
 
-def _distributed_values_type() -> Any:
-    # The one check here that needs a higher layer: distributed values are leaves of a
-    # nest whose components must be checked too. Imported on first use, to keep `_core`
-    # free of `_values` at import time.
-    if not _DISTRIBUTED:
-        from crossdevice._values.values import DistributedValues
+def register_distributed_values(cls: type) -> None:
+    """Tell the checks which class is `DistributedValues` (its components are checked too).
 
-        _DISTRIBUTED.append(DistributedValues)
-    return _DISTRIBUTED[0]
+    `crossdevice._values.values` calls it when it is imported: `_core` is below `_values`
+    and must not import it (tests/test_layers.py).
+    """
+    _DISTRIBUTED[:] = [cls]
+
+
+def _distributed_values_type() -> Any:
+    return _DISTRIBUTED[0] if _DISTRIBUTED else ()
 
 
 def _problem(x: Any) -> str | None:

@@ -9,9 +9,11 @@ validation has done nothing.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 from crossdevice._arrays import backend_for
+from crossdevice._collectives.rendezvous import Rendezvous
 from crossdevice._core import validate
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -51,6 +53,17 @@ class CrossDeviceOps(abc.ABC):
     def _num_between_graph_workers(self) -> int:
         """Workers that each run this op on their own devices (1 in one process)."""
         return 1
+
+    def _replica_communicator(self, devices: Sequence[str], rendezvous: Rendezvous) -> Any:
+        """The communicator that runs replica-context collectives on the replicas themselves.
+
+        A strategy asks its ops once: a communicator (its `all_reduce`, `all_gather` met
+        in `rendezvous`, where the strategy's merge_calls meet too) makes
+        `ReplicaContext.all_reduce` skip the merge_call; None (TF's way, the default)
+        sends it through a merge_call to `batch_reduce`.
+        """
+        del devices, rendezvous
+        return None
 
     # --- public template methods ------------------------------------------------------
     def reduce(

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, final
 
 from crossdevice._arrays import is_torch
+from crossdevice._collectives.rendezvous import Rendezvous
 from crossdevice._core.devices import device_type
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -55,6 +56,14 @@ class HostAllReduce(CrossDeviceOps):
     def __repr__(self) -> str:
         return "HostAllReduce()"
 
+    def _replica_communicator(self, devices: Sequence[str], rendezvous: Rendezvous) -> Any:
+        """Replica-context all-reduces on the replicas' own threads, without a merge_call."""
+        if len(devices) < 2 or not all(device_type(d) == "CPU" for d in devices):
+            return None
+        from crossdevice._collectives.threads import ThreadCommunicator
+
+        return ThreadCommunicator(len(devices), name=rendezvous.name, rendezvous=rendezvous)
+
     def _is_host_all_reduce(self, value: DistributedValues, destinations: Any) -> bool:
         # One replica takes ReductionToOneDevice's per-pair identity shortcut (TF's).
         return (
@@ -83,7 +92,7 @@ class HostAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
     ) -> list[Any]:
         """One packed host all-reduce for every pair that is one; the rest as TF does."""
-        from crossdevice._collectives.threads import all_reduce_host
+        from crossdevice._collectives.host_all_reduce import all_reduce_host
 
         hosted = [
             i

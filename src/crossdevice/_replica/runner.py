@@ -1,210 +1,61 @@
-"""Run a function once per replica, concurrently, with a `merge_call` rendezvous.
+"""Run a function once per replica, concurrently; replicas meet in one `Rendezvous`.
 
 TF's `mirrored_run` creates a thread per replica on every call and runs them one after
 another. Here each strategy keeps N-1 long-lived worker threads and runs replica 0 on the
 calling thread, so a `run` costs a few thread hand-offs, and replicas really run in
 parallel (NumPy and torch release the GIL in their kernels).
 
-Rendezvous rules (docs/design.md §3):
-* `merge_call`: every replica pauses; the last to arrive runs `merge_fn` once, in
-  cross-replica context, with arguments regrouped; each replica gets its own component.
-* A replica that returns while its peers wait in a `merge_call` is a RuntimeError
-  (TF: "Some replicas made a different number of replica_context().merge_call() calls.").
-* An exception anywhere (a replica, `merge_fn`) breaks the run: peers blocked in a
-  rendezvous are released with `ReplicaAbortedError`, every thread is joined, and the
+Rules (docs/design.md §3):
+* `merge_call` and every in-process collective are rounds of one `Rendezvous`
+  (`crossdevice._collectives.rendezvous`): replicas that call different things, or that
+  return while their peers wait, get an error at once, naming what each one called.
+* An exception anywhere (a replica, `merge_fn`) breaks the run: peers blocked in the
+  rendezvous are released with `ReplicaAbortedError`, every replica is joined, and the
   caller gets the original exception. The runner is reset and usable for the next run.
-* A KeyboardInterrupt in the caller while it waits for the replica threads aborts the
-  run the same way and reaches the caller at once; the next run first waits for the
-  replica threads still inside `fn` (they leave at their next collective).
+  Which exception: the caller's own interrupt first, then one raised by a replica's code
+  (the lowest replica's), then a disagreement the rendezvous found. Not the first in
+  time: that depends on thread timing, and every mode must end a program the same way.
+* Ctrl-C: a KeyboardInterrupt in the caller (in replica 0, or while it waits for the
+  others) aborts the run and reaches the caller within `_INTERRUPT_GRACE_SECONDS`, even
+  while a replica is stuck in user code; such a replica is abandoned and the next run
+  first waits briefly for it, else raises a RuntimeError naming it.
+* `strategy.run` inside a `merge_fn` (TF allows it) runs on a nested runner: the outer
+  replicas are all parked in that merge_call meanwhile.
 
-Waits use one raw lock per waiter (held while the waiter sleeps, released once to wake
-it) rather than a shared `threading.Condition`: on a 2-core machine a 4-replica dispatch
-then costs ~67 µs instead of ~92 µs (measured with both primitives, 3000 runs).
-
-Small steps do better still without threads: `set_replica_execution` ("auto" by default)
-runs a step function whose replicas are measured to be faster that way as cooperative
-replicas, greenlets taking turns on the caller's thread (`crossdevice._core.cooperative`).
+Small steps may run as cooperative replicas instead, greenlets taking turns on the
+caller's thread (`crossdevice._core.cooperative`, chosen by `set_replica_execution`).
 Every wait goes through `cooperative.block`, so both modes share the rules above.
-
-Invariants (guarded by `self._lock`):
-* `_arrived` replicas wait in the current merge (`_waiting` names them, except the last
-  to arrive); `_finished` replicas have returned from `fn` in this run.
-* `_arrived + _finished <= N`; when both are positive and add up to N, the merge can
-  never complete: that is the mismatched-merge_call error.
-* Every wake lock is released at most once per wait: only the code that removes a
-  replica from `_waiting` (or counts the last finisher) releases its lock.
 """
 
 from __future__ import annotations
 
 import _thread
-import math
-import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final
 
+from crossdevice._collectives.rendezvous import Rendezvous, is_rendezvous_error
 from crossdevice._core import context, devices
 from crossdevice._core import cooperative as cooperative_module
-from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
+from crossdevice._core.errors import ReplicaAbortedError
+from crossdevice._replica import execution, thread_state
 
-__all__ = [
-    "EXECUTION_MODES",
-    "MERGE_CALL_MISMATCH",
-    "ReplicaRunner",
-    "get_replica_execution",
-    "set_replica_execution",
-]
+__all__ = ["ReplicaRunner"]
 
-MERGE_CALL_MISMATCH: Final = (
-    "Some replicas made a different number of replica_context().merge_call() calls: "
-    "replicas {done} returned while replicas {waiting} wait in merge_call #{seq}. Every "
-    "replica must make the same merge_call (and all_reduce) calls in the same order."
-)
-
-#: How often idle waits wake to check for shutdown or a broken run. Waits are woken by
-#: notifications; this only bounds how long a missed wake-up could delay them.
-_POLL_SECONDS: Final = 1.0
-#: How often `_recover` looks whether an abandoned run's replica threads are done.
+#: How long the caller waits for replicas still inside `fn` after it was interrupted
+#: (Ctrl-C) before it abandons them and raises: released replicas leave in microseconds;
+#: one that is still there is stuck in user code.
+_INTERRUPT_GRACE_SECONDS: Final = 0.5
+#: How long a run waits for the replicas an interrupted run abandoned before it says why
+#: it cannot start.
+_RECOVER_WAIT_SECONDS: Final = 1.0
 _RECOVER_POLL_SECONDS: Final = 0.005
+#: How often the caller, waiting for the other replicas, looks whether it was interrupted.
+_DONE_POLL_SECONDS: Final = 0.1
 
-
-#: `set_replica_execution` choices: pick per step function by timing both, replica
-#: threads only, or cooperative replicas (greenlets on the caller's thread) only.
-EXECUTION_MODES: Final = ("auto", "threads", "cooperative")
-
-_execution: str = "auto"
-
-
-def set_replica_execution(mode: Literal["auto", "threads", "cooperative"]) -> None:
-    """Choose how `strategy.run` executes the replicas of in-process host strategies.
-
-    * `"auto"` (default): replica threads, except for step functions measured to be
-      faster as cooperative replicas (small steps: a metric, a scalar all-reduce), while
-      torch is not imported.
-    * `"threads"`: one long-lived thread per replica; replicas compute in parallel
-      wherever NumPy or torch release the GIL.
-    * `"cooperative"`: every replica is a greenlet on the caller's thread and runs until
-      it waits in a collective, then the next one runs. No thread hand-offs (a 1 KiB
-      all-reduce step costs a fraction of the threaded one) and no parallel compute.
-      The context, the device scope and torch's grad mode are kept per replica; other
-      thread-local state (torch autocast and inference mode) is shared by the replicas.
-
-    It applies to MirroredStrategy and CentralStorageStrategy on CPU devices;
-    MultiWorkerMirroredStrategy and GPU replicas always use threads. Results are the same
-    in every mode, bitwise.
-
-    Args:
-        mode: one of `EXECUTION_MODES`.
-
-    Raises:
-        ValueError: an unknown mode.
-    """
-    global _execution
-    if mode not in EXECUTION_MODES:
-        raise ValueError(
-            f"replica execution must be one of {list(EXECUTION_MODES)}, received {mode!r}"
-        )
-    if mode == "cooperative" and not cooperative_module.available():
-        raise ValueError(
-            "replica execution 'cooperative' needs the greenlet package, which is not "
-            "installed: pip install greenlet (or choose 'auto' or 'threads')"
-        )
-    _execution = mode
-
-
-def get_replica_execution() -> str:
-    """The mode set by `set_replica_execution` ("auto" unless changed)."""
-    return _execution
-
-
-class _Tuner:
-    """Per step function: how long its runs take on threads and cooperatively.
-
-    A new function runs on threads. If that took under `TRY_BELOW` seconds it is tried
-    cooperatively `SAMPLES` times; afterwards the mode with the smaller median of its
-    last `WINDOW` run times runs, and every `EXPLORE_EVERY` runs the other one is timed
-    once again, so a step that grows (or shrinks) moves to its faster mode. Medians, not
-    averages: one run stalled by the machine (a GC pause, another process) must not move
-    a step to its slower mode for the next hundred runs.
-    """
-
-    TRY_BELOW: Final = 1e-3
-    SAMPLES: Final = 3
-    WINDOW: Final = 5
-    EXPLORE_EVERY: Final = 64
-    MAX_FUNCTIONS: Final = 256
-
-    def __init__(self) -> None:
-        self._stats: dict[Any, _StepTimes] = {}
-
-    def choose(self, key: Any) -> bool:
-        """Whether the next run of `key` should be cooperative."""
-        stats = self._stats.get(key)
-        if stats is None:
-            return False
-        stats.runs += 1
-        threads = stats.median[0]
-        if len(stats.times[1]) < self.SAMPLES:
-            return threads < self.TRY_BELOW
-        prefer_coop = stats.median[1] < threads
-        if stats.runs % self.EXPLORE_EVERY == 0:
-            return not prefer_coop and threads < self.TRY_BELOW
-        return prefer_coop
-
-    def record(self, key: Any, coop: bool, seconds: float) -> None:
-        """Add one run's wall time to `key`'s recent times in its mode."""
-        stats = self._stats.get(key)
-        if stats is None:
-            if len(self._stats) >= self.MAX_FUNCTIONS:
-                self._stats.clear()
-            stats = self._stats[key] = _StepTimes(self.WINDOW)
-        slot = 1 if coop else 0
-        times = stats.times[slot]
-        times.append(seconds)
-        stats.median[slot] = sorted(times)[len(times) // 2]
-
-
-class _StepTimes:
-    """Recent run times of one step function: [threads, cooperative]."""
-
-    __slots__ = ("median", "runs", "times")
-
-    def __init__(self, window: int) -> None:
-        self.times: tuple[deque[float], deque[float]] = (deque(maxlen=window), deque(maxlen=window))
-        self.median = [math.inf, math.inf]
-        self.runs = 0
-
-
-def _tuning_key(fn: Callable[..., Any]) -> Any:
-    """What identifies a step function across calls (a new lambda each step shares code)."""
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        return code
-    try:
-        hash(fn)
-    except TypeError:
-        return None
-    return fn
-
-
-#: What a worker runs: (fn, args, kwargs).
-_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-
-
-class _Participant(Protocol):
-    """A communicator the replicas use during a run (the in-process ThreadCommunicator)."""
-
-    def abort(self, exc: BaseException) -> None:
-        """Release every waiter: a replica failed."""
-
-    def finish(self, replica_id: int) -> None:
-        """Replica `replica_id` returned: peers waiting for it must not wait forever."""
-
-    def reset(self) -> None:
-        """Make it ready for the next run (no replica is inside a collective)."""
+#: What a worker runs: (fn, args, kwargs, the caller's torch thread state).
+_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Any]
 
 
 class ReplicaRunner:
@@ -218,6 +69,7 @@ class ReplicaRunner:
         cooperative: whether replicas may run cooperatively on the caller's thread
             (`set_replica_execution`): only where every collective they wait in is an
             in-process rendezvous (host devices, one process).
+        rendezvous: the rendezvous its replicas meet in (None: a new one).
     """
 
     def __init__(
@@ -227,20 +79,20 @@ class ReplicaRunner:
         replica_devices: Sequence[str],
         name: str,
         cooperative: bool = False,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         self._n = num_replicas
         self._cooperative_ok = cooperative and num_replicas > 1 and cooperative_module.available()
-        self._tuner = _Tuner()
+        self._tuner = execution.Tuner(name)
         self._scheduler: cooperative_module.CooperativeScheduler | None = None
         self._make_frame = make_frame
         self._devices = tuple(replica_devices)
         self._name = name
+        self._rendezvous = rendezvous if rendezvous is not None else Rendezvous(num_replicas, name)
         self._lock = _thread.allocate_lock()
         self._run_lock = threading.Lock()
-        self._participants: list[_Participant] = []
         self._start_wake = [_locked() for _ in range(num_replicas)]
         self._done_wake = _locked()
-        self._merge_wake = [_locked() for _ in range(num_replicas)]
         # Per-run state (guarded by _lock).
         self._jobs: list[_Job | None] = [None] * num_replicas
         self._results: list[Any] = [None] * num_replicas
@@ -252,16 +104,13 @@ class ReplicaRunner:
         # run that finds it set cleans up first (`_recover`).
         self._abandoned: str | None = None
         self._broken: BaseException | None = None
+        self._interrupted_at: float | None = None
         self._closed = False
         self._merge_timeout: float | None = None
         self._caller_devices: list[str] = []
-        # merge_call state (guarded by _lock).
-        self._arrived = 0
-        self._finished = 0
-        self._merge_seq = 0
-        self._merge_inputs: list[Any] = [None] * num_replicas
-        self._merge_outputs: list[Any] = [None] * num_replicas
-        self._waiting: set[int] = set()
+        # The thread running a merge_fn of this runner (a nested run starts there).
+        self._merging: int | None = None
+        self._nested: ReplicaRunner | None = None
         self._threads = [
             threading.Thread(
                 target=self._worker, args=(i,), name=f"{name}-replica-{i}", daemon=True
@@ -272,13 +121,19 @@ class ReplicaRunner:
             thread.start()
 
     # --- public ---------------------------------------------------------------------------
-    def add_participant(self, participant: _Participant) -> None:
-        """Register a communicator to tell when replicas return, abort, and reset.
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """The rendezvous this runner's replicas meet in (merge_call and collectives)."""
+        return self._rendezvous
 
-        It is told when each replica's function returns, aborted when a run breaks, and
-        reset after every run.
-        """
-        self._participants.append(participant)
+    @property
+    def mode(self) -> str:
+        """The replica execution this runner uses: "threads", "cooperative" or "auto"."""
+        return execution.get_replica_execution() if self._cooperative_ok else "threads"
+
+    def execution_choices(self) -> dict[str, str]:
+        """Under "auto": the mode chosen for each step function so far, by its name."""
+        return self._tuner.choices()
 
     def run(
         self,
@@ -289,23 +144,35 @@ class ReplicaRunner:
         """Call `fn(*args_i, **kwargs_i)` on every replica; return the results in order.
 
         Raises:
-            BaseException: the first exception raised by a replica or a `merge_fn`.
+            BaseException: the exception that ended the run (see the module doc).
+            RuntimeError: the runner is closed, or replicas of an interrupted run are
+                still stuck in user code.
         """
+        if self._merging is not None and self._merging == threading.get_ident():
+            # strategy.run inside a merge_fn: every replica of this run waits in that
+            # merge_call, so a second set of replicas runs the nested call.
+            with cooperative_module.blocking():
+                return self._nested_runner().run(fn, per_replica_args, merge_timeout)
         with self._run_lock:
             if self._abandoned is not None:
                 self._recover()
             coop, key = self._choose_mode(fn)
+            state = thread_state.capture()
             with self._lock:
                 if self._closed:
-                    raise RuntimeError(f"{self._name}: the strategy's replica threads are closed")
+                    raise RuntimeError(
+                        f"{self._name}: the strategy is closed (strategy.close() or the end "
+                        "of its `with` block); create a new strategy to run replicas again"
+                    )
                 if not coop:
                     for i in range(1, self._n):
                         args, kwargs = per_replica_args[i]
-                        self._jobs[i] = (fn, args, kwargs)
+                        self._jobs[i] = (fn, args, kwargs, state)
                 self._results = [None] * self._n
                 self._errors = []
                 self._pending = self._n
                 self._running = [True] * self._n
+                self._interrupted_at = None
                 self._merge_timeout = merge_timeout
                 current = devices.current_device()
                 self._caller_devices = [current] if current else []
@@ -318,9 +185,7 @@ class ReplicaRunner:
                         self._start_wake[i].release()
                     args0, kwargs0 = per_replica_args[0]
                     self._run_replica(0, fn, args0, kwargs0)
-                    # Replicas always finish: a broken run releases every rendezvous.
-                    while not self._done_wake.acquire(timeout=_POLL_SECONDS):
-                        pass
+                    self._wait_done()
             except BaseException as exc:
                 # Only the caller's own waiting gets here (a KeyboardInterrupt while it waits
                 # for the replica threads; the cooperative scheduler failing twice): replicas
@@ -329,26 +194,145 @@ class ReplicaRunner:
                 self._fail(-1, exc)
                 self._abandoned = "cooperative" if coop else "threads"
                 raise
-            # Every replica is done; should an interrupt land before _finish_run has reset
-            # the per-run state, the next run does it.
+            # Should an interrupt land before _finish_run has reset the per-run state, the
+            # next run does it.
             self._abandoned = "cooperative" if coop else "threads"
             if key is not None:
                 self._tuner.record(key, coop, time.perf_counter() - start)
             return self._finish_run()
 
+    def merge_call(
+        self,
+        replica_id: int,
+        merge: Callable[[list[Any]], list[Any]],
+        value: Any,
+        call: tuple[Any, ...] = ("merge_call",),
+        description: Callable[[], str] | None = None,
+    ) -> Any:
+        """A `merge_call` round of the rendezvous; `merge(inputs)` runs once.
+
+        Args:
+            replica_id: the local replica calling.
+            merge: called once with every replica's `value`, in replica order, in the
+                caller's device scope; returns the value for each replica.
+            value: this replica's input.
+            call: what every replica must agree on (`Rendezvous.merge_call`).
+            description: what this replica called, for error messages.
+        """
+
+        def merge_here(inputs: list[Any]) -> list[Any]:
+            # merge_fn sees the caller's device scope, not this replica thread's.
+            replica_devices = devices.swap_device_stack(list(self._caller_devices))
+            outer, self._merging = self._merging, threading.get_ident()
+            try:
+                return merge(inputs)
+            except BaseException as exc:
+                # merge_fn's error is the run's, reported once; no replica may catch it as
+                # an Exception, not even the one that ran merge_fn.
+                self._fail(replica_id, exc)
+                raise ReplicaAbortedError() from exc
+            finally:
+                self._merging = outer
+                devices.swap_device_stack(replica_devices)
+
+        return self._rendezvous.merge_call(
+            replica_id, merge_here, value, call, description, self._merge_timeout
+        )
+
+    def close(self) -> None:
+        """End the replica threads now (idempotent); later runs raise RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for i in range(1, self._n):
+                self._jobs[i] = None
+                if not self._running[i]:
+                    self._start_wake[i].release()
+        if self._nested is not None:
+            self._nested.close()
+
+    # --- replica side ---------------------------------------------------------------------
+    def _worker(self, replica_id: int) -> None:
+        devices.swap_device_stack([self._devices[replica_id]])
+        wake = self._start_wake[replica_id]
+        while True:
+            wake.acquire()  # work, or close(): an idle thread has nothing else to wait for
+            job = self._jobs[replica_id]
+            self._jobs[replica_id] = None
+            if job is None:  # only close() wakes a replica without a job
+                return
+            fn, args, kwargs, state = job
+            if state is None:
+                self._run_replica(replica_id, fn, args, kwargs)
+            else:
+                with state.entered():
+                    self._run_replica(replica_id, fn, args, kwargs)
+            with self._lock:
+                if self._closed:  # closed while this replica ran: nobody wakes it again
+                    return
+
+    def _run_replica(
+        self, replica_id: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        frame = self._make_frame(replica_id)
+        context.push_frame(frame)
+        old_devices = None
+        if replica_id == 0:
+            old_devices = devices.swap_device_stack([self._devices[0]])
+        try:
+            result = fn(*args, **kwargs)
+        except ReplicaAbortedError:
+            result = None
+        except BaseException as exc:  # every error reaches the caller of run
+            if (
+                replica_id == 0
+                and isinstance(exc, KeyboardInterrupt)
+                and not cooperative_module.in_cooperative_replica()
+            ):
+                self._interrupted_at = time.monotonic()  # the caller's own Ctrl-C
+            self._fail(replica_id, exc)
+            result = None
+        finally:
+            context.pop_frame(frame)
+            if old_devices is not None:
+                devices.swap_device_stack(old_devices)
+        self._rendezvous.finish(replica_id)
+        with self._lock:
+            self._results[replica_id] = result
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self._done_wake.release()
+        # After the release: once `_recover` sees no replica running, no release is due.
+        self._running[replica_id] = False
+
+    def _wait_done(self) -> None:
+        """The caller, after replica 0: wait for the other replicas (see the module doc)."""
+        while not self._done_wake.acquire(timeout=_DONE_POLL_SECONDS):
+            interrupted = self._interrupted_at
+            if interrupted is None or time.monotonic() - interrupted < _INTERRUPT_GRACE_SECONDS:
+                continue
+            # Interrupted, and some replica is still inside `fn` although the run is
+            # aborted: it is stuck in user code. Abandon it.
+            stuck = [i for i in range(1, self._n) if self._running[i]]
+            error = next(e for _, r, e in self._errors if r == 0)
+            error.add_note(
+                f"{self._name}: replicas {stuck} were still running user code when the "
+                "caller was interrupted; they were abandoned (the next run waits for them)"
+            )
+            raise error
+
     def _choose_mode(self, fn: Callable[..., Any]) -> tuple[bool, Any]:
         """(run cooperatively?, the tuning key to record the run under, or None)."""
         if not self._cooperative_ok:
             return False, None
-        mode = _execution
+        mode = execution.get_replica_execution()
         if mode == "threads":
             return False, None
         if mode == "cooperative":
             return True, None
-        # auto: torch keeps more thread-local state than a replica switch carries over.
-        if "torch" in sys.modules:
-            return False, None
-        key = _tuning_key(fn)
+        key = execution.tuning_key(fn)
         if key is None:
             return False, None
         return self._tuner.choose(key), key
@@ -364,15 +348,14 @@ class ReplicaRunner:
                 self._n, self._run_replica, lambda exc: self._fail(-1, exc)
             )
         caller_stack = context.copy_stack()
-        torch = sys.modules.get("torch")
-        caller_grad = None if torch is None else bool(torch.is_grad_enabled())
-        # What each replica would see on its own thread: replica 0 the caller's context
-        # and grad mode, the others fresh ones; each its device scope.
+        # What each replica would see on its own thread: replica 0 the caller's context,
+        # the others fresh ones; each its device scope; every one the caller's torch state
+        # (grad mode is switched per replica; inference mode and autocast are the
+        # thread's, that is the caller's).
+        grad = cooperative_module.grad_enabled()
         states = [
             cooperative_module.ReplicaState(
-                caller_stack if i == 0 else [],
-                [self._devices[i]],
-                caller_grad if i == 0 or caller_grad is None else True,
+                caller_stack if i == 0 else [], [self._devices[i]], grad
             )
             for i in range(self._n)
         ]
@@ -381,223 +364,103 @@ class ReplicaRunner:
         # The last replica to finish released the wake the threaded run waits on.
         self._done_wake.acquire(False)
 
-    def merge_call(
-        self,
-        replica_id: int,
-        merge: Callable[[list[Any]], list[Any]],
-        value: Any,
-    ) -> Any:
-        """Rendezvous of all replicas; `merge(inputs)` runs once and returns one output each.
-
-        Args:
-            replica_id: the local replica calling.
-            merge: called by the last replica to arrive with every replica's `value`, in
-                replica order; returns the value for each replica.
-            value: this replica's input.
-        """
-        with self._lock:
-            if self._broken is not None:
-                raise ReplicaAbortedError()
-            seq = self._merge_seq
-            self._merge_inputs[replica_id] = value
-            self._arrived += 1
-            last = self._arrived == self._n
-            if last:
-                inputs = list(self._merge_inputs)
-                self._merge_inputs = [None] * self._n
-            else:
-                self._waiting.add(replica_id)
-                self._check_mismatch_locked()
-        if not last:
-            return self._wait_merge(replica_id, seq)
-        # merge_fn sees the caller's device scope, not this replica thread's.
-        replica_devices = devices.swap_device_stack(list(self._caller_devices))
-        try:
-            outputs = merge(inputs)
-        except BaseException as exc:
-            self._fail(replica_id, exc)
-            raise ReplicaAbortedError() from exc
-        finally:
-            devices.swap_device_stack(replica_devices)
-        with self._lock:
-            if self._broken is not None:
-                raise ReplicaAbortedError()
-            self._merge_outputs = list(outputs)
-            self._arrived = 0
-            self._merge_seq += 1
-            woken = list(self._waiting)
-            self._waiting.clear()
-        for other in woken:
-            self._merge_wake[other].release()
-        return outputs[replica_id]
-
-    def close(self) -> None:
-        """Stop the worker threads (they are daemons; this only lets them exit early)."""
-        with self._lock:
-            self._closed = True
-
-    # --- replica side ---------------------------------------------------------------------
-    def _worker(self, replica_id: int) -> None:
-        devices.swap_device_stack([self._devices[replica_id]])
-        wake = self._start_wake[replica_id]
-        while True:
-            if not wake.acquire(timeout=_POLL_SECONDS):
-                if self._closed:
-                    return
-                continue
-            job = self._jobs[replica_id]
-            self._jobs[replica_id] = None
-            if job is not None:
-                self._run_replica(replica_id, *job)
-
-    def _run_replica(
-        self, replica_id: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        frame = self._make_frame(replica_id)
-        context.push_frame(frame)
-        old_devices = None
-        if replica_id == 0:
-            old_devices = devices.swap_device_stack([self._devices[0]])
-        try:
-            result = fn(*args, **kwargs)
-        except ReplicaAbortedError:
-            result = None
-        except BaseException as exc:  # every error reaches the caller of run
-            self._fail(replica_id, exc)
-            result = None
-        finally:
-            context.pop_frame(frame)
-            if old_devices is not None:
-                devices.swap_device_stack(old_devices)
-        for participant in self._participants:
-            participant.finish(replica_id)
-        with self._lock:
-            self._results[replica_id] = result
-            self._finished += 1
-            self._pending -= 1
-            last = self._pending == 0
-            if not last:
-                self._check_mismatch_locked()
-        if last:
-            self._done_wake.release()
-        # After the release: once `_recover` sees no replica running, no release is due.
-        self._running[replica_id] = False
-
-    def _wait_merge(self, replica_id: int, seq: int) -> Any:
-        timeout = self._merge_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        wake = self._merge_wake[replica_id]
-        # A cooperative replica has no thread to poll with: it waits for the deadline.
-        poll = None if cooperative_module.in_cooperative_replica() else _POLL_SECONDS
-        while True:
-            wait = poll
-            if deadline is not None:
-                left = max(deadline - time.monotonic(), 0.0)
-                wait = left if wait is None else min(wait, left)
-            if cooperative_module.block(wake, wait):
-                with self._lock:
-                    if self._merge_seq == seq:  # woken by a failure, not by the merge
-                        raise ReplicaAbortedError()
-                    return self._merge_outputs[replica_id]
-            if deadline is not None and time.monotonic() >= deadline:
-                with self._lock:
-                    if replica_id not in self._waiting:
-                        continue  # released just now: the next acquire succeeds at once
-                    self._waiting.discard(replica_id)
-                    missing = [i for i in range(self._n) if self._merge_inputs[i] is None]
-                    exc = CollectiveTimeoutError(
-                        f"{self._name}: merge_call #{seq} timed out after {timeout} s on "
-                        f"replica {replica_id}; replicas that did not arrive: "
-                        f"{missing or '(none: merge_fn is still running)'}"
-                    )
-                    self._fail_locked(replica_id, exc)
-                raise ReplicaAbortedError() from exc
+    def _nested_runner(self) -> ReplicaRunner:
+        nested = self._nested
+        if nested is None:
+            nested = self._nested = ReplicaRunner(
+                self._n,
+                self._make_frame,
+                self._devices,
+                f"{self._name}-nested",
+                cooperative=False,
+                rendezvous=self._rendezvous,
+            )
+        return nested
 
     # --- failure handling -----------------------------------------------------------------
-    def _check_mismatch_locked(self) -> None:
-        if self._arrived > 0 and self._finished > 0 and self._arrived + self._finished == self._n:
-            waiting = sorted(self._waiting)
-            done = [i for i in range(self._n) if i not in self._waiting]
-            exc = RuntimeError(
-                MERGE_CALL_MISMATCH.format(done=done, waiting=waiting, seq=self._merge_seq)
-            )
-            self._fail_locked(-1, exc)
-
     def _fail(self, replica_id: int, exc: BaseException) -> None:
         with self._lock:
-            self._fail_locked(replica_id, exc)
-
-    def _fail_locked(self, replica_id: int, exc: BaseException) -> None:
-        self._errors.append((time.monotonic(), replica_id, exc))
-        if self._broken is None:
-            self._broken = exc
-            for participant in self._participants:
-                participant.abort(exc)
-        woken = list(self._waiting)
-        self._waiting.clear()
-        for other in woken:
-            self._merge_wake[other].release()
+            self._errors.append((time.monotonic(), replica_id, exc))
+            first = self._broken is None
+            if first:
+                self._broken = exc
+        if first:
+            self._rendezvous.abort(exc)
 
     def _finish_run(self) -> list[Any]:
         with self._lock:
             results = self._results
-            if self._broken is None and not self._errors:
-                # A clean run (the per-step case): only the merge counters to clear.
-                self._arrived = 0
-                self._finished = 0
-                self._merge_outputs = [None] * self._n  # drop the last merge's values
-                clean = True
-            else:
-                clean = False
-        if clean:
-            for participant in self._participants:
-                participant.reset()
+            clean = self._broken is None and not self._errors
+        if clean:  # the per-step case
+            self._rendezvous.reset()
             self._abandoned = None
             return results
         with self._lock:
-            errors = sorted(self._errors, key=lambda e: e[0])
+            errors = list(self._errors)
             broken = self._broken
-            results = list(self._results)
         self._reset()  # for the next run, whatever happened in this one
         self._abandoned = None
         if broken is not None:
-            first = errors[0][2] if errors else broken
-            for _, replica, other in errors[1:]:
-                if other is not first:
-                    first.add_note(f"replica {replica} also raised {type(other).__name__}: {other}")
-            raise first
+            raise _outcome(errors, broken)
         return results
 
     def _reset(self) -> None:
-        """Clear a broken run's failure and rendezvous state, and reset the participants."""
+        """Clear a broken run's failure and rendezvous state."""
         with self._lock:
             self._broken = None
             self._errors = []
-            self._arrived = 0
-            self._finished = 0
-            self._merge_inputs = [None] * self._n
-            self._merge_outputs = [None] * self._n
-            self._waiting.clear()
-            # Fresh wake locks: a failure releases those of the replicas waiting in a
-            # merge_call, and one unwound without taking its release (a cooperative
-            # replica of an abandoned run) would wake its next merge_call at once.
-            self._merge_wake = [_locked() for _ in range(self._n)]
-        for participant in self._participants:
-            participant.reset()
+            self._interrupted_at = None
+        self._rendezvous.reset()
 
     def _recover(self) -> None:
         """Before a run: finish cleaning up after a run its caller abandoned.
 
         That run is aborted, so its replica threads leave `fn` at their next collective
-        or when `fn` returns; wait for them. Replica 0 ran on the caller's thread, and
-        cooperative replicas were unwound by the scheduler: neither is still running.
+        or when `fn` returns; wait for them a little. Replica 0 ran on the caller's
+        thread, and cooperative replicas were unwound by the scheduler: neither is still
+        running.
+
+        Raises:
+            RuntimeError: a replica thread is still inside the abandoned run's `fn`.
         """
         if self._abandoned == "threads":
+            deadline = time.monotonic() + _RECOVER_WAIT_SECONDS
             while any(self._running[1:]):
+                if time.monotonic() >= deadline:
+                    stuck = [i for i in range(1, self._n) if self._running[i]]
+                    raise RuntimeError(
+                        f"{self._name}: replicas {stuck} are still inside the function of a "
+                        "run that was interrupted (KeyboardInterrupt); they are stuck in "
+                        "user code and leave when it returns or at their next collective. "
+                        "This strategy can run again once they have; meanwhile use a new "
+                        "strategy."
+                    )
                 time.sleep(_RECOVER_POLL_SECONDS)
         self._done_wake.acquire(False)  # the abandoned run's last release, if not taken
         self._reset()
         self._abandoned = None
+
+
+def _outcome(
+    errors: list[tuple[float, int, BaseException]], broken: BaseException
+) -> BaseException:
+    """The exception a failed run raises, with the others named in notes.
+
+    The caller's own errors (replica -1) come first, then those a replica's code raised
+    (lowest replica first), then the disagreements the rendezvous found: the same choice
+    whatever the thread timing, so every execution mode ends a program the same way.
+    """
+    if not errors:
+        return broken
+    ranked = sorted(errors, key=lambda e: (e[1] >= 0, is_rendezvous_error(e[2]), e[1], e[0]))
+    first = ranked[0][2]
+    seen = {(type(first), str(first))}
+    for _, replica, other in ranked[1:]:
+        if other is first or (type(other), str(other)) in seen:
+            continue
+        seen.add((type(other), str(other)))
+        first.add_note(f"replica {replica} also raised {type(other).__name__}: {other}")
+    return first
 
 
 def _locked() -> Any:

@@ -16,8 +16,9 @@ from typing import Any, final
 
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize
-from crossdevice._replica.context import ReplicaContext, has_strategy
+from crossdevice._input.input_context import ValueContext
 from crossdevice._strategies.base import SingleReplicaExtended, Strategy, _Scope
+from crossdevice._strategies.context import ReplicaContext, has_strategy
 from crossdevice._values.variables import Variable
 
 __all__ = ["default_strategy"]
@@ -76,8 +77,6 @@ class _DefaultExtended(SingleReplicaExtended):
         return type.__call__(Variable, *args, **kwargs)
 
     def _distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
-        from crossdevice._input.input_context import ValueContext
-
         return value_fn(ValueContext())
 
 

@@ -7,8 +7,9 @@ from typing import Any, final
 
 from crossdevice._core import context, validate
 from crossdevice._core.devices import canonicalize, check_device_exists, device_scope
-from crossdevice._replica.context import ReplicaContext
+from crossdevice._input.input_context import ValueContext
 from crossdevice._strategies.base import SingleReplicaExtended, Strategy
+from crossdevice._strategies.context import ReplicaContext
 from crossdevice._values.variables import Variable
 
 __all__ = ["OneDeviceStrategy"]
@@ -51,8 +52,6 @@ class _OneDeviceExtended(SingleReplicaExtended):
         return variable
 
     def _distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
-        from crossdevice._input.input_context import ValueContext
-
         # TF returns the plain value here, not a PerReplica (b/137795644).
         with device_scope(self._device):
             return value_fn(ValueContext())

@@ -19,9 +19,9 @@ from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exi
 from crossdevice._core.errors import ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._replica.context import ReplicaContext
 from crossdevice._replica.runner import ReplicaRunner
 from crossdevice._strategies.base import Strategy, StrategyExtended, as_reducible_leaf
+from crossdevice._strategies.context import ReplicaContext
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
@@ -103,22 +103,32 @@ class ReplicatedExtended(StrategyExtended):
                     raise RuntimeError("the strategy of these replica threads was collected")
                 return extended._frames[i]
 
-            self._runner = ReplicaRunner(
+            runner = ReplicaRunner(
                 len(self._devices),
                 make_frame,
                 self._devices,
                 name=type(self._container_strategy_ref).__name__,
                 cooperative=self._cooperative_replicas(),
             )
-            weakref.finalize(self, self._runner.close)
-            if self._uses_thread_collectives():
-                from crossdevice._collectives.threads import ThreadCommunicator
-
-                self._thread_communicator = ThreadCommunicator(
-                    len(self._devices), name=type(self._container_strategy_ref).__name__
-                )
-                self._runner.add_participant(self._thread_communicator)
+            weakref.finalize(self, runner.close)
+            communicator = self._cross_device_ops._replica_communicator(
+                self._devices, runner.rendezvous
+            )
+            if len(self._devices) > 1:
+                self._thread_communicator = communicator
+            self._runner = runner
         return self._runner
+
+    def _close(self) -> None:
+        runner = self._runner
+        if runner is not None:
+            runner.close()
+
+    def _replica_execution(self) -> str:
+        return self._get_runner().mode
+
+    def _replica_execution_choices(self) -> dict[str, str]:
+        return self._get_runner().execution_choices()
 
     def _cooperative_replicas(self) -> bool:
         """Whether replicas may run as greenlets on the caller's thread (`set_replica_execution`).
@@ -127,16 +137,6 @@ class ReplicatedExtended(StrategyExtended):
         a replica waits in can be completed by its peers on the same thread.
         """
         return all(DeviceSpec.from_string(d).device_type == "CPU" for d in self._devices)
-
-    def _uses_thread_collectives(self) -> bool:
-        """Whether replica-context collectives run on the replicas' own threads.
-
-        They do, without a merge_call, when the reductions are HostAllReduce's (the
-        default on CPUs).
-        """
-        from crossdevice._cross_device.host import HostAllReduce
-
-        return len(self._devices) > 1 and isinstance(self._cross_device_ops, HostAllReduce)
 
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
@@ -157,7 +157,9 @@ class ReplicatedExtended(StrategyExtended):
         # and bfloat16 tensors with torch): a per-replica choice could split the replicas
         # between two rendezvous that never meet.
         arrays = [as_reducible_leaf(x) for x in leaves]
-        reduced = communicator.all_reduce(local_id, arrays, op, timeout=self._timeout(options))
+        reduced = communicator.all_reduce(
+            local_id, arrays, op, timeout=self._timeout(options), structure=_compared(structure)
+        )
         # NumPy results are one read-only buffer shared by the replicas; torch has no
         # read-only tensors, so each replica gets its own (as from HostAllReduce).
         reduced = [x.clone() if is_torch(x) else x for x in reduced]
@@ -176,7 +178,11 @@ class ReplicatedExtended(StrategyExtended):
         arrays = [as_reducible_leaf(x) for x in leaves]
         local_id = replica_id - self._replica_id_offset
         timeout = self._timeout(options)
-        gathered = [communicator.all_gather(local_id, x, axis, timeout=timeout) for x in arrays]
+        compared = _compared(structure)
+        gathered = [
+            communicator.all_gather(local_id, x, axis, timeout=timeout, structure=compared)
+            for x in arrays
+        ]
         gathered = [x.clone() if is_torch(x) else x for x in gathered]
         return nest.unflatten(structure, gathered)
 
@@ -232,6 +238,29 @@ class ReplicatedExtended(StrategyExtended):
 
         local_id = replica_id - self._replica_id_offset
         return self._get_runner().merge_call(local_id, merge, (args, kwargs))
+
+    def _merge_call_checked(
+        self,
+        replica_id: int,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        call: tuple[Any, ...],
+        description: Callable[[], str],
+    ) -> Any:
+        n = len(self._devices)
+        if n == 1:
+            return super()._merge_call_checked(replica_id, merge_fn, args, call, description)
+        strategy = self._container_strategy_ref
+        devices = self._devices
+
+        def merge(inputs: list[Any]) -> list[Any]:
+            margs = regroup(inputs, PerReplica, True, devices)
+            with context.entered(context.Frame(strategy)):
+                result = merge_fn(strategy, *margs)
+            return [select_replica(i, result) for i in range(n)]
+
+        local_id = replica_id - self._replica_id_offset
+        return self._get_runner().merge_call(local_id, merge, args, call, description)
 
     # --- reductions ----------------------------------------------------------------------
     def _merged_options(self, options: CommunicationOptions | None) -> CommunicationOptions | None:
@@ -318,6 +347,15 @@ class ReplicatedExtended(StrategyExtended):
         if group:
             return regrouped
         return nest.map_structure(self._local_results, regrouped)
+
+
+def _compared(structure: Any) -> Any:
+    """What the replicas' structures are compared by: None for one bare leaf.
+
+    One array reaches the communicator without a structure (`_all_reduce_one`), so a
+    bare leaf must compare equal to that; a nest (even `[x]`) must not.
+    """
+    return None if structure.is_leaf() else structure
 
 
 def _readable(value: Any, op: ReduceOp) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from crossdevice._arrays import backend_for
-from crossdevice._core import context
+from crossdevice._core import context, validate
 from crossdevice._core.devices import canonicalize
 from crossdevice._values.operators import ArrayOperators
 
@@ -186,3 +186,6 @@ class Mirrored(ArrayOperators, DistributedValues):
 
     def _operand(self) -> Any:
         return self._get()
+
+
+validate.register_distributed_values(DistributedValues)

@@ -30,7 +30,7 @@ import torch
 
 from crossdevice._core import cooperative
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._replica.context import get_replica_context
+from crossdevice._strategies.context import get_replica_context
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "GradientSync"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from crossdevice._replica.context import get_replica_context
+from crossdevice._strategies.context import get_replica_context
 
 __all__ = ["compute_average_loss"]
 

@@ -30,8 +30,8 @@ from crossdevice._frameworks.torch.replicas import (
     torch_devices,
 )
 from crossdevice._frameworks.torch.threads import apply_thread_policy
-from crossdevice._replica.context import get_replica_context
 from crossdevice._strategies.base import Strategy
+from crossdevice._strategies.context import get_replica_context
 
 __all__ = ["MirroredModule"]
 

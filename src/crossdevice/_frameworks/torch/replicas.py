@@ -13,8 +13,8 @@ import torch
 
 from crossdevice._arrays import get_torch_backend
 from crossdevice._core import context
-from crossdevice._replica.context import get_strategy
 from crossdevice._strategies.base import Strategy
+from crossdevice._strategies.context import get_strategy
 
 __all__ = ["in_replica_of", "local_replica_index", "strategy_or_current", "torch_devices"]
 

@@ -1,0 +1,598 @@
+"""`Rendezvous`: where the replicas of one strategy meet, for `merge_call` and every collective.
+
+Every replica of a strategy makes the same calls in the same order; each call is a
+*round*. A replica deposits what it asked for (an `Arrival`: the kind of call, its reduce
+op, the nest structure, each leaf's shape and dtype, its inputs) and waits; the last one
+to arrive compares the arrivals and completes the round through the arrivals' `Handler`
+(a `merge_call` runs `merge_fn`; a `ThreadCommunicator` collective validates, plans and
+reduces). Then:
+
+* most rounds are done: every replica takes its result;
+* a round may hand out shared work (a large reduction): every replica takes pieces of it,
+  and after a second wait every replica returns the same results.
+
+One rendezvous for every kind of call is what makes a collective-order bug an error rather
+than a hang: replicas that called different things (`merge_call` in one, `all_reduce` in
+another; SUM in one, MEAN in another; `{'a': x}` against `{'b': x}`) meet in the same
+round, and the last to arrive raises in every replica, naming what each one called:
+
+    replica 0: all_reduce(SUM, float32[3]) #4; replica 1: merge_call #4
+
+A replica that returns from its function while its peers wait (`finish`) is the other way
+replicas can disagree: once every live replica waits, the round can never complete, and it
+fails at once. No timeout is needed for either, so no configuration can hang on them;
+`timeout` still bounds a wait for a peer that is busy (or stuck) in user code.
+
+Reliability (docs/design.md §5): `abort(exc)` releases every waiter with `ReplicaAbortedError`;
+a wait past `timeout` raises `CollectiveTimeoutError` naming the call, its sequence number
+and the replicas that did not arrive, and breaks the rendezvous until `reset()` (its peers
+are released with the same error rather than left waiting).
+
+Every wait goes through `crossdevice._core.cooperative.block`, so the rules are the same
+for replica threads and for cooperative replicas (greenlets on the caller's thread).
+
+Waits use one raw lock per waiter (a *gate*, held while the waiter sleeps, released once
+to wake it) rather than a shared `threading.Condition`: woken threads do not queue for the
+condition's lock (measured, 4 threads on 2 cores: 46 us per Condition barrier, 29 us with
+gates).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from _thread import allocate_lock as _allocate_lock
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol
+
+from crossdevice._core import nest
+from crossdevice._core.cooperative import block
+from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
+
+__all__ = [
+    "MERGE_CALL_MISMATCH",
+    "Arrival",
+    "Handler",
+    "Rendezvous",
+    "Round",
+    "describe_leaves",
+    "is_rendezvous_error",
+]
+
+MERGE_CALL_MISMATCH: Final = (
+    "Some replicas made a different number of replica_context().merge_call() calls (or "
+    "all_reduce / all_gather calls): replicas {done} returned while replicas {waiting} "
+    "wait in {call} #{seq}. Every replica must make the same merge_call, all_reduce and "
+    "all_gather calls in the same order."
+)
+
+#: Marks an error the rendezvous raised in every replica (replicas that disagree), so the
+#: runner can prefer the error a user's code raised (`is_rendezvous_error`).
+_MARK: Final = "_crossdevice_rendezvous_error"
+
+
+def is_rendezvous_error(exc: BaseException) -> bool:
+    """Whether `exc` is a disagreement the rendezvous reported (not a user's own error)."""
+    return bool(getattr(exc, _MARK, False))
+
+
+class Arrival(Protocol):
+    """What one replica brought to a round (each `Handler` has its own kind of arrival)."""
+
+    @property
+    def kind(self) -> str:
+        """The call: "merge_call", "all_reduce", "all_gather", "broadcast"."""
+
+    @property
+    def handler(self) -> Handler:
+        """Who completes the round and hands out its results."""
+
+
+class Handler(Protocol):
+    """Completes the rounds of one family of calls (merge_call, a communicator's collectives)."""
+
+    def describe(self, arrival: Any) -> str:
+        """What `arrival` asked for, as an error message shows it: `all_reduce(SUM, float32[3])`."""
+
+    def complete(self, rendezvous: Rendezvous, rnd: Round, replica_id: int) -> None:
+        """Run by the last arriver: validate (`rnd.set_error`), compute, or set `rnd.work`."""
+
+    def finalize(self, rnd: Round) -> None:
+        """After the shared work of a round: build its results."""
+
+    def result(self, rnd: Round, replica_id: int) -> Any:
+        """Replica `replica_id`'s result of a completed round."""
+
+
+class Round:
+    """One call: every replica's arrival, the error or the work, the shared results."""
+
+    __slots__ = (
+        "arrivals",
+        "cancelled",
+        "count",
+        "done",
+        "done_ids",
+        "error",
+        "failure",
+        "failure_replica",
+        "finished",
+        "kind",
+        "outputs",
+        "plan",
+        "ready",
+        "results",
+        "seq",
+        "work",
+    )
+
+    def __init__(self, seq: int, n: int) -> None:
+        self.seq = seq
+        self.arrivals: list[Any] = [None] * n
+        self.count = 0
+        self.kind = ""
+        self.ready = False
+        #: (exception type, message) raised in every replica: they disagree.
+        self.error: tuple[type[BaseException], str] | None = None
+        self.failure: BaseException | None = None
+        self.failure_replica = -1
+        self.plan: Any = None
+        self.outputs: list[Any] = []
+        self.results: Any = {}
+        self.work: Callable[[int], None] | None = None
+        self.cancelled = False
+        self.done = 0
+        self.done_ids: list[int] = []
+        self.finished = False
+
+    def set_error(self, kind: type[BaseException], message: str) -> None:
+        """Make every replica of this round raise `kind(message)`."""
+        self.error = (kind, message)
+
+
+class Rendezvous:
+    """The meeting point of N replicas: one round per call, in order (see the module doc).
+
+    Args:
+        num_replicas: how many replicas take part (>= 1).
+        name: a name for error messages (the strategy's class).
+    """
+
+    def __init__(self, num_replicas: int, name: str = "Rendezvous") -> None:
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int):
+            raise TypeError(f"num_replicas must be an int >= 1, received {num_replicas!r}")
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, received {num_replicas!r}")
+        self._n = num_replicas
+        self._name = name
+        self._lock = threading.Lock()
+        #: (replica, gate) of every replica asleep in a wait; a gate is a lock held by its
+        #: sleeper's wait, one per wait, released once to wake it.
+        self._sleepers: list[tuple[int, Any]] = []
+        self._seq = 0
+        self._round = Round(0, num_replicas)
+        self._aborted: BaseException | None = None
+        self._broken: str | None = None
+        self._mismatch: str | None = None
+        self._departed: set[int] = set()
+
+    @property
+    def num_replicas(self) -> int:
+        """How many replicas take part."""
+        return self._n
+
+    @property
+    def name(self) -> str:
+        """The name used in error messages."""
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"Rendezvous(num_replicas={self._n}, name={self._name!r})"
+
+    # ------------------------------------------------------------------ calls
+
+    def arrive(self, replica_id: int, arrival: Any, timeout: float | None) -> Any:
+        """Take part in the next round with `arrival`; return this replica's result.
+
+        Raises:
+            ValueError, RuntimeError: the replicas disagree (raised in every replica,
+                naming what each one called).
+            CollectiveTimeoutError: a peer did not arrive within `timeout`.
+            ReplicaAbortedError: `abort` was called (a peer failed).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._raise_if_unusable(None)
+            rnd = self._round
+            if rnd.arrivals[replica_id] is not None:
+                raise ValueError(
+                    f"{self._name}: replica {replica_id} called {arrival.kind} twice in "
+                    f"call #{rnd.seq}; every replica thread must use its own replica_id"
+                )
+            rnd.arrivals[replica_id] = arrival
+            rnd.count += 1
+            last = rnd.count == self._n
+            if last:
+                self._seq += 1
+                self._round = Round(self._seq, self._n)
+            else:
+                self._check_departed_locked(rnd)
+                self._raise_if_unusable(rnd)
+                gate = _held_lock()
+                self._sleepers.append((replica_id, gate))
+        if last:
+            # Outside the lock: a merge_fn may take long, and abort() must still reach
+            # the replicas waiting meanwhile.
+            self._complete(rnd, replica_id)
+            with self._lock:
+                rnd.ready = True
+                self._wake_locked()
+        else:
+            self._wait(replica_id, gate, rnd, "arrive", deadline, timeout, arrival.kind)
+        if rnd.error is not None:
+            kind, message = rnd.error
+            error = kind(message)
+            setattr(error, _MARK, True)
+            raise error
+        # Read before this replica counts itself done: the last one to finish clears it.
+        work = rnd.work
+        if work is None and rnd.failure is not None:
+            self._raise_failure(rnd, replica_id)
+        if work is not None:
+            self._share_work(replica_id, rnd, work, deadline, timeout, arrival.kind)
+        return arrival.handler.result(rnd, replica_id)
+
+    def _share_work(
+        self,
+        replica_id: int,
+        rnd: Round,
+        work: Callable[[int], None],
+        deadline: float | None,
+        timeout: float | None,
+        kind: str,
+    ) -> None:
+        """Take this replica's share of a round's work, then wait for the others'."""
+        try:
+            if rnd.failure is None:  # a peer's share failed: skip, but still report
+                work(replica_id)
+        except BaseException as exc:
+            with self._lock:
+                if rnd.failure is None:
+                    rnd.failure, rnd.failure_replica = exc, replica_id
+                self._finish_work_locked(rnd, replica_id)
+            raise
+        with self._lock:
+            self._finish_work_locked(rnd, replica_id)
+            last = rnd.finished
+            if not last:
+                gate = _held_lock()
+                self._sleepers.append((replica_id, gate))
+        if not last:
+            self._wait(replica_id, gate, rnd, "finish", deadline, timeout, kind)
+        if rnd.failure is not None:
+            self._raise_failure(rnd, replica_id)
+
+    def merge_call(
+        self,
+        replica_id: int,
+        merge: Callable[[list[Any]], Sequence[Any]],
+        value: Any,
+        call: tuple[Any, ...] = ("merge_call",),
+        description: Callable[[], str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """A `merge_call` round: `merge(inputs)` runs once and returns one output each.
+
+        Args:
+            replica_id: the calling replica.
+            merge: called by the last replica to arrive with every replica's `value`, in
+                replica order; returns the value for each replica (replica 0's `merge`
+                runs, as TF runs the first replica's `merge_fn`).
+            value: this replica's input.
+            call: what the replicas must agree on: `("merge_call",)` for a user's
+                merge_call, or the kind, reduce op, structure and leaf signatures of a
+                collective that goes through merge_call.
+            description: what this replica called, for error messages (`call[0]` if None).
+            timeout: seconds to wait for the peers (None: until they come or fail).
+        """
+        arrival = _MergeArrival(str(call[0]), call, description, value, merge)
+        return self.arrive(replica_id, arrival, timeout)
+
+    def describe_calls(self, rnd: Round) -> str:
+        """`replica 0: all_reduce(SUM, float32[3]) #4; replica 1: merge_call #4`."""
+        return "; ".join(
+            f"replica {r}: {a.handler.describe(a)} #{rnd.seq}"
+            for r, a in enumerate(rnd.arrivals)
+            if a is not None
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def abort(self, exc: BaseException) -> None:
+        """Release every waiting replica with `ReplicaAbortedError` (a peer failed).
+
+        Later calls raise `ReplicaAbortedError` at once until `reset()`.
+        """
+        with self._lock:
+            if self._aborted is None:
+                self._aborted = exc
+            self._wake_locked()
+
+    def reset(self) -> None:
+        """Make the rendezvous usable again after `abort`, a mismatch or a timeout.
+
+        Call it when no replica is inside a call (after the replicas of a failed run have
+        returned).
+        """
+        with self._lock:
+            self._departed.clear()
+            if (
+                self._aborted is None
+                and self._broken is None
+                and self._mismatch is None
+                and self._round.count == 0
+            ):
+                return  # a clean run (every run's end): nobody to release, no round to drop
+            self._aborted = None
+            self._broken = None
+            self._mismatch = None
+            self._round.cancelled = True
+            self._seq += 1
+            self._round = Round(self._seq, self._n)
+            self._wake_locked()
+
+    def finish(self, replica_id: int) -> None:
+        """Record that `replica_id` will make no more calls in this run.
+
+        A strategy's runner calls this when a replica's function returns. Peers waiting
+        for it (now or later) get a RuntimeError naming it instead of a hang (TF: "Some
+        replicas made a different number of replica_context().merge_call() calls.");
+        `reset()` clears it.
+        """
+        self._departed.add(replica_id)  # atomic under the GIL
+        if self._round.count:
+            # Peers wait in a round: they may now never complete it. (A peer arriving
+            # after this reads `_departed` under the lock and sees this replica.)
+            with self._lock:
+                self._check_departed_locked(self._round)
+
+    # ------------------------------------------------------------------ internals
+
+    def _complete(self, rnd: Round, replica_id: int) -> None:
+        """Run by the last arriver: compare what the replicas called, then complete."""
+        arrivals = rnd.arrivals
+        first = arrivals[0]
+        rnd.kind = first.kind
+        try:
+            if any(a.kind != first.kind or a.handler is not first.handler for a in arrivals):
+                rnd.set_error(
+                    RuntimeError,
+                    f"{self._name}: the replicas called different collectives: "
+                    f"{self.describe_calls(rnd)}. Every replica must make the same "
+                    "merge_call, all_reduce and all_gather calls in the same order.",
+                )
+                return
+            first.handler.complete(self, rnd, replica_id)
+        except BaseException as exc:
+            rnd.failure, rnd.failure_replica = exc, replica_id
+            rnd.work = None
+
+    def _finish_work_locked(self, rnd: Round, replica_id: int) -> None:
+        rnd.done += 1
+        rnd.done_ids.append(replica_id)
+        if rnd.done == self._n:
+            # Break the round -> work closure -> round cycle now, so the round and its
+            # references to the output buffers die with the last replica's reference
+            # (the buffer pool relies on exact reference counts).
+            rnd.work = None
+            if rnd.failure is None:
+                try:
+                    rnd.arrivals[0].handler.finalize(rnd)
+                except BaseException as exc:
+                    rnd.failure, rnd.failure_replica = exc, replica_id
+            rnd.finished = True
+            self._wake_locked()
+
+    def _raise_failure(self, rnd: Round, replica_id: int) -> None:
+        """The replica whose code failed re-raises; its peers are released."""
+        assert rnd.failure is not None
+        if rnd.failure_replica == replica_id:
+            raise rnd.failure
+        raise ReplicaAbortedError(
+            f"{self._name}: {rnd.kind} #{rnd.seq} failed in replica "
+            f"{rnd.failure_replica}: {rnd.failure!r}"
+        ) from rnd.failure
+
+    def _raise_if_unusable(self, rnd: Round | None) -> None:
+        if self._aborted is not None:
+            where = f" in call #{rnd.seq}" if rnd is not None else ""
+            raise ReplicaAbortedError(
+                f"{self._name}: aborted{where} because a peer failed: {self._aborted!r}"
+            ) from self._aborted
+        if self._broken is not None:
+            raise CollectiveTimeoutError(self._broken)
+        if self._mismatch is not None:
+            error = RuntimeError(self._mismatch)
+            setattr(error, _MARK, True)
+            raise error
+        if rnd is not None and rnd.cancelled:
+            raise ReplicaAbortedError(
+                f"{self._name}: call #{rnd.seq} was cancelled by reset() while this "
+                "replica waited in it"
+            )
+
+    def _wake_locked(self) -> None:
+        """Release every sleeping replica (each re-checks why it was woken)."""
+        sleepers = self._sleepers
+        for r, gate in sleepers:
+            if r:
+                gate.release()
+        # Replica 0 last: in a strategy it runs on the caller's thread, which waits for the
+        # others at the end of `run`; finishing last saves it a wake-up there. (Two replica
+        # 0s may sleep: a nested run's, and its outer run's waiting in the merge_call.)
+        for r, gate in sleepers:
+            if not r:
+                gate.release()
+        sleepers.clear()
+
+    def _wait(
+        self,
+        replica_id: int,
+        gate: Any,
+        rnd: Round,
+        phase: str,
+        deadline: float | None,
+        timeout: float | None,
+        kind: str,
+    ) -> None:
+        """Sleep on this replica's gate until `rnd` reaches `phase`, fails or times out.
+
+        Called without the lock, after registering in `_sleepers` under it. The waker
+        releases the gate (under the lock) and removes the replica from `_sleepers`; the
+        sleeper acquires it back. A gate per wait (not per replica) means a release meant
+        for one wait can never wake another (a replica unwound where it waited, a nested
+        `strategy.run` inside a merge_fn whose replicas wait while their outer selves do).
+        """
+        entry = (replica_id, gate)
+        while True:
+            if deadline is None:
+                # No timeout: abort(), reset(), finish() and peers' timeouts release it.
+                block(gate, None)
+            elif not block(gate, max(0.0, deadline - time.monotonic())):
+                with self._lock:
+                    if entry in self._sleepers:
+                        self._sleepers.remove(entry)
+                        if rnd.ready if phase == "arrive" else rnd.finished:
+                            return
+                        self._raise_if_unusable(rnd)
+                        self._time_out_locked(rnd, phase, timeout, kind)
+                    # Woken between the timeout and taking the lock: take the release.
+                    gate.acquire()
+            if rnd.ready if phase == "arrive" else rnd.finished:
+                return
+            with self._lock:
+                if rnd.ready if phase == "arrive" else rnd.finished:
+                    return
+                self._raise_if_unusable(rnd)
+                self._sleepers.append(entry)
+
+    def _time_out_locked(self, rnd: Round, phase: str, timeout: float | None, kind: str) -> None:
+        if phase == "arrive":
+            missing = [r for r, a in enumerate(rnd.arrivals) if a is None]
+            what = "did not arrive"
+        else:
+            missing = [r for r in range(self._n) if r not in rnd.done_ids]
+            what = "did not finish their share"
+        arrived = [r for r in range(self._n) if r not in missing]
+        self._broken = (
+            f"{self._name}: {kind} #{rnd.seq} timed out after {timeout} s: replicas "
+            f"{missing} {what} (arrived: {arrived}). Every replica must make the same "
+            "collectives in the same order; if the step is just slow, raise the timeout "
+            "(CommunicationOptions.timeout_seconds). Call reset() before reusing the "
+            "communicator."
+        )
+        self._wake_locked()
+        raise CollectiveTimeoutError(self._broken)
+
+    def _check_departed_locked(self, rnd: Round) -> None:
+        # The first finding stands: replicas that raise it and return must not rewrite it.
+        if not self._departed or rnd.count == 0 or rnd.ready or self._mismatch is not None:
+            return
+        waiting = [r for r, a in enumerate(rnd.arrivals) if a is not None]
+        if len(waiting) + len(self._departed - set(waiting)) < self._n:
+            return
+        call = next(a.handler.describe(a) for a in rnd.arrivals if a is not None)
+        self._mismatch = f"{self._name}: " + MERGE_CALL_MISMATCH.format(
+            done=sorted(self._departed), waiting=waiting, call=call, seq=rnd.seq
+        )
+        self._wake_locked()
+
+
+class _MergeArrival:
+    """A replica's `merge_call`: its input, its `merge`, and what it must agree on."""
+
+    __slots__ = ("call", "description", "kind", "merge", "value")
+
+    handler: _MergeHandler
+
+    def __init__(
+        self,
+        kind: str,
+        call: tuple[Any, ...],
+        description: Callable[[], str] | None,
+        value: Any,
+        merge: Callable[[list[Any]], Sequence[Any]],
+    ) -> None:
+        self.kind = kind
+        self.call = call
+        self.description = description
+        self.value = value
+        self.merge = merge
+
+
+class _MergeHandler:
+    """Completes merge_call rounds: the same call everywhere, then `merge` once."""
+
+    def describe(self, arrival: _MergeArrival) -> str:
+        return arrival.kind if arrival.description is None else arrival.description()
+
+    def complete(self, rendezvous: Rendezvous, rnd: Round, replica_id: int) -> None:
+        del replica_id
+        arrivals: list[_MergeArrival] = rnd.arrivals
+        first = arrivals[0]
+        if any(a.call != first.call for a in arrivals):
+            rnd.set_error(
+                ValueError,
+                f"{rendezvous.name}: the replicas' {first.kind} calls disagree: "
+                f"{rendezvous.describe_calls(rnd)}. Every replica must pass the same reduce "
+                "op, nest structure, shapes and dtypes.",
+            )
+            return
+        rnd.results = list(first.merge([a.value for a in arrivals]))
+
+    def finalize(self, rnd: Round) -> None:
+        del rnd
+
+    def result(self, rnd: Round, replica_id: int) -> Any:
+        return rnd.results[replica_id]
+
+
+_MERGE: Final = _MergeHandler()
+_MergeArrival.handler = _MERGE
+
+
+def describe_leaves(sig: Sequence[tuple[Any, Any]], structure: Any = None) -> str:
+    """`float32[3]` for one leaf, `[float32[3], int64[]]` for several, in `structure`'s shape.
+
+    Args:
+        sig: (shape, dtype) per leaf.
+        structure: the nest's structure (an optree spec), or None for a flat list.
+    """
+    leaves = [_Leaf(f"{dtype}{list(shape)}") for shape, dtype in sig]
+    if structure is not None:
+        try:
+            return repr(nest.unflatten(structure, leaves))
+        except (ValueError, TypeError):  # pragma: no cover - a spec that does not fit
+            pass
+    if len(leaves) == 1:
+        return repr(leaves[0])
+    return repr(leaves)
+
+
+class _Leaf:
+    """Shows a leaf's signature without quotes inside a nest's repr."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _held_lock() -> Any:
+    """A raw lock, already held: the gate one wait sleeps on."""
+    lock = _allocate_lock()
+    lock.acquire()
+    return lock

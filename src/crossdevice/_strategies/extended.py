@@ -1,0 +1,444 @@
+"""`StrategyExtended`: the lower-level strategy API, and its hooks' defaults.
+
+Template methods (`reduce_to`, `batch_reduce_to`, `update`) validate their arguments and
+context, then call a hook the concrete strategy implements (`_reduce_to`,
+`_batch_reduce_to`, `_update`, `_gather_to`, `_create_variable`, ...). Replica-context
+collectives default to TF's path, one batched `merge_call`, checked at the rendezvous:
+every replica must call the same collective with the same op, structure and leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from crossdevice._arrays import backend_for
+from crossdevice._collectives.rendezvous import describe_leaves
+from crossdevice._core import context, nest, validate
+from crossdevice._core.devices import canonicalize, device_scope
+from crossdevice._core.errors import ArgumentAssertionError
+from crossdevice._core.options import CommunicationOptions
+from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+from crossdevice._input.input_context import ValueContext
+from crossdevice._strategies.context import get_replica_context, require_cross_replica
+from crossdevice._values.distributed_variables import DistributedVariable
+from crossdevice._values.regroup import regroup, select_replica
+from crossdevice._values.values import DistributedValues, PerReplica
+from crossdevice._values.variables import Variable
+
+if TYPE_CHECKING:
+    from crossdevice._strategies.base import Strategy
+
+__all__ = ["SingleReplicaExtended", "StrategyExtended", "as_reducible_leaf"]
+
+
+class StrategyExtended:
+    """Additional, lower-level strategy API (`tf.distribute.StrategyExtended`).
+
+    Reached as `strategy.extended`. Concrete strategies implement the `_`-hooks.
+    """
+
+    _is_default = False
+
+    def __init__(self, container_strategy: Strategy) -> None:
+        self._container_strategy_ref = container_strategy
+
+    def __repr__(self) -> str:
+        strategy = type(self._container_strategy_ref).__name__.lstrip("_")
+        return f"<crossdevice.{strategy}.extended devices={list(self._local_devices)}>"
+
+    # --- facts a concrete strategy provides ------------------------------------------------
+    @property
+    def _local_devices(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    @property
+    def _num_replicas_in_sync(self) -> int:
+        return len(self._local_devices)
+
+    @property
+    def _replica_id_offset(self) -> int:
+        """Global id of this worker's first replica (0 on one worker)."""
+        return 0
+
+    @property
+    def _host_device(self) -> str:
+        return canonicalize("CPU:0")
+
+    def _replica_devices(self, replica_id: int) -> tuple[str, ...]:
+        return (self._local_devices[replica_id - self._replica_id_offset],)
+
+    # --- replica execution and lifecycle (ours) ----------------------------------------------
+    @property
+    def replica_execution(self) -> str:
+        """How `run` executes this strategy's replicas: "threads", "cooperative" or "auto".
+
+        One replica runs on the caller's thread ("threads"); MultiWorkerMirroredStrategy
+        and GPU replicas always use threads; in-process CPU strategies follow
+        `crossdevice.config.set_replica_execution`.
+        """
+        return self._replica_execution()
+
+    def replica_execution_choices(self) -> dict[str, str]:
+        """Under "auto": the mode chosen, once, for each step function run so far.
+
+        Example:
+            >>> import crossdevice
+            >>> crossdevice.MirroredStrategy(["CPU:0"]).extended.replica_execution_choices()
+            {}
+        """
+        return self._replica_execution_choices()
+
+    def _replica_execution(self) -> str:
+        return "threads"
+
+    def _replica_execution_choices(self) -> dict[str, str]:
+        return {}
+
+    def _close(self) -> None:
+        """End the replica threads (strategies without any have nothing to do)."""
+
+    # --- public properties -----------------------------------------------------------------
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """The devices this worker runs replicas on, in replica order."""
+        return self._local_devices
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """The devices variables are placed on."""
+        return self._local_devices
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        """Whether static shapes are required (False: eager values have real shapes)."""
+        return False
+
+    # --- template methods ------------------------------------------------------------------
+    def reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        destinations: Any,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """Combine `value` across replicas and put the result on `destinations`.
+
+        Args:
+            reduce_op: `ReduceOp.SUM`/`MEAN` or `"sum"`/`"mean"`.
+            value: a distributed value, a plain array, or a nest of them.
+            destinations: a device string, a `DistributedValues`, or a variable (whose
+                devices are used; the variable is not updated).
+            options: a `CommunicationOptions`.
+
+        Returns:
+            A `Mirrored` value on the destinations (the plain value for one device).
+        """
+        require_cross_replica(self._container_strategy_ref)
+        if isinstance(destinations, list | tuple):
+            raise ArgumentAssertionError(
+                "destinations can not be a list or tuple; pass a device string, a "
+                f"DistributedValues or a variable, got {destinations!r}"
+            )
+        op = as_reduce_op(reduce_op)
+        validate.reducible(value, "StrategyExtended.reduce_to")
+        return self._reduce_to(op, value, destinations, _check_options(options))
+
+    def batch_reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Sequence[tuple[Any, Any]],
+        options: CommunicationOptions | None = None,
+    ) -> list[Any]:
+        """Reduce several `(value, destinations)` pairs at once; faster than one at a time.
+
+        Args:
+            reduce_op: `ReduceOp.SUM`/`MEAN` or `"sum"`/`"mean"`.
+            value_destination_pairs: a sequence of `(value, destinations)` pairs.
+            options: a `CommunicationOptions`; overrides the strategy's defaults.
+
+        Returns:
+            A list of reduced values, one per pair.
+
+        Example (the TF docs' example; `v` is a `MirroredVariable` on two devices)::
+
+            def merge_fn(strategy, value, var):
+                reduced = strategy.extended.batch_reduce_to("sum", [(value, var)])[0]
+                strategy.extended.update(var, lambda var, value: var.assign(value),
+                                         args=(reduced,))
+        """
+        require_cross_replica(self._container_strategy_ref)
+        op = as_reduce_op(reduce_op)
+        pairs = _check_pairs(value_destination_pairs)
+        validate.reducible([v for v, _ in pairs], "StrategyExtended.batch_reduce_to")
+        return self._batch_reduce_to(op, pairs, _check_options(options))
+
+    def update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Run `fn(component, *args, **kwargs)` on each component of `var`, on its device.
+
+        In a replica context this goes through `merge_call`, so per-replica arguments
+        reach the matching component.
+
+        Args:
+            var: a variable created in this strategy's scope.
+            fn: the update function.
+            args: positional arguments; distributed values are split per component.
+            kwargs: keyword arguments, likewise.
+            group: False returns a tuple of per-component results for each output.
+
+        Returns:
+            The updated variable or `fn`'s results regrouped.
+        """
+        if not isinstance(args, list | tuple):
+            raise ValueError(f"update args must be a list or tuple, got {type(args).__name__}")
+        kwargs = dict(kwargs or {})
+        replica_context = get_replica_context()
+        frame = context.current_frame()
+        if (
+            replica_context is not None
+            and frame is not None
+            and frame.strategy is self._container_strategy_ref
+        ):
+
+            def merge_fn(strategy: Strategy, var: Any, *args: Any, **kwargs: Any) -> Any:
+                return strategy.extended.update(var, fn, args, kwargs, group)
+
+            return replica_context.merge_call(merge_fn, args=(var, *args), kwargs=kwargs)
+        require_cross_replica(self._container_strategy_ref)
+        with self._container_strategy_ref.scope():
+            return self._update(var, fn, tuple(args), kwargs, group)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Create variables inside this block on the same devices as `colocate_with_variable`.
+
+        Raises:
+            ValueError: the variable was not created in this strategy's scope.
+        """
+        if not self.variable_created_in_scope(colocate_with_variable):
+            raise ValueError(
+                "colocate_vars_with must only be passed a variable created in this "
+                f"strategy.scope(), got {colocate_with_variable!r}"
+            )
+        yield
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether `v` was created while this strategy's scope was active."""
+        return getattr(v, "_distribute_strategy", None) is self._container_strategy_ref
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable `value` is a component of, else `value` itself."""
+        if isinstance(value, Variable) and not isinstance(value, DistributedVariable):
+            container = value._distributed_container
+            if container is not None:
+                return container
+        return value
+
+    # --- hooks -----------------------------------------------------------------------------
+    def _call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        raise NotImplementedError
+
+    def _reduce_to(
+        self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None
+    ) -> Any:
+        raise NotImplementedError
+
+    def _batch_reduce_to(
+        self, op: ReduceOp, pairs: list[tuple[Any, Any]], options: CommunicationOptions | None
+    ) -> list[Any]:
+        return [self._reduce_to(op, v, d, options) for v, d in pairs]
+
+    def _update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        raise NotImplementedError
+
+    def _gather_to(
+        self, value: Any, destinations: Any, axis: int, options: CommunicationOptions | None
+    ) -> Any:
+        raise NotImplementedError
+
+    def _create_variable(self, frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _merge_call(
+        self,
+        replica_id: int,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        always_wrap: bool,
+    ) -> Any:
+        """Single-replica merge_call: run `merge_fn` in cross-replica context."""
+        del replica_id
+        strategy = self._container_strategy_ref
+        if always_wrap:
+            args, kwargs = regroup([(args, kwargs)], PerReplica, True, self._local_devices)
+        with context.entered(context.Frame(strategy)):
+            return merge_fn(strategy, *args, **kwargs)
+
+    def _merge_call_checked(
+        self,
+        replica_id: int,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        call: tuple[Any, ...],
+        description: Callable[[], str],
+    ) -> Any:
+        """`_merge_call(..., always_wrap=True)` for a collective every replica makes alike.
+
+        `call` is what the replicas must agree on (kind, op, structure, leaves), and
+        `description` says what this replica called. One replica has nobody to disagree
+        with; strategies with several override this to compare at the rendezvous.
+        """
+        del call, description
+        return self._merge_call(replica_id, merge_fn, args, {}, always_wrap=True)
+
+    def _replica_all_reduce(
+        self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
+    ) -> Any:
+        """All-reduce through one batched `merge_call` (TF's path)."""
+
+        def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
+            return strategy.extended.batch_reduce_to(op, [(v, v) for v in per_replica], options)
+
+        return self._merge_leaves(replica_id, value, merge_fn, "all_reduce", op.name, None)
+
+    def _replica_all_gather(
+        self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
+    ) -> Any:
+        """All-gather through one `merge_call`."""
+
+        def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
+            return [strategy.extended._gather_to(v, v, axis, options) for v in per_replica]
+
+        return self._merge_leaves(replica_id, value, merge_fn, "all_gather", f"axis={axis}", axis)
+
+    def _merge_leaves(
+        self,
+        replica_id: int,
+        value: Any,
+        merge_fn: Callable[..., list[Any]],
+        kind: str,
+        argument: str,
+        axis: int | None,
+    ) -> Any:
+        """Run `merge_fn(strategy, *per_replica_leaves)` in one merge_call over a nest.
+
+        Each replica gets its component of every result, in the nest's shape. The
+        replicas must agree on `kind`, `argument` (the reduce op or the axis), the nest's
+        structure and each leaf's dtype and shape (except along a gather's `axis`).
+        """
+        leaves, structure = nest.flatten(value)
+        if not leaves:
+            return value
+        arrays = tuple(as_reducible_leaf(x) for x in leaves)
+        sig = tuple((backend_for(x).shape(x), backend_for(x).dtype_name(x)) for x in arrays)
+        agreed = tuple(
+            (dtype, shape if axis is None else _without_axis(shape, axis)) for shape, dtype in sig
+        )
+        call = (kind, argument, structure, agreed)
+
+        def description() -> str:
+            return f"{kind}({argument}, {describe_leaves(sig, structure)})"
+
+        merged = self._merge_call_checked(replica_id, merge_fn, arrays, call, description)
+        return nest.unflatten(structure, list(merged))
+
+    def _local_results(self, value: Any) -> tuple[Any, ...]:
+        if isinstance(value, DistributedValues):
+            return value.values
+        leaves, _ = nest.flatten(value)
+        if len(leaves) > 1 or (leaves and leaves[0] is not value):
+            return tuple(select_replica(i, value) for i in range(len(self._local_devices)))
+        return (value,)
+
+    def _distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
+        n = self._num_replicas_in_sync
+        values = []
+        for i, device in enumerate(self._local_devices):
+            with device_scope(device):
+                values.append(value_fn(ValueContext(self._replica_id_offset + i, n)))
+        return regroup(values, PerReplica, True, self._local_devices)
+
+    def _input_workers(self) -> tuple[int, int]:
+        """(number of input pipelines, this worker's index)."""
+        return 1, 0
+
+
+class SingleReplicaExtended(StrategyExtended):
+    """Hooks shared by the one-replica strategies (default, OneDevice): nothing to combine.
+
+    TF returns the value unchanged from `reduce_to` and gathers with one replica.
+    """
+
+    def _reduce_to(
+        self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None
+    ) -> Any:
+        if isinstance(value, DistributedValues) and len(value.values) == 1:
+            return value.values[0]
+        return value
+
+    def _gather_to(
+        self, value: Any, destinations: Any, axis: int, options: CommunicationOptions | None
+    ) -> Any:
+        return self._reduce_to(ReduceOp.SUM, value, destinations, options)
+
+
+def _check_options(options: Any) -> CommunicationOptions | None:
+    if options is not None and not isinstance(options, CommunicationOptions):
+        raise ValueError(
+            f"options must be a crossdevice.experimental.CommunicationOptions or None, got "
+            f"{options!r}"
+        )
+    return options
+
+
+def _check_pairs(pairs: Any) -> list[tuple[Any, Any]]:
+    if isinstance(pairs, DistributedValues) or not isinstance(pairs, Sequence | Iterable):
+        raise ValueError(
+            f"value_destination_pairs must be a list of (value, destinations) tuples, got {pairs!r}"
+        )
+    checked = []
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(
+                "Each element of value_destination_pairs should be a tuple of size 2 "
+                f"(value, destinations), got {pair!r}"
+            )
+        checked.append(pair)
+    return checked
+
+
+def as_reducible_leaf(x: Any) -> Any:
+    """A replica's leaf as an array of its own (Python numbers become new arrays)."""
+    if isinstance(x, Variable):
+        return x.read_value()
+    if isinstance(x, DistributedValues):
+        x = x._get()
+        if isinstance(x, Variable):
+            return x.read_value()
+        return x
+    return backend_for(x).asarray(x)
+
+
+def _without_axis(shape: tuple[int, ...], axis: int) -> tuple[Any, ...]:
+    """`shape` with the gather axis blanked: sizes may differ there (a partial batch)."""
+    if not -len(shape) <= axis < len(shape):
+        return shape
+    return tuple(None if k == axis % len(shape) else d for k, d in enumerate(shape))

@@ -1,0 +1,206 @@
+"""The rendezvous and the thread communicator: one contract, every mode and replica count.
+
+Every test is written once and runs for N in {1, 2, 3, 4, 8} replicas, each replica on
+its own thread and as cooperative replicas (greenlets taking turns on one thread), and
+checks that both modes end the same way: the same results, the same exception types and
+messages in the same replicas. A replica that returns reports it (`finish`), as a
+strategy's runner does; a failing replica aborts the rendezvous, as the runner does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from crossdevice._collectives.rendezvous import Rendezvous, is_rendezvous_error
+from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._core.cooperative import CooperativeScheduler, ReplicaState
+from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
+from tests.collectives.replicas import run_replicas
+
+COUNTS = (1, 2, 3, 4, 8)
+MODES = ("threads", "cooperative")
+
+Outcome = list[tuple[str, Any]]
+
+
+def _run(
+    mode: str, rendezvous: Rendezvous, fn: Callable[[int], Any], finish: bool = True
+) -> Outcome:
+    """`fn(replica)` on every replica in `mode`; per replica ("ok", result) or (type, message)."""
+    n = rendezvous.num_replicas
+
+    def replica(r: int) -> Any:
+        try:
+            return fn(r)
+        except ReplicaAbortedError:
+            raise
+        except BaseException as exc:
+            # Disagreements and timeouts reach every replica by themselves.
+            if not is_rendezvous_error(exc) and not isinstance(exc, CollectiveTimeoutError):
+                rendezvous.abort(exc)
+            raise
+        finally:
+            if finish:
+                rendezvous.finish(r)
+
+    if mode == "threads":
+        results, errors = run_replicas(n, replica)
+    else:
+        results = [None] * n
+        errors: list[BaseException | None] = [None] * n
+
+        def run_replica(i: int, f: Any, args: Any, kwargs: Any) -> None:
+            try:
+                results[i] = f(*args, **kwargs)
+            except BaseException as exc:
+                errors[i] = exc
+
+        scheduler = CooperativeScheduler(n, run_replica, rendezvous.abort)
+        jobs = [(i, replica, (i,), {}) for i in range(n)]
+        scheduler.run(jobs, [ReplicaState([], [], None) for _ in range(n)])
+    rendezvous.reset()
+    return [
+        ("ok", results[r]) if errors[r] is None else (type(errors[r]).__name__, str(errors[r]))
+        for r in range(n)
+    ]
+
+
+def _both(n: int, fn: Callable[[Rendezvous, ThreadCommunicator], Callable[[int], Any]]) -> Outcome:
+    """Run in both modes on fresh objects; assert they end the same way; return the outcome."""
+    outcomes = []
+    for mode in MODES:
+        rendezvous = Rendezvous(n, "test")
+        comm = ThreadCommunicator(n, "test", rendezvous)
+        outcomes.append(_run(mode, rendezvous, fn(rendezvous, comm)))
+        # The same objects still work afterwards.
+        after = _run(mode, rendezvous, lambda r, c=comm: c.all_reduce(r, [np.float32(r)], "sum")[0])
+        assert after == [("ok", sum(range(n)))] * n
+    threads, cooperative = outcomes
+    assert _comparable(threads) == _comparable(cooperative)
+    return threads
+
+
+def _comparable(outcome: Outcome) -> list[tuple[str, Any]]:
+    return [
+        (kind, value.tolist() if hasattr(value, "tolist") else value) for kind, value in outcome
+    ]
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_merge_call_runs_merge_once_with_every_input_in_replica_order(n: int) -> None:
+    calls: list[list[Any]] = []
+
+    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
+        def merge(inputs: list[Any]) -> list[Any]:
+            calls.append(inputs)
+            return [f"out{r}" for r in range(n)]
+
+        return lambda r: rv.merge_call(r, merge, r * 10)
+
+    outcome = _both(n, make)
+    assert outcome == [("ok", f"out{r}") for r in range(n)]
+    assert calls == [[r * 10 for r in range(n)]] * 2  # once per mode
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_merge_calls_and_collectives_interleave_in_one_order(n: int) -> None:
+    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
+        def replica(r: int) -> Any:
+            a = comm.all_reduce(r, [np.full(3, r, np.float32)], "sum")[0]
+            m = rv.merge_call(r, lambda inputs: [sum(inputs)] * n, r)
+            g = comm.all_gather(r, np.array([r]), axis=0)
+            return float(a[0]), m, g.tolist()
+
+        return replica
+
+    total = float(sum(range(n)))
+    assert _both(n, make) == [("ok", (total, total, list(range(n))))] * n
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_different_calls_fail_in_every_replica_naming_each_call(n: int) -> None:
+    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
+        def replica(r: int) -> Any:
+            if r == n - 1:
+                return rv.merge_call(r, lambda inputs: inputs, r)
+            return comm.all_reduce(r, [np.ones(3, np.float32)], "sum")
+
+        return replica
+
+    outcome = _both(n, make)
+    calls = "; ".join(
+        [f"replica {r}: all_reduce(SUM, float32[3]) #0" for r in range(n - 1)]
+        + [f"replica {n - 1}: merge_call #0"]
+    )
+    assert all(kind == "RuntimeError" and calls in message for kind, message in outcome)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_merge_calls_that_disagree_fail_in_every_replica(n: int) -> None:
+    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
+        def replica(r: int) -> Any:
+            op = "MEAN" if r == n - 1 else "SUM"
+            return rv.merge_call(
+                r, lambda inputs: inputs, r, ("all_reduce", op), lambda: f"all_reduce({op}, x)"
+            )
+
+        return replica
+
+    outcome = _both(n, make)
+    assert all(kind == "ValueError" for kind, _ in outcome)
+    assert f"replica {n - 1}: all_reduce(MEAN, x) #0" in outcome[0][1]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_replica_that_returns_while_others_wait_fails_them_at_once(n: int) -> None:
+    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
+        def replica(r: int) -> Any:
+            if r == 0:
+                return "returned"
+            return comm.all_reduce(r, [np.ones(2)], "sum")
+
+        return replica
+
+    outcome = _both(n, make)
+    assert outcome[0] == ("ok", "returned")
+    for kind, message in outcome[1:]:
+        assert kind == "RuntimeError"
+        assert f"replicas [0] returned while replicas {list(range(1, n))} wait" in message
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_failing_replica_releases_every_waiter(n: int) -> None:
+    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
+        def replica(r: int) -> Any:
+            if r == n - 1:
+                raise KeyError("boom")
+            return rv.merge_call(r, lambda inputs: inputs, r)
+
+        return replica
+
+    outcome = _both(n, make)
+    assert outcome[n - 1] == ("KeyError", "'boom'")
+    assert all(kind == "ReplicaAbortedError" for kind, _ in outcome[:-1])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_peer_that_never_comes_times_out_naming_it(n: int) -> None:
+    """Without `finish` (a communicator used on its own), a timeout bounds the wait."""
+    outcomes = []
+    for mode in MODES:
+        rendezvous = Rendezvous(n, "test")
+
+        def replica(r: int, rv: Rendezvous = rendezvous) -> Any:
+            if r == n - 1:
+                return None  # never arrives, never says so
+            return rv.merge_call(r, lambda inputs: inputs, r, timeout=0.2)
+
+        outcomes.append(_run(mode, rendezvous, replica, finish=False))
+    assert outcomes[0] == outcomes[1]
+    kind, message = outcomes[0][0]
+    assert kind == "CollectiveTimeoutError", message
+    assert f"merge_call #0 timed out after 0.2 s: replicas [{n - 1}] did not arrive" in message

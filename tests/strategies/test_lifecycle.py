@@ -1,0 +1,166 @@
+"""A strategy's replicas: their threads' lifetime, Ctrl-C, nested runs, the caller's state.
+
+Each test runs on replica threads and as cooperative replicas where both apply.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import crossdevice as cd
+from tests.strategies.conftest import replica_execution
+
+MODES = ("threads", "cooperative")
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each execution mode, set for the test."""
+    with replica_execution(request.param):
+        yield request.param
+
+
+def _replica_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if "-replica-" in t.name]
+
+
+def _wait_until(predicate: Any, seconds: float) -> float:
+    """Seconds until `predicate()` held (polling), or fail after `seconds`."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > seconds:
+            pytest.fail(f"not within {seconds} s")
+        time.sleep(0.002)
+    return time.monotonic() - start
+
+
+def test_close_ends_the_replica_threads_within_100_ms() -> None:
+    before = set(_replica_threads())
+    with replica_execution("threads"), cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"]) as s:
+        s.run(lambda: cd.get_replica_context().all_reduce("sum", np.float32(1)))
+        mine = [t for t in _replica_threads() if t not in before]
+        assert len(mine) == 2
+    assert _wait_until(lambda: not any(t.is_alive() for t in mine), 1.0) < 0.1
+    with pytest.raises(RuntimeError, match="the strategy is closed"):
+        s.run(lambda: 1)
+    s.close()  # idempotent
+
+
+def test_dropping_200_strategies_returns_the_thread_count_to_baseline() -> None:
+    gc.collect()
+    before = set(threading.enumerate())
+    with replica_execution("threads"):
+        strategies = [cd.MirroredStrategy([f"CPU:{i}" for i in range(4)]) for _ in range(200)]
+        for s in strategies:
+            s.run(lambda: 1)
+    mine = [t for t in threading.enumerate() if t not in before]
+    assert len(mine) == 600  # 3 replica threads each (replica 0 is the caller)
+    del strategies, s
+    gc.collect()  # strategies and their replica contexts refer to each other
+    # Threads of earlier tests' strategies may end meanwhile: count only these ones.
+    _wait_until(lambda: not any(t.is_alive() for t in mine), 1.0)
+
+
+def test_run_inside_merge_fn_runs_like_tf(mode: str) -> None:
+    del mode
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+
+    def inner() -> Any:
+        return cd.get_replica_context().all_reduce("sum", np.float32(2))
+
+    def step() -> Any:
+        ctx = cd.get_replica_context()
+        nested = ctx.merge_call(lambda s: s.run(lambda: 1))
+        reduced = ctx.merge_call(lambda s: s.experimental_local_results(s.run(inner)))
+        return nested, float(reduced[ctx.replica_id_in_sync_group])
+
+    results = strategy.experimental_local_results(strategy.run(step))
+    assert results == ((1, 6.0),) * 3
+    strategy.run(lambda: cd.get_replica_context().merge_call(lambda st: st.run(lambda: 1)))
+    assert float(strategy.experimental_local_results(strategy.run(inner))[2]) == 6.0
+
+
+@pytest.mark.parametrize("state", ["no_grad", "inference_mode", "autocast"])
+def test_replicas_run_under_the_callers_torch_state(
+    mode: str, state: str, torch_module: Any
+) -> None:
+    del mode
+    torch = torch_module
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+
+    def fn() -> tuple[bool, bool, bool]:
+        cd.get_replica_context().all_reduce("sum", torch.ones(2))  # peers run meanwhile
+        return (
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cpu"),
+        )
+
+    context = {
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+        "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    }[state]
+    with context():
+        results = strategy.experimental_local_results(strategy.run(fn))
+        caller = (
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cpu"),
+        )
+    assert (
+        caller
+        == {
+            "no_grad": (False, False, False),
+            "inference_mode": (False, True, False),
+            "autocast": (True, False, True),
+        }[state]
+    )
+    assert results == (caller,) * 4
+    # Outside: a fresh thread's state again, in every replica.
+    assert strategy.experimental_local_results(strategy.run(fn)) == ((True, False, False),) * 4
+
+
+def _interrupt_main_after(seconds: float) -> None:
+    def send() -> None:
+        time.sleep(seconds)
+        main = threading.main_thread().ident
+        assert main is not None
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="SIGINT needs main"
+)
+def test_the_first_ctrl_c_ends_a_run_whose_replica_is_stuck_in_user_code(mode: str) -> None:
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    unstuck = threading.Event()
+
+    def fn() -> Any:
+        ctx = cd.get_replica_context()
+        if ctx.replica_id_in_sync_group == 2:
+            unstuck.wait(timeout=30)  # stuck in user code
+        return ctx.all_reduce("sum", np.float32(1))
+
+    _interrupt_main_after(0.2)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        strategy.run(fn)
+    assert time.monotonic() - start < 1.2  # 0.2 s before the interrupt, within a second after
+    if mode == "threads":
+        # The stuck replica's thread is abandoned: the next run says so, without hanging.
+        with pytest.raises(RuntimeError, match=r"replicas \[2\] are still inside the function"):
+            strategy.run(lambda: 1)
+    unstuck.set()
+    result = strategy.run(lambda: cd.get_replica_context().all_reduce("sum", np.float32(1)))
+    assert [float(x) for x in strategy.experimental_local_results(result)] == [3.0] * 3

@@ -1,0 +1,108 @@
+"""Imports go down the layers of docs/design.md §2, at top level and inside functions alike.
+
+The test reads every module of `src/crossdevice` (its AST, so imports inside functions
+count as much as those at the top) and fails on any import of a crossdevice module from a
+higher layer. Optional third-party imports (torch) are not crossdevice modules and may be
+lazy anywhere; imports within one package (one layer) are free.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import crossdevice
+
+#: Layer of each package or public module: a module may import only lower layers (or its
+#: own package). `_input` sits below the strategies (it needs only values and arrays).
+LAYERS: dict[str, int] = {
+    "_core": 1,
+    "cluster_resolver": 2,
+    "_arrays": 3,
+    "_data": 3,
+    "_values": 4,
+    "_collectives": 5,
+    "_cross_device": 6,
+    "_replica": 7,
+    "_input": 8,
+    "_strategies": 9,
+    "config": 10,
+    "experimental": 10,
+    "datasets": 10,
+    # Frameworks (docs/design.md §2, layer 10): torch training on the strategies.
+    "_frameworks": 10,
+    "__init__": 11,
+    "torch": 11,  # the public face of _frameworks.torch, imported on request
+    # The command line is off the library's import path: it may use the public package.
+    "_cli": 12,
+    "__main__": 13,
+}
+
+ROOT = Path(crossdevice.__file__).parent
+
+
+def _unit(module: str) -> str:
+    """`crossdevice._strategies.base` -> `_strategies`; `crossdevice` -> `__init__`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, imported crossdevice module) for every import in `path`."""
+    found = []
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+            # `from crossdevice import _strategies` imports a package by name.
+            if target == "crossdevice":
+                found += [(node.lineno, f"crossdevice.{a.name}") for a in node.names]
+    return [(line, name) for line, name in found if name.split(".")[0] == "crossdevice"]
+
+
+def _modules() -> list[tuple[Path, str]]:
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(relative.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out.append((path, ".".join(parts)))
+    return out
+
+
+def _upward_imports() -> list[str]:
+    bad = []
+    for path, module in _modules():
+        unit = _unit(module) if module != "crossdevice" else "__init__"
+        for line, target in _imports(path, module):
+            other = _unit(target)
+            if other == unit or (other == "__init__" and target != "crossdevice"):
+                continue
+            if LAYERS[other] >= LAYERS[unit]:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line} ({unit}) imports {target}")
+    return bad
+
+
+def test_every_package_has_a_layer() -> None:
+    units = {_unit(module) for _, module in _modules()}
+    assert units <= set(LAYERS), units - set(LAYERS)
+
+
+def test_no_import_goes_up_the_layers() -> None:
+    assert _upward_imports() == []
+
+
+def test_the_check_sees_function_level_imports(tmp_path: Path) -> None:
+    """The walk must not look at the top level only (a lazy import hides nothing)."""
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from crossdevice._strategies import base\n")
+    assert _imports(path, "crossdevice._core.probe") == [(2, "crossdevice._strategies")]
