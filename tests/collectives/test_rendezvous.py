@@ -17,8 +17,8 @@ import pytest
 
 from crossdevice._collectives.rendezvous import Rendezvous, is_rendezvous_error
 from crossdevice._collectives.threads import ThreadCommunicator
-from crossdevice._core.cooperative import CooperativeScheduler, ReplicaState
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
+from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
 from tests.collectives.replicas import run_replicas
 
 COUNTS = (1, 2, 3, 4, 8)

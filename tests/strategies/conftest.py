@@ -1,8 +1,8 @@
 """Strategy fixtures: every strategy the contract suite runs against.
 
-Strategies with several CPU replicas run both ways: on replica threads and as cooperative
-replicas (`crossdevice.config.set_replica_execution("cooperative")`). The default, "auto",
-picks one of the two per step function, so both must give the same results.
+Strategies with several CPU replicas run both ways: on replica threads (the default) and
+as cooperative replicas (`crossdevice.config.set_replica_execution("cooperative")`); a
+mode changes speed, never results.
 """
 
 from __future__ import annotations

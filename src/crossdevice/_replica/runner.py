@@ -23,7 +23,7 @@ Rules (docs/design.md §3):
   replicas are all parked in that merge_call meanwhile.
 
 Small steps may run as cooperative replicas instead, greenlets taking turns on the
-caller's thread (`crossdevice._core.cooperative`, chosen by `set_replica_execution`).
+caller's thread (`crossdevice._replica.cooperative`, chosen by `set_replica_execution`).
 Every wait goes through `cooperative.block`, so both modes share the rules above.
 """
 
@@ -40,6 +40,7 @@ from crossdevice._core import context, devices
 from crossdevice._core import cooperative as cooperative_module
 from crossdevice._core.errors import ReplicaAbortedError
 from crossdevice._replica import execution, thread_state
+from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
 
 __all__ = ["ReplicaRunner"]
 
@@ -84,7 +85,7 @@ class ReplicaRunner:
         self._n = num_replicas
         self._cooperative_ok = cooperative and num_replicas > 1 and cooperative_module.available()
         self._tuner = execution.Tuner(name)
-        self._scheduler: cooperative_module.CooperativeScheduler | None = None
+        self._scheduler: CooperativeScheduler | None = None
         self._make_frame = make_frame
         self._devices = tuple(replica_devices)
         self._name = name
@@ -344,7 +345,7 @@ class ReplicaRunner:
     ) -> None:
         scheduler = self._scheduler
         if scheduler is None:
-            scheduler = self._scheduler = cooperative_module.CooperativeScheduler(
+            scheduler = self._scheduler = CooperativeScheduler(
                 self._n, self._run_replica, lambda exc: self._fail(-1, exc)
             )
         caller_stack = context.copy_stack()
@@ -354,9 +355,7 @@ class ReplicaRunner:
         # thread's, that is the caller's).
         grad = cooperative_module.grad_enabled()
         states = [
-            cooperative_module.ReplicaState(
-                caller_stack if i == 0 else [], [self._devices[i]], grad
-            )
+            ReplicaState(caller_stack if i == 0 else [], [self._devices[i]], grad)
             for i in range(self._n)
         ]
         jobs = [(i, fn, *per_replica_args[i]) for i in range(self._n)]
