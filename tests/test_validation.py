@@ -172,3 +172,148 @@ def test_device_scope_needs_an_existing_device(monkeypatch: pytest.MonkeyPatch) 
         crossdevice.MirroredStrategy(["cuda:1"])
     with crossdevice.device("CPU:1") as name:
         assert name.endswith("device:CPU:1")
+
+
+# --- distributed values must fit the strategy ------------------------------------------
+def test_per_replica_with_the_wrong_number_of_components(
+    strategy: crossdevice.MirroredStrategy,
+) -> None:
+    three = PerReplica([np.ones(2), np.ones(2), np.ones(2)])
+    with pytest.raises(ValueError, match=r"has 3 components, but .* has 2 local replicas"):
+        strategy.reduce("sum", three, axis=None)
+    with pytest.raises(ValueError, match=r"Strategy\.run: the PerReplica at \[0\]\[0\]"):
+        strategy.run(lambda x: x, args=(three,))  # TF silently dropped the third
+    with pytest.raises(ValueError, match="has 3 components"):
+        strategy.extended.batch_reduce_to("sum", [(three, "CPU:0")])
+    with pytest.raises(ValueError, match="has 3 components"):
+        strategy.gather(three, axis=0)
+
+
+def test_a_variable_of_another_strategy_is_refused(strategy: crossdevice.MirroredStrategy) -> None:
+    other = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+    with other.scope():
+        v = crossdevice.Variable(1.0)
+    with pytest.raises(ValueError, match=r"belongs to .*not to"):
+        strategy.reduce("mean", v, axis=None)
+    with pytest.raises(ValueError, match="belongs to"):
+        strategy.extended.reduce_to("mean", v, "CPU:0")
+    with other.scope():
+        assert float(other.reduce("mean", v, axis=None)) == 1.0  # its own strategy: fine
+
+
+def test_reduce_to_a_device_of_another_worker(strategy: crossdevice.MirroredStrategy) -> None:
+    value = PerReplica([np.ones(2), np.ones(2)])
+    with pytest.raises(ValueError, match=r"names job 'foo' task 3, but this worker is job"):
+        strategy.extended.reduce_to("sum", value, "/job:foo/task:3/device:CPU:0")
+    np.testing.assert_array_equal(
+        strategy.extended.reduce_to("sum", value, "/job:localhost/task:0/device:CPU:1"),
+        [2.0, 2.0],
+    )
+
+
+def test_reduction_to_one_device_needs_a_device_or_none() -> None:
+    with pytest.raises(ValueError, match="empty string"):
+        crossdevice.ReductionToOneDevice(reduce_to_device="")
+
+
+def test_accumulation_fn_results_are_checked() -> None:
+    ops = crossdevice.ReductionToOneDevice(accumulation_fn=np.sum)  # sums over every axis: a scalar
+    value = PerReplica([np.ones(3), np.ones(3)])
+    with pytest.raises(ValueError, match=r"of their shape \(3,\), but it returned shape \(\)"):
+        ops.reduce("sum", value, destinations="CPU:0")
+    good = crossdevice.ReductionToOneDevice(accumulation_fn=sum)
+    np.testing.assert_array_equal(good.reduce("sum", value, destinations="CPU:0"), [2.0] * 3)
+
+
+def test_torch_unsigned_types_torch_cannot_add(
+    torch_module: Any, strategy: crossdevice.MirroredStrategy
+) -> None:
+    torch = torch_module
+
+    def step() -> Any:
+        return crossdevice.get_replica_context().all_reduce(
+            "sum", torch.ones(2, dtype=torch.uint16)
+        )
+
+    with pytest.raises(TypeError, match=r"torch\.uint16, which torch cannot add.*torch\.int32"):
+        strategy.run(step)
+
+
+# --- the property: a malformed call is a documented error or the NumPy answer ------------
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    pass
+else:
+    _LEAVES = st.sampled_from(
+        [
+            np.float32(1.5),
+            np.arange(3.0),
+            np.arange(3, dtype=np.int32),
+            2,
+            0.25,
+            np.array(["a"]),
+            None,
+            True,
+            np.array([1], dtype="datetime64[D]"),
+            np.array([object()], dtype=object),
+        ]
+    )
+    _NESTS = st.recursive(
+        _LEAVES,
+        lambda children: (
+            st.lists(children, max_size=3)
+            | st.dictionaries(st.sampled_from("abc"), children, max_size=3)
+        ),
+        max_leaves=5,
+    )
+
+    @settings(max_examples=60, deadline=None)
+    @given(value=_NESTS, op=st.sampled_from(["sum", "mean"]))
+    def test_malformed_reductions_raise_typeerror_or_match_numpy(value: Any, op: str) -> None:
+        import copy
+
+        import optree
+
+        strategy = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+        before = copy.deepcopy(value)
+        leaves = optree.tree_leaves(value, none_is_leaf=True, namespace="crossdevice")
+        bad = any(
+            x is None
+            or isinstance(x, bool)
+            or (isinstance(x, np.ndarray) and x.dtype.kind not in "iufc")
+            for x in leaves
+        )
+
+        def step() -> Any:
+            return crossdevice.get_replica_context().all_reduce(op, value)
+
+        if bad:
+            with pytest.raises(TypeError, match=r"expected|cannot|reduce"):
+                strategy.run(step)
+        else:
+            out = strategy.experimental_local_results(strategy.run(step))[0]
+            expected = optree.tree_map(
+                lambda x: np.asarray(x) * (2 if op == "sum" else 1),
+                value,
+                none_is_leaf=True,
+                namespace="crossdevice",
+            )
+            for got, want in zip(
+                optree.tree_leaves(out, namespace="crossdevice"),
+                optree.tree_leaves(expected, namespace="crossdevice"),
+                strict=True,
+            ):
+                np.testing.assert_allclose(np.asarray(got), want)
+        # Inputs are never mutated.
+        assert optree.tree_structure(value, none_is_leaf=True, namespace="crossdevice") == (
+            optree.tree_structure(before, none_is_leaf=True, namespace="crossdevice")
+        )
+        for a, b in zip(
+            optree.tree_leaves(value, none_is_leaf=True, namespace="crossdevice"),
+            optree.tree_leaves(before, none_is_leaf=True, namespace="crossdevice"),
+            strict=True,
+        ):
+            if isinstance(a, np.ndarray) and a.dtype.kind in "iufc":
+                np.testing.assert_array_equal(a, b)

@@ -75,13 +75,26 @@ def _problem(x: Any) -> str | None:
         return f"a {type(x).__name__} (not a number or an array)"
     if isinstance(dtype, np.dtype):
         return None if dtype.kind in _NUMERIC_KINDS else f"of dtype {dtype}"
-    # torch dtypes: everything but bool is a number type.
-    if str(dtype) == "torch.bool":
+    # torch dtypes: everything but bool is a number type, but torch (2.x, CPU) has no add
+    # for the unsigned types wider than 8 bits ("add_stub not implemented").
+    name = str(dtype)
+    if name == "torch.bool":
         return "of dtype torch.bool"
+    if name in _TORCH_UNADDABLE:
+        return f"of dtype {name}, which torch cannot add"
     return None
 
 
+#: torch dtypes without an add kernel: reducing them would fail inside torch.
+_TORCH_UNADDABLE: Final = frozenset({"torch.uint16", "torch.uint32", "torch.uint64"})
+
+
 def _hint(problem: str) -> str:
+    if "torch cannot add" in problem:
+        return (
+            "cast to a signed type wide enough for the sum, e.g. x.to(torch.int32) for "
+            "uint16 or x.to(torch.int64) for uint32 (NumPy arrays of these types reduce)"
+        )
     if "bool" in problem:
         return (
             "TensorFlow does not reduce booleans either (summing them in NumPy would be a "
@@ -126,6 +139,48 @@ def reducible(value: Any, what: str) -> None:
         for component in components:
             if _problem(component) is not None:
                 _raise(value, what)
+
+
+def fits_strategy(value: Any, strategy: Any, what: str) -> None:
+    """Raise ValueError unless every distributed value in `value` fits `strategy`'s replicas.
+
+    A `PerReplica` or `Mirrored` value must have one component per local replica (TF
+    silently reduced a 3-component value on 2 replicas, and `run` dropped the extra one);
+    a distributed variable must be one of `strategy`'s own.
+
+    Args:
+        value: a nest (arguments of `run`, a value about to be reduced or gathered).
+        strategy: the strategy whose method was called.
+        what: the entry point, for the message.
+    """
+    distributed = _distributed_values_type()
+    if not distributed:
+        return
+    leaves = optree.tree_leaves(value, **_NEST)
+    if not any(isinstance(leaf, distributed) for leaf in leaves):
+        return
+    replicas = len(strategy.extended._local_devices)
+    paths, leaves, _ = optree.tree_flatten_with_path(value, **_NEST)
+    for keys, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, distributed):
+            continue
+        where = f"{what}: the {type(leaf).__name__} at {_path(keys) or 'the top'}"
+        owner = getattr(leaf, "_strategy", None)
+        if owner is not None:  # a distributed variable: its components are the strategy's
+            if owner is not strategy:
+                raise ValueError(
+                    f"{where} belongs to {owner!r}, not to {strategy!r}: each strategy "
+                    "reduces only its own distributed variables; read it (`.numpy()`) or "
+                    "create it under this strategy's scope()"
+                )
+            continue
+        count = len(leaf.values)
+        if count != replicas:
+            raise ValueError(
+                f"{where} has {count} components, but {strategy!r} has {replicas} local "
+                f"replica{'s' if replicas != 1 else ''}: expected one component per replica "
+                "(strategy.experimental_distribute_values_from_function makes such values)"
+            )
 
 
 def _raise(value: Any, what: str) -> None:

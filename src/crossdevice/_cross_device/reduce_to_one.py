@@ -62,6 +62,11 @@ class ReductionToOneDevice(CrossDeviceOps):
                 "accumulation_fn must be None or a function adding a list of arrays, got "
                 f"{type(accumulation_fn).__name__}: {accumulation_fn!r}"
             )
+        if reduce_to_device is not None and not reduce_to_device.strip():
+            raise ValueError(
+                "reduce_to_device must be a device string such as 'CPU:0', or None for the "
+                f"first destination's device; got the empty string {reduce_to_device!r}"
+            )
         self.reduce_to_device = canonicalize(reduce_to_device) if reduce_to_device else None
         self.accumulation_fn = accumulation_fn
 
@@ -137,6 +142,14 @@ def _checked(accumulation_fn: AccumulationFn) -> AccumulationFn:
             raise TypeError(
                 f"accumulation_fn {accumulation_fn!r} must return an array (the sum of its "
                 f"inputs), but it returned {type(reduced).__name__}: {reduced!r}"
+            )
+        expected = tuple(np.shape(values[0])) if values else None
+        got = tuple(reduced.shape)
+        if expected is not None and got != expected:
+            raise ValueError(
+                f"accumulation_fn {accumulation_fn!r} must return the element-wise sum of its "
+                f"inputs, of their shape {expected}, but it returned shape {got}; reduce "
+                "over the list (e.g. `lambda xs: sum(xs)`), not over an axis"
             )
         return reduced
 

@@ -159,6 +159,8 @@ class Strategy:
         """
         del options
         validate.function(fn, "Strategy.run")
+        if args or kwargs:
+            validate.fits_strategy((args, kwargs), self, "Strategy.run")
         if not isinstance(args, list | tuple):
             raise ValueError(
                 f"positional args must be a list or tuple, got {type(args)}; wrap a single "
@@ -212,6 +214,7 @@ class Strategy:
         require_cross_replica(self)
         op = as_reduce_op(reduce_op)
         validate.reducible(value, "Strategy.reduce")
+        validate.fits_strategy(value, self, "Strategy.reduce")
         extended = self._extended
         if axis is None:
             reduced = extended.reduce_to(op, value, destinations=extended._host_device)
@@ -262,6 +265,7 @@ class Strategy:
         require_cross_replica(self)
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise TypeError(f"axis must be an int, got {type(axis).__name__}: {axis!r}")
+        validate.fits_strategy(value, self, "Strategy.gather")
         extended = self._extended
 
         def gather_leaf(x: Any) -> Any:

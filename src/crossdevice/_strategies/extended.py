@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from crossdevice._arrays import backend_for
 from crossdevice._collectives.rendezvous import describe_leaves
 from crossdevice._core import context, nest, validate
-from crossdevice._core.devices import canonicalize, device_scope
+from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -43,6 +43,20 @@ class StrategyExtended:
 
     def __init__(self, container_strategy: Strategy) -> None:
         self._container_strategy_ref = container_strategy
+
+    def _check_destinations_are_local(self, destinations: Any) -> None:
+        """A device string must name a device of this worker: results land here."""
+        if not isinstance(destinations, str):
+            return
+        spec = DeviceSpec.from_string(canonicalize(destinations))
+        host = DeviceSpec.from_string(self._host_device)
+        if (spec.job, spec.task) != (host.job, host.task):
+            raise ValueError(
+                f"destinations {destinations!r} names job {spec.job!r} task {spec.task}, but "
+                f"this worker is job {host.job!r} task {host.task}: reduce_to puts its "
+                "results on this worker's devices; pass one of them (e.g. "
+                f"{self._host_device!r}) or a distributed value"
+            )
 
     def __repr__(self) -> str:
         strategy = type(self._container_strategy_ref).__name__.lstrip("_")
@@ -143,6 +157,8 @@ class StrategyExtended:
             )
         op = as_reduce_op(reduce_op)
         validate.reducible(value, "StrategyExtended.reduce_to")
+        self._check_destinations_are_local(destinations)
+        validate.fits_strategy(value, self._container_strategy_ref, "StrategyExtended.reduce_to")
         return self._reduce_to(op, value, destinations, _check_options(options))
 
     def batch_reduce_to(
@@ -171,7 +187,13 @@ class StrategyExtended:
         require_cross_replica(self._container_strategy_ref)
         op = as_reduce_op(reduce_op)
         pairs = _check_pairs(value_destination_pairs)
-        validate.reducible([v for v, _ in pairs], "StrategyExtended.batch_reduce_to")
+        values = [v for v, _ in pairs]
+        for _, destinations in pairs:
+            self._check_destinations_are_local(destinations)
+        validate.reducible(values, "StrategyExtended.batch_reduce_to")
+        validate.fits_strategy(
+            values, self._container_strategy_ref, "StrategyExtended.batch_reduce_to"
+        )
         return self._batch_reduce_to(op, pairs, _check_options(options))
 
     def update(
