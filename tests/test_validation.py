@@ -317,3 +317,10 @@ else:
         ):
             if isinstance(a, np.ndarray) and a.dtype.kind in "iufc":
                 np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("initial", ["abc", np.array(["a", "b"]), np.array([object()])])
+def test_variables_hold_numbers(initial: Any) -> None:
+    with pytest.raises(TypeError, match="holds numbers or booleans"):
+        crossdevice.Variable(initial)
+    assert crossdevice.Variable(np.array([True])).numpy().dtype == np.bool_  # TF allows bool

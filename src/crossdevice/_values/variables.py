@@ -105,7 +105,20 @@ def make_initial_value(initial_value: Any, dtype: Any) -> Any:
     value = backend.asarray(initial_value)
     if dtype is not None:
         value = value.to(dtype) if is_torch(value) else np.asarray(value, dtype=dtype)
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if kind in _NON_NUMERIC_KINDS:
+        # Variables are updated and aggregated arithmetically (assign_add, SUM/MEAN of
+        # replicas); a string or object array would be "added" by concatenation.
+        raise TypeError(
+            f"a crossdevice.Variable holds numbers or booleans, got an initial value of "
+            f"dtype {value.dtype}: {initial_value!r}; keep strings and objects in plain "
+            "Python or NumPy values"
+        )
     return backend.copy(value)
+
+
+#: NumPy dtype kinds a variable cannot hold: strings, bytes, objects, datetimes, voids.
+_NON_NUMERIC_KINDS = frozenset("USOMmV")
 
 
 class _VariableMeta(type):
