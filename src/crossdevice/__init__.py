@@ -23,6 +23,7 @@ from crossdevice import cluster_resolver as cluster_resolver
 from crossdevice import config as config
 from crossdevice import experimental as experimental
 from crossdevice._core.devices import device_scope as device
+from crossdevice._core.errors import CollectiveMismatchError as CollectiveMismatchError
 from crossdevice._core.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from crossdevice._core.reduce_op import ReduceOp as ReduceOp
 from crossdevice._core.reduce_op import VariableAggregation as VariableAggregation
@@ -59,6 +60,7 @@ from crossdevice._values.variables import Variable as Variable
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CrossDeviceOps",
     "DistributedValues",
