@@ -213,13 +213,20 @@ class CommunicatorBase:
         call: _Call,
         mine: fp.Fingerprint,
         detail: Callable[[], str] | None = None,
+        overlap: Callable[[], None] | None = None,
     ) -> list[fp.Fingerprint]:
-        """All-gather every worker's fingerprint; CollectiveMismatchError unless they match."""
+        """All-gather every worker's fingerprint; CollectiveMismatchError unless they match.
+
+        `overlap` (e.g. the API's copy of the inputs) runs while the headers travel, so
+        the fingerprint's round trip hides behind local work.
+        """
         header = torch.from_numpy(mine.encode())
         table = torch.empty((self._world_size, fp.HEADER_LEN), dtype=torch.int64)
         outs = list(table.unbind(0))
         self._run(
-            call, lambda: [dist.all_gather(outs, header, group=self._host_group, async_op=True)]
+            call,
+            lambda: [dist.all_gather(outs, header, group=self._host_group, async_op=True)],
+            overlap,
         )
         rows = table.numpy()
         try:
@@ -290,17 +297,20 @@ class CommunicatorBase:
 
     def _to_wire(self, value: Any, *, copy: bool) -> Wire:
         """`value` as a contiguous tensor Gloo/NCCL can carry (a fresh one when `copy`)."""
+        owned = copy
         if is_torch(value):
             kind = "torch"
             tensor = value.detach()
             if copy or not tensor.is_contiguous():
                 tensor = tensor.clone(memory_format=torch.contiguous_format)
+                owned = True
         else:
             kind = "numpy"
             array = NUMPY.asarray(value)
             writable_c = array.flags.c_contiguous and array.flags.writeable
             if copy or not writable_c:
                 array = np.array(array, order="C", copy=True)
+                owned = True
             try:
                 tensor = torch.from_numpy(array)
             except TypeError:
@@ -312,9 +322,11 @@ class CommunicatorBase:
         wdtype = wire_dtype(dtype)
         if tensor.is_cuda and self._cuda_group is None:
             tensor = tensor.cpu()  # no NCCL: CUDA values travel through Gloo on the host
+            owned = True
         if wdtype != dtype:
+            owned = owned or not needs_view(dtype)
             tensor = tensor.view(wdtype) if needs_view(dtype) else tensor.to(wdtype)
-        return Wire(tensor, dtype, kind, device, shape)
+        return Wire(tensor, dtype, kind, device, shape, owned)
 
     @contextlib.contextmanager
     def _collective(self, name: str, options: CommunicationOptions | None) -> Iterator[_Call]:
@@ -346,10 +358,20 @@ class CommunicatorBase:
         finally:
             self._lock.release()
 
-    def _run(self, call: _Call, launch: Callable[[], list[Any]]) -> None:
-        """Launch the process-group work of `call`; wait, watching the peers' health."""
+    def _run(
+        self,
+        call: _Call,
+        launch: Callable[[], list[Any]],
+        overlap: Callable[[], None] | None = None,
+    ) -> None:
+        """Launch the process-group work of `call`; wait, watching the peers' health.
+
+        `overlap` runs between launch and wait: local work hidden behind the message.
+        """
         try:
             works = launch()
+            if overlap is not None:
+                overlap()
             for work in works:
                 while True:
                     remaining = call.remaining()

@@ -46,6 +46,7 @@ Only the `_collectives` modules named above import torch.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -341,7 +342,8 @@ class ProcessGroupCommunicator(CommunicatorBase):
                 "all_reduce takes a list of buffers, got a single array; wrap it: "
                 "all_reduce([x], ...)"
             )
-        wires = [self._to_wire(b, copy=not donate) for b in buffers]
+        # The copy that keeps inputs unmodified is made while the fingerprints travel.
+        wires = [self._to_wire(b, copy=False) for b in buffers]
         if signature is None:
             shapes = [(tuple(w.tensor.shape), dtype_name(w.dtype)) for w in wires]
             signature = Signature(op.name.lower(), fp.digest(shapes))
@@ -361,6 +363,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
                     cuda=any(w.tensor.is_cuda for w in wires),
                 ),
                 lambda: _describe_wires(wires),
+                None if donate else functools.partial(_own_all, wires),
             )
             self._run(
                 call,
@@ -589,3 +592,8 @@ class ProcessGroupCommunicator(CommunicatorBase):
             f"ProcessGroupCommunicator(rank={self._rank}, world_size={self._world_size}, "
             f"collectives={self._seq}, {state})"
         )
+
+
+def _own_all(wires: Sequence[Wire]) -> None:
+    for wire in wires:
+        wire.own()

@@ -63,6 +63,13 @@ class Wire:
     kind: str  # "numpy" or "torch": what the caller gets back
     device: torch.device  # where the caller's value lives
     shape: tuple[int, ...] = ()  # the caller's shape (before packing)
+    owned: bool = False  # `tensor` is a fresh copy, not the caller's memory
+
+    def own(self) -> None:
+        """Make `tensor` a fresh copy (the API never modifies inputs it was not given)."""
+        if not self.owned:
+            self.tensor = self.tensor.clone()
+            self.owned = True
 
     def result(self, tensor: torch.Tensor) -> Any:
         """`tensor` (wire dtype, wire device) as a value of the caller's kind and dtype."""
