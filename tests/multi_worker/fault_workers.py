@@ -101,6 +101,10 @@ def mismatches(rank: int, world_size: int, local: int) -> dict[str, Any]:
 
     out["raise"] = _outcome(lambda: strategy.run(failing_step))
     out["carry_on"] = _outcome(good)
+    # Rank 0 serves the c10d store: exiting at once would take it down while a slower
+    # peer still reads the abort mark (that peer would then name rank 0, correctly, as
+    # unreachable). A real job's chief outlives its peers' error handling too.
+    time.sleep(1.5)
     return out
 
 

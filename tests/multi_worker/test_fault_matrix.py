@@ -60,7 +60,7 @@ def test_mismatches_raise_on_every_rank(world_size: int, local: int) -> None:
                 f"rank {culprit} (global replicas {_ids(world_size, local, culprit)})"
                 in (got["message"])
             )
-            assert "ValueError: bad batch" in got["message"]
+            assert "raised ValueError" in got["message"]
             assert got["elapsed"] < _CLEAR_WITHIN
             assert out["carry_on"]["type"] == "RuntimeError"
 

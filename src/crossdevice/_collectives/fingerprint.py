@@ -33,6 +33,8 @@ __all__ = [
     "MAX_NDIM",
     "OPS",
     "Fingerprint",
+    "abort_print",
+    "abort_reason",
     "digest",
     "mismatched_fields",
 ]
@@ -174,6 +176,20 @@ class Fingerprint:
         if self.kind in ("all_gather", "broadcast"):
             text += f" arg={self.arg} ndim={self.ndim} shape={self.shape}"
         return text
+
+
+def abort_print(seq: int, error_type: str, local_replicas: int) -> Fingerprint:
+    """The header a failing worker sends: kind `abort`, its exception's type name."""
+    name = error_type.encode("ascii", "replace")[:MAX_NDIM]
+    return Fingerprint(
+        seq, "abort", local_replicas=local_replicas, ndim=len(name), shape=tuple(name)
+    )
+
+
+def abort_reason(p: Fingerprint) -> str:
+    """The exception type name an abort header carries (bounded, printable ASCII only)."""
+    text = "".join(chr(c) if 32 <= c < 127 else "?" for c in p.shape[:MAX_NDIM])
+    return text or "an exception"
 
 
 def mismatched_fields(prints: Sequence[Fingerprint]) -> list[str]:

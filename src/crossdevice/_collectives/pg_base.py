@@ -174,17 +174,35 @@ class CommunicatorBase:
         return counts
 
     def abort(self, error: BaseException) -> None:
-        """Give up: refuse further collectives and tell every peer why, through the store.
+        """Give up: refuse further collectives and tell every peer why.
 
         `MultiWorkerMirroredStrategy` calls this when a step raises on this worker, so
         its peers raise `WorkerFailedError` naming it at once instead of waiting for it.
+        Two channels: an *abort header* sent as this worker's part of the next
+        collective's fingerprint exchange (peers waiting in it, or arriving later, read
+        it there, even when the store is gone), and a mark in the c10d store with the
+        whole message (peers waiting elsewhere see it within a poll interval).
         """
-        if self._closed:
+        if self._closed or self._broken is not None:
             return
         reason = f"{type(error).__name__}: {error}"
-        if self._broken is None:
-            self._broken = f"this worker's step raised {reason}"
+        self._broken = f"this worker's step raised {reason}"
         self._health.post_abort(reason)
+        if self._host_group is not None and self._lock.acquire(blocking=False):
+            try:
+                self._seq += 1
+                header = torch.from_numpy(
+                    fp.abort_print(self._seq, type(error).__name__, self._local_count()).encode()
+                )
+                outs = [torch.empty_like(header) for _ in range(self._world_size)]
+                # Fire and forget: the peers may never come; the group is never freed.
+                work = dist.all_gather(outs, header, group=self._host_group, async_op=True)
+                _FAILED_GROUPS.append((work, header, outs))
+                self._destroy_groups(keep_alive=True)
+            except Exception:
+                pass
+            finally:
+                self._lock.release()
 
     # -- machinery -----------------------------------------------------------------------
 
@@ -237,6 +255,18 @@ class CommunicatorBase:
         except ValueError as err:
             self._broken = f"{call.label}: {err}"
             raise CollectiveMismatchError(f"{call.label}: {err}") from None
+        aborted = [(r, p) for r, p in enumerate(prints) if p.kind == "abort"]
+        if aborted:
+            self._broken = f"{call.label}: a peer aborted"
+            self._destroy_groups(keep_alive=True)
+            named = "; ".join(
+                f"rank {r}{self._replica_ids([r])} raised {fp.abort_reason(p)}" for r, p in aborted
+            )
+            raise WorkerFailedError(
+                f"{call.label} on rank {self._rank} of {self._world_size}: a peer failed: "
+                f"{named}. Fix that worker's failure (see its log); every worker must then "
+                "build a new strategy (or communicator)."
+            )
         fields = fp.mismatched_fields(prints)
         if fields:
             # Every worker saw the same table, so every worker is here: one more fixed-size

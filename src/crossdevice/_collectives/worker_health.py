@@ -37,6 +37,8 @@ HEARTBEAT_SECONDS: Final = 0.5
 #: A heartbeat that has not moved for this long means a dead worker. Ten missed beats:
 #: a loaded 2-core host delayed a beat by up to 1.2 s in the fault campaign.
 DEAD_AFTER_SECONDS: Final = 5.0
+#: A heartbeat this stale when the store goes down marks a peer that died first.
+_SILENT_SECONDS: Final = 3 * HEARTBEAT_SECONDS
 #: Longest text of an abort reason kept (a peer's store value is untrusted input).
 _MAX_REASON: Final = 300
 
@@ -142,13 +144,26 @@ class HealthBoard:
         except Exception as err:
             host = self._store_host
             who = f"rank {host}, which serves it," if host is not None else "torchrun's agent"
+            # Peers already silent when the store went down come first: the store's host
+            # may only have exited after seeing them die (it diagnosed sooner than we did).
+            silent = [
+                PeerFailure(
+                    rank,
+                    f"had stopped sending heartbeats {now - since:.1f} s before the store "
+                    "went down: its process died or lost its connection",
+                    died=True,
+                )
+                for rank, (_, since) in sorted(self._seen.items())
+                if rank != host and now - since >= _SILENT_SECONDS
+            ]
             return [
+                *silent,
                 PeerFailure(
                     -1 if host is None else host,
                     f"is unreachable: the c10d store does not answer ({type(err).__name__}: "
                     f"{err}), so {who} has probably died",
                     died=True,
-                )
+                ),
             ]
 
     def _aborted(self) -> list[PeerFailure]:
