@@ -77,7 +77,7 @@ from crossdevice._collectives.pg_base import (
     _describe_wires,
     _numel,
 )
-from crossdevice._collectives.rendezvous import start_default_group, store_host
+from crossdevice._collectives.process_group_start import start_default_group, store_host
 from crossdevice._collectives.wire import (
     DTYPE_CODES,
     Wire,
