@@ -25,6 +25,7 @@ from crossdevice import config as config
 from crossdevice import datasets as datasets
 from crossdevice import experimental as experimental
 from crossdevice._core.devices import device as device
+from crossdevice._core.errors import CollectiveMismatchError as CollectiveMismatchError
 from crossdevice._core.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from crossdevice._core.exports import fix_module_metadata as _fix_module_metadata
 from crossdevice._core.reduce_op import ReduceOp as ReduceOp
@@ -63,6 +64,7 @@ from crossdevice._values.variables import Variable as Variable
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CrossDeviceOps",
     "DistributedValues",

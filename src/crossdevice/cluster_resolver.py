@@ -33,6 +33,7 @@ from crossdevice._core.cluster import (
     cluster_from_spec,
     load_tf_config,
     normalize_jobs,
+    parse_index,
     parse_torchrun_env,
 )
 
@@ -333,7 +334,9 @@ class TFConfigClusterResolver(ClusterResolver):
         if self._task_id is not None:
             return self._task_id
         task = self._config().get("task", {})
-        return int(task["index"]) if isinstance(task, Mapping) and "index" in task else None
+        if isinstance(task, Mapping) and "index" in task:
+            return parse_index(task["index"], "TF_CONFIG's task index")
+        return None
 
     @task_id.setter
     def task_id(self, task_id: int | None) -> None:

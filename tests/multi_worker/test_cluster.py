@@ -170,7 +170,7 @@ def test_no_torchrun_env() -> None:
     ("change", "message"),
     [
         ({"MASTER_PORT": ""}, r"incomplete: .* \['MASTER_PORT'\] are not"),
-        ({"RANK": "one"}, "RANK must be an integer, got 'one'"),
+        ({"RANK": "one"}, "RANK must be an integer >= 0 \\(an int or ASCII digits\\), got 'one'"),
         ({"RANK": "4"}, r"rank must be in \[0, 4\)"),
         ({"WORLD_SIZE": "0"}, "world_size must be >= 1"),
         ({"MASTER_PORT": "70000"}, "master_port must be in 1..65535"),

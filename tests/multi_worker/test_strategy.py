@@ -77,9 +77,10 @@ def test_collectives_match_numpy(
 @pytest.mark.parametrize("how", ["stall", "die"])
 def test_missing_worker_times_out_naming_the_collective(how: str) -> None:
     results = run_workers(stall_in_all_reduce, 3, args=(2, how), timeout=60, required=[0, 1])
+    expected = "CollectiveTimeoutError" if how == "stall" else "WorkerFailedError"
     for rank in (0, 1):
         out = results[rank].unwrap()
-        assert out["type"] == "CollectiveTimeoutError", out
+        assert out["type"] == expected, out
         assert "all_reduce" in out["message"]
         assert "2" in out["message"]  # the missing rank is named
-        assert out["elapsed"] < 3.0 + 5.0
+        assert out["elapsed"] < 10.0

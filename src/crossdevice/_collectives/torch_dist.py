@@ -24,27 +24,32 @@ The other pieces of the strategy map the same way:
 * variables start from the chief's values: `broadcast(initial_value, root=0)`.
 * `barrier()` where TF needs one (e.g. before checkpoints).
 
-Every public method is one *numbered collective*: the communicator counts them (1, 2, ...)
-and every worker must call the same collectives in the same order with matching values,
-as with any collective library. Each worker publishes how far it got ("rank r reached
-collective n") in the c10d store (`_ArrivalBoard`). When a collective fails or outlives
-`CommunicationOptions.timeout_seconds`, the worker reads those marks and raises
-`CollectiveTimeoutError` naming the collective, its number and the ranks that never
-arrived. A failed communicator then drops its process groups and refuses further
-collectives: every worker must build a new one (TF's collectives poison the context too).
+Every public method is one *numbered collective*, and every worker must call the same
+collectives in the same order with matching values. Nothing is taken on trust:
 
-Only this module imports torch.
+* **Fingerprints** (`fingerprint.py`): each collective starts with an all-gather of a
+  fixed-size header saying what every worker is about to do (number, kind, op, dtypes,
+  bytes, shapes, structure, local replica count); any difference raises
+  `CollectiveMismatchError` on every worker before data moves, so Gloo never sees
+  buffers of different sizes (it aborts the process when it does).
+* **Health** (`worker_health.py`): heartbeats, arrival marks and abort marks in the c10d
+  store. A waiting worker looks at them every `_POLL_SECONDS`: a peer whose step raised
+  (`abort`) or whose heartbeat stopped (dead) raises `WorkerFailedError` naming it within
+  seconds; a live peer that does not arrive raises `CollectiveTimeoutError` naming the
+  missing ranks when `timeout_seconds` (default `DEFAULT_TIMEOUT_SECONDS`) expires.
+* A failed communicator refuses further collectives: every worker must build a new one
+  (TF's collectives poison the context too).
+
+Only the `_collectives` modules named above import torch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime
+import functools
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,85 +63,42 @@ except ImportError:  # pragma: no cover - exercised only without torch
         "`pip install torch==2.13.0` (CPU build) then `pip install crossdevice[torch]`"
     ) from None
 
-from crossdevice._arrays import NUMPY, backend_for, is_torch
+from crossdevice._collectives import fingerprint as fp
+from crossdevice._collectives.pg_base import (
+    _BACKSTOP_SLACK_SECONDS,
+    _DIAGNOSIS_STORE_TIMEOUT_SECONDS,
+    DEFAULT_INIT_TIMEOUT_SECONDS,
+    DEFAULT_TIMEOUT_SECONDS,
+    MAX_PEER_BYTES,
+    CommunicatorBase,
+    Signature,
+    _check_broadcast,
+    _check_gather,
+    _describe_wires,
+    _numel,
+)
+from crossdevice._collectives.process_group_start import start_default_group, store_host
+from crossdevice._collectives.wire import (
+    DTYPE_CODES,
+    Wire,
+    divide,
+    dtype_name,
+    is_single_array,
+    wire_dtype,
+)
+from crossdevice._collectives.worker_health import HealthBoard
 from crossdevice._core.cluster import Cluster, resolve_cluster
-from crossdevice._core.errors import CollectiveTimeoutError
 from crossdevice._core.options import CommunicationImplementation, CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 
-#: Process groups of failed communicators. Dropping the last reference to a Gloo group
-#: with pending work blocks (measured: until the work's own timeout) and holds the GIL,
-#: so they are unregistered from torch.distributed but freed only at exit.
-_FAILED_GROUPS: list[Any] = []
-
 __all__ = [
     "DEFAULT_INIT_TIMEOUT_SECONDS",
-    "DEFAULT_PROCESS_GROUP_TIMEOUT_SECONDS",
+    "DEFAULT_TIMEOUT_SECONDS",
+    "MAX_PEER_BYTES",
     "ProcessGroupCommunicator",
+    "Signature",
     "group_by_size",
 ]
-
-#: How long constructing a communicator waits for every worker to join the rendezvous.
-#: Workers of a job start minutes apart on busy clusters; TF waits indefinitely, torch
-#: 30 minutes; we bound it and let the caller raise it.
-DEFAULT_INIT_TIMEOUT_SECONDS: Final = 300.0
-
-#: The process groups' own timeout (torch's default) when `timeout_seconds` is None: a
-#: backstop, so even a communicator without a timeout cannot wait forever.
-DEFAULT_PROCESS_GROUP_TIMEOUT_SECONDS: Final = 1800.0
-
-#: With `timeout_seconds` set, the process groups time out this much later: our own wait
-#: fires first and names the missing ranks; Gloo's timeout then clears its pending work.
-#: Small, because a Gloo group cannot be freed while work is pending (its destructor joins
-#: its worker threads, holding the GIL): a failed group is kept until then.
-_BACKSTOP_SLACK_SECONDS: Final = 1.0
-
-#: Bound on each store read while finding out which ranks did not arrive.
-_DIAGNOSIS_STORE_TIMEOUT_SECONDS: Final = 2.0
-
-#: How often a worker publishes its collective count. Publishing before every collective
-#: cost 30 us a call on this 2-core host (a 4 KiB all_reduce: 15 us alone, 46 us after a
-#: store `set`, which wakes the store's server thread), 4% of a 1 MiB all_reduce; a
-#: publisher thread makes the per-collective cost one integer increment. Marks are then
-#: up to this stale, so a failing worker waits `_GRACE_SECONDS` before reading them.
-_PUBLISH_INTERVAL_SECONDS: Final = 0.05
-_GRACE_SECONDS: Final = 3 * _PUBLISH_INTERVAL_SECONDS
-
-#: Dtypes Gloo reduces and moves natively (measured: int16/uint16/uint32 raise "Invalid
-#: scalar type"). Complex values travel as pairs of reals.
-_NATIVE_DTYPES: Final = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
-)
-#: Dtypes sent widened; a sum wraps modulo 2**bits in either width, so narrowing the
-#: wide sum gives bit for bit the narrow sum.
-_WIDENED_DTYPES: Final = {
-    torch.int16: torch.int32,
-    torch.uint16: torch.int32,
-    torch.uint32: torch.int64,
-}
-#: Dtypes sent as a same-size signed view (two's complement sums are the same bits).
-_VIEWED_DTYPES: Final = {torch.uint64: torch.int64}
-#: Dtype codes for the metadata exchanged before all_gather and broadcast.
-_DTYPE_CODES: Final = (
-    *sorted(_NATIVE_DTYPES, key=str),
-    *sorted(_WIDENED_DTYPES, key=str),
-    *_VIEWED_DTYPES,
-)
-#: Metadata vector: [ndim (-1: no value), dtype code, axis or root, on CUDA, shape...].
-_MAX_NDIM: Final = 64
-_META_LEN: Final = 4 + _MAX_NDIM
 
 
 def group_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
@@ -165,47 +127,7 @@ def group_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]
     return packs
 
 
-@dataclasses.dataclass
-class _Wire:
-    """A value ready for a process group: a contiguous tensor of a dtype Gloo/NCCL take."""
-
-    tensor: torch.Tensor  # what travels
-    dtype: torch.dtype  # the value's own dtype
-    kind: str  # "numpy" or "torch": what the caller gets back
-    device: torch.device  # where the caller's value lives
-
-    def result(self, tensor: torch.Tensor) -> Any:
-        """`tensor` (wire dtype, wire device) as a value of the caller's kind and dtype."""
-        if tensor.dtype != self.dtype:
-            if self.dtype in _VIEWED_DTYPES:
-                tensor = tensor.view(self.dtype)
-            else:
-                tensor = tensor.to(self.dtype)
-        if tensor.device != self.device:
-            tensor = tensor.to(self.device)
-        return tensor.numpy() if self.kind == "numpy" else tensor
-
-
-@dataclasses.dataclass
-class _Call:
-    """One numbered collective in flight."""
-
-    name: str
-    seq: int
-    timeout: float | None
-    started: float
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} #{self.seq}"
-
-    def remaining(self) -> float | None:
-        if self.timeout is None:
-            return None
-        return max(0.001, self.started + self.timeout - time.monotonic())
-
-
-class ProcessGroupCommunicator:
+class ProcessGroupCommunicator(CommunicatorBase):
     """Collectives among the workers of a cluster, on `torch.distributed`.
 
     It starts the default process group from `cluster` (rendezvous at
@@ -223,7 +145,8 @@ class ProcessGroupCommunicator:
             variables (`resolve_cluster`). Ignored, apart from a consistency check, when
             `torch.distributed` is already initialised.
         options: default `CommunicationOptions`; its `timeout_seconds` bounds each
-            collective and `implementation=RING` keeps CUDA values on Gloo.
+            collective (None: `DEFAULT_TIMEOUT_SECONDS`) and `implementation=RING`
+            keeps CUDA values on Gloo.
         init_timeout_seconds: how long to wait for every worker at the rendezvous.
 
     Raises:
@@ -249,6 +172,7 @@ class ProcessGroupCommunicator:
         self._broken: str | None = None
         self._closed = False
         self._owns_default_group = False
+        self._replicas: list[int] | None = None
         if dist.is_initialized():
             self._join_default_group(cluster)
         else:
@@ -267,12 +191,7 @@ class ProcessGroupCommunicator:
             raise
 
     def _create_groups(self) -> None:
-        timeout = self._options.timeout_seconds
-        group_timeout = datetime.timedelta(
-            seconds=DEFAULT_PROCESS_GROUP_TIMEOUT_SECONDS
-            if timeout is None
-            else timeout + _BACKSTOP_SLACK_SECONDS
-        )
+        group_timeout = datetime.timedelta(seconds=self.timeout + _BACKSTOP_SLACK_SECONDS)
         # Every worker creates the same groups in the same order (new_group's contract).
         self._host_group = dist.new_group(backend="gloo", timeout=group_timeout)
         if (
@@ -281,8 +200,9 @@ class ProcessGroupCommunicator:
             and self._options.implementation != CommunicationImplementation.RING
         ):
             self._cuda_group = dist.new_group(backend="nccl", timeout=group_timeout)
-        self._arrivals = _ArrivalBoard(
-            self._arrival_store(self._host_group.group_name), self._rank, self._world_size
+        namespace = self._host_group.group_name
+        self._health = HealthBoard(
+            lambda: self._health_store(namespace), self._rank, self._world_size, store_host()
         )
 
     # -- construction ------------------------------------------------------------------
@@ -307,22 +227,23 @@ class ProcessGroupCommunicator:
                 "initialised; launch with `torchrun`, set TF_CONFIG, or pass a Cluster"
             )
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
-        # Under torchrun the agent already serves the store at MASTER_PORT; env:// joins it
-        # (tcp:// would make rank 0 try to listen on that port too).
-        init_method = "env://" if cluster.source == "torchrun" else cluster.init_method
-        dist.init_process_group(
-            backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-            init_method=init_method,
-            rank=cluster.rank,
-            world_size=cluster.world_size,
-            timeout=datetime.timedelta(seconds=init_timeout),
+        if cuda:
+            # One GPU per process (torchrun's LOCAL_RANK): NCCL then binds each rank to
+            # its own device instead of every rank to GPU 0.
+            device = torch.device("cuda", cluster.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        start_default_group(
+            cluster,
+            "cpu:gloo,cuda:nccl" if cuda else "gloo",
+            init_timeout,
+            device_id=device if cuda else None,
         )
         self._owns_default_group = True
         return cluster
 
     @staticmethod
-    def _arrival_store(namespace: str) -> Any:
-        """A store for arrival marks, with its own connection and a short read timeout."""
+    def _health_store(namespace: str) -> Any:
+        """A store for health marks, with its own connection and a short read timeout."""
         # torch keeps no public handle on the default group's store; this private getter
         # has existed since torch 1.x.
         store = dist.distributed_c10d._get_default_store()
@@ -338,7 +259,7 @@ class ProcessGroupCommunicator:
                 is_master=False,
                 timeout=datetime.timedelta(seconds=_DIAGNOSIS_STORE_TIMEOUT_SECONDS),
             )
-        return PrefixStore(f"crossdevice/{namespace}/arrivals/", store)
+        return PrefixStore(f"crossdevice/{namespace}/health/", store)
 
     # -- properties ----------------------------------------------------------------------
 
@@ -382,15 +303,16 @@ class ProcessGroupCommunicator:
         divisor: float | None = None,
         donate: bool = False,
         options: CommunicationOptions | None = None,
+        signature: Signature | None = None,
     ) -> list[Any]:
         """Reduce each buffer element-wise across workers; every worker gets the result.
 
-        One numbered collective, however many buffers (they travel concurrently).
+        One numbered collective, however many buffers (they travel concurrently). Its
+        fingerprint is compared on every worker before any data moves.
 
         Args:
             buffers: arrays (typically flat packs), the same shapes, dtypes and kinds of
-                device (host or CUDA) in the same order on every worker; nothing checks
-                this, to keep the call cheap: a mismatch fails or times out.
+                device (host or CUDA) in the same order on every worker.
             reduce_op: `SUM` or `MEAN` (or `"sum"`/`"mean"`).
             divisor: for MEAN, what the sum is divided by; default the number of workers.
                 `MultiWorkerMirroredStrategy` passes the global replica count because each
@@ -400,25 +322,49 @@ class ProcessGroupCommunicator:
             options: per-call options merged onto the communicator's; a `timeout_seconds`
                 longer than the communicator's is cut to it (the process groups' own
                 timeout is fixed at construction).
+            signature: what the caller reduces before packing (op, shapes, structure),
+                added to the fingerprint; default the buffers' own.
 
         Returns:
             One array per buffer, of the buffer's kind, dtype (MEAN of integers gives
             floating point, as the backends divide) and device.
 
         Raises:
-            CollectiveTimeoutError: a worker did not arrive within `timeout_seconds`, or
-                was lost before arriving.
-            RuntimeError: the collective failed after every worker arrived.
+            CollectiveMismatchError: on every worker, when the workers' calls differ.
+            WorkerFailedError: a peer's step raised, or a peer died.
+            CollectiveTimeoutError: a live worker did not arrive within the timeout.
             TypeError: a dtype no process group can carry.
         """
-        count = self._mean_count(as_reduce_op(reduce_op), divisor)
-        if _is_single_array(buffers):
+        op = as_reduce_op(reduce_op)
+        count = self._mean_count(op, divisor)
+        if is_single_array(buffers):
             raise TypeError(
                 "all_reduce takes a list of buffers, got a single array; wrap it: "
                 "all_reduce([x], ...)"
             )
-        wires = [self._to_wire(b, copy=not donate) for b in buffers]
+        # The copy that keeps inputs unmodified is made while the fingerprints travel.
+        wires = [self._to_wire(b, copy=False) for b in buffers]
+        if signature is None:
+            shapes = [(tuple(w.tensor.shape), dtype_name(w.dtype)) for w in wires]
+            signature = Signature(op.name.lower(), fp.digest(shapes))
         with self._collective("all_reduce", options) as call:
+            self._agree(
+                call,
+                fp.Fingerprint(
+                    seq=call.seq,
+                    kind="all_reduce",
+                    op=signature.op,
+                    local_replicas=self._local_count(),
+                    buffers=len(wires),
+                    nbytes=sum(w.tensor.numel() * w.tensor.element_size() for w in wires),
+                    dtypes=fp.digest([dtype_name(w.tensor.dtype) for w in wires]),
+                    shapes=signature.shapes,
+                    structure=signature.structure,
+                    cuda=any(w.tensor.is_cuda for w in wires),
+                ),
+                lambda: _describe_wires(wires),
+                None if donate else functools.partial(_own_all, wires),
+            )
             self._run(
                 call,
                 lambda: [
@@ -429,7 +375,7 @@ class ProcessGroupCommunicator:
             )
         results = [w.result(w.tensor) for w in wires]
         if count is not None:
-            results = [_divide(r, count) for r in results]
+            results = [divide(r, count) for r in results]
         return results
 
     def batch_all_reduce(
@@ -440,12 +386,14 @@ class ProcessGroupCommunicator:
         bytes_per_pack: int | None = None,
         divisor: float | None = None,
         options: CommunicationOptions | None = None,
+        signature: Signature | None = None,
     ) -> list[Any]:
         """All-reduce many arrays in few flat packs: grouped by kind, device and dtype.
 
         Values of one group are packed in order into flat buffers of about
         `bytes_per_pack` bytes (`group_by_size`), all packs are reduced in one numbered
-        collective, and the results are unpacked to the values' shapes.
+        collective, and the results are unpacked to the values' shapes. The fingerprint
+        covers every value's shape and dtype, not only the packs' sizes.
 
         Args:
             values: arrays of any shapes and dtypes, the same on every worker.
@@ -453,14 +401,19 @@ class ProcessGroupCommunicator:
             bytes_per_pack: pack size; None takes the options', 0 one pack per group.
             divisor: for MEAN, what the sums are divided by (see `all_reduce`).
             options: per-call options merged onto the communicator's.
+            signature: see `all_reduce`; default the values' shapes and dtypes.
 
         Returns:
             The reduced values, in the order and of the kinds of `values`.
         """
-        count = self._mean_count(as_reduce_op(reduce_op), divisor)
+        op = as_reduce_op(reduce_op)
+        count = self._mean_count(op, divisor)
         merged = self._options.merge(options)
         pack_bytes = merged.bytes_per_pack if bytes_per_pack is None else bytes_per_pack
         wires = [self._to_wire(v, copy=False) for v in values]
+        if signature is None:
+            shapes = [(w.shape, dtype_name(w.dtype)) for w in wires]
+            signature = Signature(op.name.lower(), fp.digest(shapes))
         groups: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
         for index, w in enumerate(wires):
             groups.setdefault((w.kind, w.tensor.device, w.tensor.dtype), []).append(index)
@@ -472,7 +425,9 @@ class ProcessGroupCommunicator:
             return []
         # Packing copies, so the packs are ours to reduce in place.
         flats = [torch.cat([wires[i].tensor.reshape(-1) for i in pack]) for pack in packs]
-        flats = self.all_reduce(flats, ReduceOp.SUM, donate=True, options=options)
+        flats = self.all_reduce(
+            flats, ReduceOp.SUM, donate=True, options=options, signature=signature
+        )
         results: list[Any] = [None] * len(wires)
         for pack, flat in zip(packs, flats, strict=True):
             exact = flat.dtype == wires[pack[0]].dtype
@@ -483,7 +438,7 @@ class ProcessGroupCommunicator:
             for i, piece in zip(pack, pieces, strict=True):
                 result = wires[i].result(piece.view(wires[i].tensor.shape))
                 # Integer MEAN: divide in the value's own backend, as all_reduce does.
-                results[i] = _divide(result, count) if count is not None and exact else result
+                results[i] = divide(result, count) if count is not None and exact else result
         return results
 
     def all_gather(
@@ -492,7 +447,8 @@ class ProcessGroupCommunicator:
         """Concatenate every worker's `value` along `axis`, in rank order.
 
         The sizes along `axis` may differ between workers (TF's partial batches): shapes
-        are exchanged first, values padded to the largest, gathered, and unpadded.
+        come with the fingerprints, values are padded to the largest, gathered, and
+        unpadded.
 
         Args:
             value: this worker's array.
@@ -505,16 +461,18 @@ class ProcessGroupCommunicator:
         Raises:
             ValueError: on every worker alike, when ranks, dtypes or sizes on other axes
                 differ, or `axis` is out of range; the message names the ranks and shapes.
+            CollectiveMismatchError: a worker runs another collective.
         """
         if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
             raise TypeError(f"axis must be an int, got {axis!r}")
         wire = self._to_wire(value, copy=False)
         with self._collective("all_gather", options) as call:
-            metas = self._exchange_meta(call, wire, int(axis))
-            axis = _check_gather(call, metas, int(axis))
-            sizes = [m.shape[axis] for m in metas]
+            prints = self._agree(call, self._value_print(call, "all_gather", wire, int(axis)))
+            axis = _check_gather(call, prints, int(axis))
+            sizes = [p.shape[axis] for p in prints]
             largest = max(sizes)
-            device = self._common_device(metas)
+            self._check_allocation(call, wire.tensor, largest * self._world_size, axis)
+            device = self._common_device(prints)
             padded = wire.tensor.to(device)
             if wire.tensor.shape[axis] != largest:
                 shape = list(wire.tensor.shape)
@@ -548,22 +506,24 @@ class ProcessGroupCommunicator:
         Raises:
             ValueError: on every worker alike, when the workers disagree on `root`, root
                 passes None, or a shape or dtype differs from root's.
+            CollectiveMismatchError: a worker runs another collective.
         """
         if isinstance(root, bool) or not isinstance(root, int | np.integer):
             raise TypeError(f"root must be an int rank, got {root!r}")
         root = int(root)
         wire = None if value is None else self._to_wire(value, copy=False)
         with self._collective("broadcast", options) as call:
-            metas = self._exchange_meta(call, wire, root)
-            _check_broadcast(call, metas, root, self._world_size)
-            dtype = _DTYPE_CODES[metas[root].dtype]
+            prints = self._agree(call, self._value_print(call, "broadcast", wire, root))
+            _check_broadcast(call, prints, root, self._world_size)
+            dtype = DTYPE_CODES[prints[root].dtype_code]
             if wire is None:
-                wire = _Wire(torch.empty(0), dtype, "numpy", torch.device("cpu"))
-            device = self._common_device(metas)
+                wire = Wire(torch.empty(0), dtype, "numpy", torch.device("cpu"))
+                self._check_allocation(call, None, _numel(prints[root].shape), 0, dtype)
+            device = self._common_device(prints)
             if self._rank == root:
                 buffer = wire.tensor.to(device, copy=True)
             else:
-                buffer = torch.empty(metas[root].shape, dtype=_wire_dtype(dtype), device=device)
+                buffer = torch.empty(prints[root].shape, dtype=wire_dtype(dtype), device=device)
             self._run(
                 call,
                 lambda: [
@@ -572,10 +532,25 @@ class ProcessGroupCommunicator:
             )
         return wire.result(buffer)
 
+    def any_has_data(self, has_data: bool, *, options: CommunicationOptions | None = None) -> bool:
+        """Whether any worker still has input data: TF's per-step has-data all-reduce.
+
+        One numbered collective; the flag rides in the fingerprint header, so it costs
+        one small message and no data phase.
+        """
+        with self._collective("has_data", options) as call:
+            mine = fp.Fingerprint(
+                call.seq, "has_data", local_replicas=self._local_count(), arg=int(has_data)
+            )
+            prints = self._agree(call, mine)
+        return any(p.arg for p in prints)
+
     def barrier(self, *, options: CommunicationOptions | None = None) -> None:
         """Wait until every worker reaches this barrier (a numbered collective)."""
         with self._collective("barrier", options) as call:
-            self._run(call, lambda: [dist.barrier(group=self._host_group, async_op=True)])
+            self._agree(
+                call, fp.Fingerprint(call.seq, "barrier", local_replicas=self._local_count())
+            )
 
     def _mean_count(self, op: ReduceOp, divisor: float | None) -> float | None:
         """What a reduction divides by: None for SUM, `divisor` or the worker count for MEAN."""
@@ -600,7 +575,7 @@ class ProcessGroupCommunicator:
         if self._closed:
             return
         self._closed = True
-        self._arrivals.stop()
+        self._health.stop()
         self._destroy_groups()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -618,316 +593,7 @@ class ProcessGroupCommunicator:
             f"collectives={self._seq}, {state})"
         )
 
-    # -- machinery -----------------------------------------------------------------------
 
-    def _common_device(self, metas: Sequence[_Meta]) -> torch.device:
-        """Where a gather or broadcast travels: CUDA (NCCL) if any worker's value is there.
-
-        Decided from the exchanged metadata so that every worker picks the same group,
-        even when some pass host values or None.
-        """
-        if self._cuda_group is not None and any(m.cuda for m in metas):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _group_for(self, tensor: torch.Tensor) -> Any:
-        return self._cuda_group if tensor.is_cuda else self._host_group
-
-    def _to_wire(self, value: Any, *, copy: bool) -> _Wire:
-        """`value` as a contiguous tensor Gloo/NCCL can carry (a fresh one when `copy`)."""
-        if is_torch(value):
-            kind = "torch"
-            tensor = value.detach()
-            if copy or not tensor.is_contiguous():
-                tensor = tensor.clone(memory_format=torch.contiguous_format)
-        else:
-            kind = "numpy"
-            array = NUMPY.asarray(value)
-            writable_c = array.flags.c_contiguous and array.flags.writeable
-            if copy or not writable_c:
-                array = np.array(array, order="C", copy=True)
-            try:
-                tensor = torch.from_numpy(array)
-            except TypeError:
-                raise TypeError(
-                    f"cannot communicate a NumPy array of dtype {array.dtype}; expected a "
-                    f"numeric or bool dtype torch supports (got {value!r:.80})"
-                ) from None
-        dtype, device = tensor.dtype, tensor.device
-        wire_dtype = _wire_dtype(dtype)
-        if tensor.is_cuda and self._cuda_group is None:
-            tensor = tensor.cpu()  # no NCCL: CUDA values travel through Gloo on the host
-        if wire_dtype != dtype:
-            tensor = tensor.view(wire_dtype) if dtype in _VIEWED_DTYPES else tensor.to(wire_dtype)
-        return _Wire(tensor, dtype, kind, device)
-
-    @contextlib.contextmanager
-    def _collective(self, name: str, options: CommunicationOptions | None) -> Iterator[_Call]:
-        """Number a collective, publish this worker's arrival at it, hold it exclusively."""
-        if self._closed:
-            raise RuntimeError(
-                f"{name}: this ProcessGroupCommunicator is closed; create a new one (on every "
-                "worker)"
-            )
-        if self._broken is not None:
-            raise RuntimeError(
-                f"{name}: this ProcessGroupCommunicator failed earlier ({self._broken}) and "
-                "its process groups are gone; create a new one on every worker"
-            )
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(
-                f"{name}: another thread is running a collective on this communicator; "
-                "collectives must be issued one at a time, in the same order on every worker"
-            )
-        try:
-            self._seq += 1
-            self._arrivals.reached = self._seq  # published by the board's thread
-            options = self._options if options is None else self._options.merge(options)
-            timeout = options.timeout_seconds
-            limit = self._options.timeout_seconds
-            if limit is not None and (timeout is None or timeout > limit):
-                # The groups' own timeout (limit + slack) was fixed at construction.
-                timeout = limit
-            yield _Call(name, self._seq, timeout, time.monotonic())
-        finally:
-            self._lock.release()
-
-    def _run(self, call: _Call, launch: Callable[[], list[Any]]) -> None:
-        """Launch the process-group work of `call` and wait for it within the timeout."""
-        try:
-            works = launch()
-            for work in works:
-                remaining = call.remaining()
-                if remaining is None:
-                    work.wait()
-                else:
-                    work.wait(datetime.timedelta(seconds=remaining))
-        except Exception as err:
-            self._fail(call, err)
-
-    def _exchange_meta(self, call: _Call, wire: _Wire | None, arg: int) -> list[_Meta]:
-        """All-gather every worker's shape, dtype and `arg` (axis or root) on the host."""
-        meta = torch.zeros(_META_LEN, dtype=torch.int64)
-        if wire is None:
-            meta[0] = -1
-        else:
-            shape = wire.tensor.shape  # at most _MAX_NDIM: NumPy's own limit
-            meta[0] = len(shape)
-            meta[1] = _DTYPE_CODES.index(wire.dtype)
-            meta[3] = int(wire.tensor.is_cuda)
-            meta[4 : 4 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-        meta[2] = arg
-        outs = [torch.empty_like(meta) for _ in range(self._world_size)]
-        self._run(
-            call, lambda: [dist.all_gather(outs, meta, group=self._host_group, async_op=True)]
-        )
-        return [_Meta.decode(out) for out in outs]
-
-    def _fail(self, call: _Call, err: Exception) -> None:
-        """Turn a failed collective into an error naming the ranks that did not arrive."""
-        elapsed = time.monotonic() - call.started
-        timed_out = call.timeout is not None and elapsed >= call.timeout - 0.01
-        missing, diagnosis = self._arrivals.missing(call.seq)
-        what = f"timed out after {call.timeout:g} s" if timed_out else f"failed ({err})"
-        where = f"on rank {self._rank} of {self._world_size}"
-        self._broken = f"{call.label} {what}"
-        self._arrivals.stop()
-        self._destroy_groups(keep_alive=True)
-        if missing:
-            raise CollectiveTimeoutError(
-                f"{call.label} {what} {where}: rank(s) {missing} did not arrive at it. "
-                f"Every worker must run the same collectives in the same order; check the "
-                f"missing workers' logs, and raise CommunicationOptions.timeout_seconds if "
-                f"they are only slow. This communicator is unusable now: create a new one "
-                f"on every worker."
-            ) from err
-        if timed_out:
-            raise CollectiveTimeoutError(
-                f"{call.label} {what} {where}, {diagnosis}; a peer may be stuck inside it or "
-                f"called a different collective. Raise CommunicationOptions.timeout_seconds "
-                f"if the workers are only slow; create a new communicator on every worker."
-            ) from err
-        raise RuntimeError(
-            f"{call.label} {what} {where}, {diagnosis}; a peer probably died or called a "
-            f"different collective: check the other workers' logs, then create a new "
-            f"communicator on every worker."
-        ) from err
-
-    def _destroy_groups(self, *, keep_alive: bool = False) -> None:
-        """Unregister our groups; `keep_alive` defers freeing them (see `_FAILED_GROUPS`)."""
-        for attr in ("_host_group", "_cuda_group"):
-            group = getattr(self, attr, None)
-            if group is not None:
-                setattr(self, attr, None)
-                if keep_alive:
-                    _FAILED_GROUPS.append(group)
-                with contextlib.suppress(Exception):  # best effort: it may be gone already
-                    dist.destroy_process_group(group)
-
-
-class _ArrivalBoard:
-    """How far each worker got, in the c10d store: key `r<rank>` holds its collective count.
-
-    A daemon thread publishes this worker's count (`reached`) every
-    `_PUBLISH_INTERVAL_SECONDS` when it changed; it keeps running while the main thread
-    is stalled in user code, so a stalled worker shows exactly where it stopped.
-    """
-
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
-        self.reached = 0
-        self._store = store
-        self._rank = rank
-        self._world_size = world_size
-        self._stop = threading.Event()
-        self._published = 0
-        self._thread = threading.Thread(
-            target=self._publish_loop, name=f"crossdevice-arrivals-r{rank}", daemon=True
-        )
-        self._thread.start()
-
-    def _publish(self) -> None:
-        reached = self.reached
-        if reached != self._published:
-            self._store.set(f"r{self._rank}", str(reached))
-            self._published = reached
-
-    def _publish_loop(self) -> None:
-        while not self._stop.wait(_PUBLISH_INTERVAL_SECONDS):
-            try:
-                self._publish()
-            except Exception:  # the store is gone: a failing collective will report it
-                return
-
-    def stop(self) -> None:
-        """Stop publishing (waits for the thread at most one interval)."""
-        self._stop.set()
-        self._thread.join(timeout=2 * _PUBLISH_INTERVAL_SECONDS + 1.0)
-
-    def _below(self, seq: int) -> list[int]:
-        return [
-            rank
-            for rank in range(self._world_size)
-            if not self._store.check([f"r{rank}"]) or int(self._store.get(f"r{rank}")) < seq
-        ]
-
-    def missing(self, seq: int) -> tuple[list[int], str]:
-        """Ranks whose count is below `seq`, and a phrase saying how we know."""
-        try:
-            self._publish()
-            # Read at once (the store's host may be about to exit after its own failure),
-            # then again once peers' marks, up to one interval stale, have caught up.
-            missing = self._below(seq)
-        except Exception as err:
-            return [], (
-                f"and the ranks' arrival marks could not be read from the c10d store "
-                f"({type(err).__name__}: {err}); the process serving it (rank 0, or "
-                f"torchrun's agent) has probably died"
-            )
-        time.sleep(_GRACE_SECONDS)
-        with contextlib.suppress(Exception):  # keep the first reading if the store is gone
-            missing = self._below(seq)
-        return missing, "although every rank arrived at it"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Meta:
-    """One worker's metadata for all_gather/broadcast."""
-
-    ndim: int  # -1: no value
-    dtype: int
-    arg: int
-    cuda: bool  # the value travels on CUDA (NCCL)
-    shape: tuple[int, ...]
-
-    @classmethod
-    def decode(cls, meta: torch.Tensor) -> _Meta:
-        values = [int(v) for v in meta.tolist()]
-        ndim = values[0]
-        shape = tuple(values[4 : 4 + max(ndim, 0)])
-        return cls(ndim, values[1], values[2], bool(values[3]), shape)
-
-    @property
-    def key(self) -> tuple[int, int, tuple[int, ...]]:
-        return self.ndim, self.dtype, self.shape
-
-    def describe(self) -> str:
-        if self.ndim < 0:
-            return "None"
-        return f"{self.shape} {str(_DTYPE_CODES[self.dtype]).removeprefix('torch.')}"
-
-
-def _is_single_array(value: object) -> bool:
-    return is_torch(value) or isinstance(value, np.ndarray)
-
-
-def _describe(metas: Sequence[_Meta]) -> str:
-    return ", ".join(f"rank {rank}: {meta.describe()}" for rank, meta in enumerate(metas))
-
-
-def _check_gather(call: _Call, metas: Sequence[_Meta], axis: int) -> int:
-    """The normalised gather axis; ValueError (alike on every worker) for bad inputs."""
-    ndim = metas[0].ndim
-    axes = sorted({m.arg for m in metas})
-    problem = None
-    if len({(m.ndim, m.dtype) for m in metas}) > 1:
-        problem = "arrays of different ranks or dtypes"
-    elif len(axes) > 1:
-        problem = f"different axes {axes}"
-    elif not -ndim <= axis < ndim:
-        problem = f"axis {axis}, out of range for arrays of rank {ndim}"
-    else:
-        axis %= ndim
-        if len({m.shape[:axis] + m.shape[axis + 1 :] for m in metas}) > 1:
-            problem = f"shapes that differ on an axis other than {axis}"
-    if problem is not None:
-        raise ValueError(
-            f"{call.label}: every worker must pass an array of the same rank and dtype whose "
-            f"shape differs only along the gather axis, with the same axis; received "
-            f"{problem} ({_describe(metas)}); reshape or pad the values so that only the "
-            f"gather axis differs"
-        )
-    return axis
-
-
-def _check_broadcast(call: _Call, metas: Sequence[_Meta], root: int, world_size: int) -> None:
-    """ValueError (alike on every worker) when the workers' broadcast calls disagree."""
-    roots = sorted({m.arg for m in metas})
-    problem = None
-    if len(roots) > 1:
-        problem = f"different roots {roots}"
-    elif not 0 <= root < world_size:
-        problem = f"root {root}, out of range for {world_size} workers"
-    elif metas[root].ndim < 0:
-        problem = f"no value on root {root}"
-    elif any(m.ndim >= 0 and m.key != metas[root].key for m in metas):
-        problem = "values whose shape or dtype differ from root's"
-    if problem is not None:
-        raise ValueError(
-            f"{call.label}: every worker must name the same root, the root must pass a value "
-            f"and the others None or an array of the root's shape and dtype; received "
-            f"{problem} ({_describe(metas)})"
-        )
-
-
-def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    if dtype in _NATIVE_DTYPES:
-        return dtype
-    if dtype in _WIDENED_DTYPES:
-        return _WIDENED_DTYPES[dtype]
-    if dtype in _VIEWED_DTYPES:
-        return _VIEWED_DTYPES[dtype]
-    supported = sorted(str(d).removeprefix("torch.") for d in _DTYPE_CODES)
-    raise TypeError(
-        f"cannot communicate values of dtype {str(dtype).removeprefix('torch.')}; expected "
-        f"one of {supported}; cast the value first"
-    )
-
-
-def _divide(value: Any, count: float) -> Any:
-    """`value / count`, in place for the floating buffers the collective just made."""
-    if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.inexact):
-        np.true_divide(value, count, out=value)
-        return value
-    if is_torch(value) and (value.is_floating_point() or value.is_complex()):
-        return value.div_(count)
-    return backend_for(value).divide(value, count)  # type: ignore[arg-type]
+def _own_all(wires: Sequence[Wire]) -> None:
+    for wire in wires:
+        wire.own()

@@ -22,19 +22,25 @@ This module is pure parsing: no torch, no sockets.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal
 
 __all__ = [
     "COLLECTIVE_TASK_TYPES",
+    "MAX_TASKS",
+    "MAX_TF_CONFIG_BYTES",
     "Cluster",
     "Source",
+    "check_host",
     "cluster_from_resolver",
     "cluster_from_spec",
     "load_tf_config",
     "normalize_jobs",
+    "parse_index",
     "parse_tf_config",
     "parse_torchrun_env",
     "resolve_cluster",
@@ -47,6 +53,53 @@ COLLECTIVE_TASK_TYPES: Final = ("chief", "worker")
 #: torchrun's variables: the four that must come together, then the optional ones.
 _TORCHRUN_REQUIRED: Final = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _TORCHRUN_OPTIONAL: Final = ("LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+#: Longest `TF_CONFIG` accepted: real ones are a few KiB; a bound keeps a hostile one
+#: from costing memory or time.
+MAX_TF_CONFIG_BYTES: Final = 1 << 20
+#: Most tasks in one job (TF clusters have at most thousands).
+MAX_TASKS: Final = 1 << 16
+#: A DNS name: dot-separated labels of letters, digits and hyphens (RFC 1123).
+_HOSTNAME: Final = re.compile(
+    r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?\Z"
+)
+
+
+def check_host(host: object, what: str) -> str:
+    """`host` if it is a DNS name or an IP address; ValueError naming `what` else.
+
+    Rejects what no host name can hold and a launcher may have been fed by mistake or by
+    an attacker: schemes (`tcp://h`), users (`user@h`), paths, spaces, control characters.
+
+    Example:
+        >>> check_host("10.0.0.1", "MASTER_ADDR")
+        '10.0.0.1'
+    """
+    if isinstance(host, str) and host.isascii():
+        try:
+            ipaddress.ip_address(host)
+            return host
+        except ValueError:
+            if _HOSTNAME.match(host):
+                return host
+    raise ValueError(
+        f"{what} must be a host name (letters, digits, '-' and '.') or an IP address, got "
+        f"{host!r:.120}; give the bare host, without a scheme, user, path or spaces"
+    )
+
+
+def parse_index(value: object, what: str) -> int:
+    """A non-negative integer written as an int or a string of ASCII digits.
+
+    `True` and `1.9` are not task indices (`int()` would make both 1).
+    """
+    if type(value) is int and value >= 0:
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9:
+        return int(value)
+    raise ValueError(f"{what} must be an integer >= 0 (an int or ASCII digits), got {value!r:.80}")
+
 
 #: Where a `Cluster` description came from.
 Source = Literal["tf_config", "torchrun", "resolver"]
@@ -93,8 +146,7 @@ class Cluster:
             )
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port!r}")
-        if not self.master_addr:
-            raise ValueError("master_addr must be a host name or IP address, got ''")
+        check_host(self.master_addr, "master_addr")
         if not 0 <= self.local_rank < self.local_world_size:
             raise ValueError(
                 f"local_rank must be in [0, {self.local_world_size}) for local_world_size "
@@ -135,12 +187,17 @@ def split_address(address: str) -> tuple[str, int]:
         host = host[1:-1]
     elif ":" in host:
         host = ""  # an IPv6 address needs brackets: [::1]:2222
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if (
+        not sep
+        or not host
+        or not (port_text.isascii() and port_text.isdigit() and len(port_text) <= 5)
+        or not 0 < int(port_text) < 65536
+    ):
         raise ValueError(
             f"expected a task address 'host:port' (IPv6 as '[addr]:port') with a port in "
-            f"1..65535, got {address!r}"
+            f"1..65535, got {address!r:.120}"
         )
-    return host, int(port_text)
+    return check_host(host, f"the host of task address {address!r:.120}"), int(port_text)
 
 
 def normalize_jobs(cluster: Mapping[str, Any]) -> dict[str, dict[int, str]]:
@@ -151,12 +208,22 @@ def normalize_jobs(cluster: Mapping[str, Any]) -> dict[str, dict[int, str]]:
     """
     if not isinstance(cluster, Mapping):
         raise ValueError(
-            f"expected the cluster as a dict of job name -> list of 'host:port', got {cluster!r}"
+            f"expected the cluster as a dict of job name -> list of 'host:port', got "
+            f"{cluster!r:.120}"
         )
     jobs: dict[str, dict[int, str]] = {}
     for job, tasks in cluster.items():
+        if not isinstance(job, str):
+            raise ValueError(f"job names must be strings, got {job!r:.80}")
+        if isinstance(tasks, Mapping | Sequence) and len(tasks) > MAX_TASKS:
+            raise ValueError(
+                f"job {job!r:.80} lists {len(tasks)} tasks, more than {MAX_TASKS}; expected "
+                "one address per task of a real cluster"
+            )
         if isinstance(tasks, Mapping):
-            entries = {int(i): a for i, a in tasks.items()}
+            entries = {
+                parse_index(i, f"a task index of job {job!r:.80}"): a for i, a in tasks.items()
+            }
         elif isinstance(tasks, Sequence) and not isinstance(tasks, str):
             entries = dict(enumerate(tasks))
         else:
@@ -167,7 +234,8 @@ def normalize_jobs(cluster: Mapping[str, Any]) -> dict[str, dict[int, str]]:
         for index, address in entries.items():
             if not isinstance(address, str):
                 raise ValueError(
-                    f"task {index} of job {job!r} must have a 'host:port' address, got {address!r}"
+                    f"task {index} of job {job!r} must have a 'host:port' address, got "
+                    f"{address!r:.120}"
                 )
         jobs[str(job)] = dict(sorted(entries.items()))
     return jobs
@@ -271,8 +339,18 @@ def load_tf_config(text: str | None) -> dict[str, Any]:
     """
     if text is None or not text.strip():
         return {}
+    if len(text) > MAX_TF_CONFIG_BYTES:
+        raise ValueError(
+            f"TF_CONFIG is {len(text)} characters long, more than {MAX_TF_CONFIG_BYTES}; "
+            "expected a cluster description of a few KiB"
+        )
     try:
         config = json.loads(text)
+    except RecursionError:
+        raise ValueError(
+            "TF_CONFIG nests too deeply to be a cluster description; expected "
+            '{"cluster": {...}, "task": {"type": ..., "index": ...}}'
+        ) from None
     except json.JSONDecodeError as err:
         raise ValueError(
             f'TF_CONFIG must be a JSON object such as \'{{"cluster": {{"worker": '
@@ -298,22 +376,18 @@ def parse_tf_config(config: str | Mapping[str, Any] | None) -> Cluster | None:
     if not isinstance(task, Mapping):
         raise ValueError(f"TF_CONFIG's 'task' must be {{'type': ..., 'index': ...}}, got {task!r}")
     task_type = task.get("type")
+    if task_type is not None and not isinstance(task_type, str):
+        raise ValueError(f"TF_CONFIG's task type must be a string, got {task_type!r:.80}")
     index = task.get("index")
-    try:
-        task_id = None if index is None else int(index)
-    except (TypeError, ValueError):
-        raise ValueError(f"TF_CONFIG's task index must be an integer, got {index!r}") from None
+    task_id = None if index is None else parse_index(index, "TF_CONFIG's task index")
     return cluster_from_spec(
         parsed.get("cluster", {}), None if task_type is None else str(task_type), task_id
     )
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int:
-    value = env[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+    # Strict: int() would also take " 1", "+1", "1_0" and non-ASCII digits.
+    return parse_index(env[name], f"environment variable {name}")
 
 
 def parse_torchrun_env(env: Mapping[str, str]) -> Cluster | None:
@@ -348,12 +422,17 @@ def parse_torchrun_env(env: Mapping[str, str]) -> Cluster | None:
         task_id=rank,
         rank=rank,
         world_size=world_size,
-        master_addr=env["MASTER_ADDR"].strip().strip("[]"),
+        master_addr=check_host(_bracketless(env["MASTER_ADDR"]), "MASTER_ADDR"),
         master_port=port,
         local_rank=local_rank,
         local_world_size=local_world,
         source="torchrun",
     )
+
+
+def _bracketless(host: str) -> str:
+    """`::1` for `[::1]` (an IPv6 address as URLs write it)."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def resolve_cluster(env: Mapping[str, str] | None = None) -> Cluster | None:

@@ -15,6 +15,10 @@ host-side collective group does.
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import types
 from collections.abc import Sequence
 from typing import Any, Final, final
 
@@ -30,7 +34,37 @@ from crossdevice._cross_device.base import CrossDeviceOps
 from crossdevice._cross_device.destinations import get_devices_from
 from crossdevice._values.values import DistributedValues
 
-__all__ = ["DONATE_MIN_BYTES", "CollectiveAllReduce"]
+__all__ = ["DONATE_MIN_BYTES", "CollectiveAllReduce", "call_site"]
+
+_PACKAGE_DIR: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_THREADING_FILE: Final = threading.__file__
+_RUNNER_FILE: Final = os.path.join(_PACKAGE_DIR, "_replica", "runner.py")
+
+
+def call_site() -> tuple[str, str, int] | None:
+    """The user's line that asked for this reduction: file name, function, line.
+
+    Every worker runs the same program, so the same reduction comes from the same line
+    everywhere; two reductions of equal shapes issued in a different order on two
+    workers differ here (the fault campaign's swapped all-reduces). Only the file's base
+    name counts: workers may install the program in different directories.
+
+    The walk stops at the replica runner: below it lies whatever thread happens to run
+    a merge (the caller's or a replica's), which differs from worker to worker. A
+    reduction with no user frame above the runner (an internal merge) has no site.
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name == _RUNNER_FILE:
+            return None
+        if not name.startswith(_PACKAGE_DIR) and name != _THREADING_FILE:
+            if name.startswith("<frozen"):
+                return None
+            return os.path.basename(name), frame.f_code.co_name, frame.f_lineno
+        frame = frame.f_back
+    return None
+
 
 #: Local sums of at least this many bytes go to the cross-worker all-reduce as they are
 #: (reduced in place) instead of being packed: packing copies them once more, which cost
@@ -53,6 +87,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._communicator = communicator
         self._options = CommunicationOptions().merge(options)
         self._pool = BufferPool()
+        #: Set by the strategy from a replica thread just before a replica all-reduce.
+        self.replica_call_site: tuple[str, str, int] | bool | None = False
 
     @property
     def _num_between_graph_workers(self) -> int:
@@ -72,7 +108,22 @@ class CollectiveAllReduce(CrossDeviceOps):
                 sums.append(algorithms.sum_n(arrays))
         return sums
 
-    def _cross_worker(self, arrays: list[Any], options: CommunicationOptions) -> list[Any]:
+    def _signature(self, op: ReduceOp, arrays: Sequence[Any], site: object) -> Any:
+        # The fingerprint sees the values as the strategy reduces them (op, shapes,
+        # dtypes), not only the packs' byte counts: (2, 3) against (3, 2) is a mismatch.
+        from crossdevice._collectives.fingerprint import digest
+        from crossdevice._collectives.torch_dist import Signature
+
+        shapes = [(tuple(backend_for(x).shape(x)), str(x.dtype)) for x in arrays]
+        return Signature(op.name.lower(), digest(shapes), digest(site))
+
+    def _cross_worker(
+        self,
+        arrays: list[Any],
+        options: CommunicationOptions,
+        op: ReduceOp = ReduceOp.SUM,
+        site: object = None,
+    ) -> list[Any]:
         # Phase 2, cross-worker all-reduce. Large local sums are fresh arrays of ours: they
         # are reduced in place (donated), as they are. Small ones are packed by dtype into
         # flat buffers of about bytes_per_pack. Every worker splits the same way (same
@@ -84,14 +135,20 @@ class CollectiveAllReduce(CrossDeviceOps):
         small = sorted(set(range(len(arrays))) - set(large))
         out: list[Any] = list(arrays)
         if large:
+            chosen = [arrays[i] for i in large]
             reduced = self._communicator.all_reduce(
-                [arrays[i] for i in large], ReduceOp.SUM, donate=True, options=merged
+                chosen,
+                ReduceOp.SUM,
+                donate=True,
+                options=merged,
+                signature=self._signature(op, chosen, site),
             )
             for i, x in zip(large, reduced, strict=True):
                 out[i] = x
         if small:
+            chosen = [arrays[i] for i in small]
             reduced = self._communicator.batch_all_reduce(
-                [arrays[i] for i in small], ReduceOp.SUM, options=merged
+                chosen, ReduceOp.SUM, options=merged, signature=self._signature(op, chosen, site)
             )
             for i, x in zip(small, reduced, strict=True):
                 out[i] = x
@@ -117,7 +174,11 @@ class CollectiveAllReduce(CrossDeviceOps):
     ) -> list[Any]:
         """Reduce every pair in one cross-worker collective."""
         values = [v for v, _ in value_destination_pairs]
-        totals = self._cross_worker(self._local_sums(values), options)
+        # The replicas' own call site when they asked (ReplicaContext.all_reduce: its merge
+        # may run on any thread, whose stack would differ), else the caller's.
+        site = call_site() if self.replica_call_site is False else self.replica_call_site
+        self.replica_call_site = False
+        totals = self._cross_worker(self._local_sums(values), options, reduce_op, site)
         workers = self._num_between_graph_workers
         out = []
         for (value, destinations), total in zip(value_destination_pairs, totals, strict=True):

@@ -12,7 +12,10 @@ leaf is a `PerReplica` with one component per local replica.
 
 Partial last steps follow TF's partial-batch handling: a replica without data gets an
 empty batch (leading dimension 0, same dtype and trailing shape), and iteration stops
-only when no replica has data.
+only when no replica has data. Across workers, `MultiWorkerMirroredStrategy` sets a
+`_step_sync` on its datasets: each step all-reduces a has-data flag (TF does the same),
+so a worker whose pipeline ended first gets empty batches while another still has data,
+and every worker stops at the same step.
 """
 
 from __future__ import annotations
@@ -40,6 +43,26 @@ __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "Distributed
 
 #: Marks a pipeline that has run dry (a dataset may legitimately yield None).
 _END: Any = object()
+
+#: `has_data -> whether any worker has data`, one collective per step (multi-worker).
+StepSync = Callable[[bool], bool]
+
+
+def _no_data_anywhere(sync: StepSync | None, has_data: bool) -> bool:
+    """Whether the step ends iteration: no data here, nor (with a sync) on any worker."""
+    return not has_data if sync is None else not sync(has_data)
+
+
+def _empty_step(last: Any) -> Any:
+    """An empty batch shaped like `last`, for a worker that ran dry before its peers."""
+    if last is _END:
+        raise ValueError(
+            "this worker's input pipeline yielded nothing while another worker's still has "
+            "data, so there is no element to shape an empty batch from; expected every "
+            "worker's pipeline to yield at least one element (shard the data so each "
+            "worker gets some)"
+        )
+    return _empty_like(last, -1)
 
 
 def _check_devices(devices: Sequence[str]) -> tuple[str, ...]:
@@ -251,6 +274,7 @@ class DistributedDataset:
             devices, num_workers, worker_index, self._options.experimental_fetch_to_device
         )
         self._dataset = dataset
+        self._step_sync: StepSync | None = None
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -260,9 +284,15 @@ class DistributedDataset:
     def __iter__(self) -> DistributedIterator:
         batches = iter(self._dataset)
         layout = self._layout
+        last: list[Any] = [_END]
 
         def next_step() -> Any:
-            batch = next(batches)
+            batch = next(batches, _END)
+            if _no_data_anywhere(self._step_sync, batch is not _END):
+                raise StopIteration
+            if batch is _END:
+                batch = _empty_step(last[0])
+            last[0] = batch
             structure, sliced = split_batch_leaves(batch, layout.num_global, layout.replica_ids)
             per_replica = [
                 optree.tree_unflatten(structure, [components[j] for components in sliced])
@@ -338,6 +368,7 @@ class DistributedDatasetsFromFunction:
         else:
             self._input_contexts = (InputContext(num_workers, worker_index, num_replicas_in_sync),)
         self._datasets = tuple(self._call(dataset_fn, ctx) for ctx in self._input_contexts)
+        self._step_sync: StepSync | None = None
 
     @staticmethod
     def _call(dataset_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext) -> Any:
@@ -355,6 +386,7 @@ class DistributedDatasetsFromFunction:
         iterators = [iter(dataset) for dataset in self._datasets]
         per_worker = len(iterators) == 1
         exhausted = [False] * len(iterators)
+        last: list[Any] = [_END]
 
         def pull(source: int) -> Any:
             if exhausted[source]:
@@ -373,9 +405,10 @@ class DistributedDatasetsFromFunction:
             else:
                 elements = [pull(i) for i in range(layout.num_local)]
             present = [e for e in elements if e is not _END]
-            if not present:
+            if _no_data_anywhere(self._step_sync, bool(present)):
                 raise StopIteration
-            template = present[0]
+            template = present[0] if present else _empty_step(last[0])
+            last[0] = template
             per_replica = [
                 _empty_like(template, i) if e is _END else e for i, e in enumerate(elements)
             ]

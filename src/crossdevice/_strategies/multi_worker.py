@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from collections.abc import Sequence
-from typing import Any, final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, final
 
 from crossdevice._core import context, nest
 from crossdevice._core.cluster import Cluster, cluster_from_resolver, resolve_cluster
 from crossdevice._core.devices import DeviceSpec, canonicalize, num_gpus
+from crossdevice._core.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    WorkerFailedError,
+)
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.base import Strategy
@@ -25,6 +30,15 @@ from crossdevice._strategies.replicated import ReplicatedExtended, canonical_dev
 from crossdevice._values.values import DistributedValues, PerReplica
 
 __all__ = ["MultiWorkerMirroredStrategy"]
+
+#: Local replicas wait for a merge (whose cross-worker collective may wait on peers)
+#: this much longer than the cross-worker timeout, so the cross-worker error, which
+#: names the missing ranks, is the one raised (not "local replicas [0, 1] did not
+#: arrive", which names this worker's own replicas).
+_LOCAL_MERGE_SLACK_SECONDS: Final = 15.0
+
+#: Errors every worker raises together: no need to tell the peers.
+_SHARED_ERRORS: Final = (CollectiveMismatchError, CollectiveTimeoutError, WorkerFailedError)
 
 
 @final
@@ -73,6 +87,39 @@ class _MultiWorkerExtended(ReplicatedExtended):
 
     def _communication_options(self) -> CommunicationOptions | None:
         return self._options
+
+    def _replica_all_reduce(
+        self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
+    ) -> Any:
+        if self._worker_communicator is not None:
+            from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
+
+            ops = self._cross_device_ops
+            if isinstance(ops, CollectiveAllReduce):
+                # The user's line, read on the replica's own thread; every local replica
+                # writes the same value, and the merge reads it once all have arrived.
+                ops.replica_call_site = call_site()
+        return super()._replica_all_reduce(replica_id, op, value, options)
+
+    def _merge_timeout(self) -> float | None:
+        communicator = self._worker_communicator
+        if communicator is None:
+            return super()._merge_timeout()
+        return float(communicator.timeout) + _LOCAL_MERGE_SLACK_SECONDS
+
+    def _call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        communicator = self._worker_communicator
+        try:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        except BaseException as err:
+            # A step that raised on this worker leaves its peers waiting in a collective
+            # it will never join (or, if it carries on, pairing with the wrong one): mark
+            # the group broken and tell them, so they raise at once naming this worker.
+            if communicator is not None and not isinstance(err, _SHARED_ERRORS):
+                communicator.abort(err)
+            raise
 
     def _input_workers(self) -> tuple[int, int]:
         return self._num_workers, self._worker_index
@@ -192,9 +239,55 @@ class MultiWorkerMirroredStrategy(Strategy):
             if communicator.world_size == 1:
                 communicator.close()
                 communicator = None
+            else:
+                try:
+                    # Global replica ids and MEAN's divisor need the same count everywhere.
+                    communicator.agree_on_local_replicas(len(local))
+                except BaseException:
+                    communicator.close()
+                    raise
         if cluster is not None and communicator is not None:
             local = tuple(_on_task(d, cluster) for d in local)
         super().__init__(_MultiWorkerExtended(self, local, communicator, cluster, options))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
+        """Reduce `value` across every replica of every worker (see `Strategy.reduce`).
+
+        A plain value (what `run` returns with one local replica) is this worker's own,
+        so it is reduced across workers too, with or without an axis: MEAN along the
+        batch axis divides by the number of examples on all workers (TF's rule), not by
+        this worker's alone.
+        """
+        extended = self._extended
+        assert isinstance(extended, _MultiWorkerExtended)
+        return super().reduce(reduce_op, extended._as_per_worker(value), axis)
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
+        """Split each global batch across every worker's replicas (see `Strategy`).
+
+        Every step all-reduces a has-data flag across workers (TF does too): a worker
+        whose data ended first gets empty batches while another still has one, and every
+        worker stops at the same step instead of one hanging in its next collective.
+        """
+        return self._synchronised(super().experimental_distribute_dataset(dataset, options))
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[..., Any], options: Any = None
+    ) -> Any:
+        """One input pipeline per worker (see `Strategy`), ended at the same step everywhere.
+
+        Workers whose pipelines have different lengths all run as many steps as the
+        longest: TF gives the worker that ran out an empty batch (leading dimension 0),
+        so the partial-batch MEAN rule still divides by the real number of examples.
+        """
+        return self._synchronised(super().distribute_datasets_from_function(dataset_fn, options))
+
+    def _synchronised(self, dataset: Any) -> Any:
+        extended = self._extended
+        assert isinstance(extended, _MultiWorkerExtended)
+        if extended._worker_communicator is not None:
+            dataset._step_sync = extended._worker_communicator.any_has_data
+        return dataset
 
     @property
     def cluster_resolver(self) -> Any:

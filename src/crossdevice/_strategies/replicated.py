@@ -210,10 +210,13 @@ class ReplicatedExtended(StrategyExtended):
             per_replica = [(select_replica(i, args), select_replica(i, kwargs)) for i in range(n)]
         else:
             per_replica = [(args, kwargs)] * n
-        options = self._communication_options()
-        timeout = options.timeout_seconds if options is not None else None
-        results = self._get_runner().run(fn, per_replica, merge_timeout=timeout)
+        results = self._get_runner().run(fn, per_replica, merge_timeout=self._merge_timeout())
         return regroup(results, PerReplica, False, self._devices, collapse_arrays=False)
+
+    def _merge_timeout(self) -> float | None:
+        """How long local replicas wait at a merge: the strategy's timeout_seconds."""
+        options = self._communication_options()
+        return options.timeout_seconds if options is not None else None
 
     def _merge_call(
         self,

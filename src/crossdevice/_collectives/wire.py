@@ -1,0 +1,118 @@
+"""Values as process groups carry them: dtypes Gloo/NCCL take, and back.
+
+Only torch-using modules import this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from crossdevice._arrays import backend_for, is_torch
+
+__all__ = ["DTYPE_CODES", "Wire", "divide", "dtype_name", "is_single_array", "wire_dtype"]
+
+#: Dtypes Gloo reduces and moves natively (measured: int16/uint16/uint32 raise "Invalid
+#: scalar type"). Complex values travel as pairs of reals.
+_NATIVE_DTYPES: Final = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+#: Dtypes sent widened; a sum wraps modulo 2**bits in either width, so narrowing the
+#: wide sum gives bit for bit the narrow sum.
+_WIDENED_DTYPES: Final = {
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+}
+#: Dtypes sent as a same-size signed view (two's complement sums are the same bits).
+_VIEWED_DTYPES: Final = {torch.uint64: torch.int64}
+#: Dtype codes for the fingerprints of all_gather and broadcast.
+DTYPE_CODES: Final = (
+    *sorted(_NATIVE_DTYPES, key=str),
+    *sorted(_WIDENED_DTYPES, key=str),
+    *_VIEWED_DTYPES,
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`float32` for `torch.float32`."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass
+class Wire:
+    """A value ready for a process group: a contiguous tensor of a dtype Gloo/NCCL take."""
+
+    tensor: torch.Tensor  # what travels
+    dtype: torch.dtype  # the value's own dtype
+    kind: str  # "numpy" or "torch": what the caller gets back
+    device: torch.device  # where the caller's value lives
+    shape: tuple[int, ...] = ()  # the caller's shape (before packing)
+    owned: bool = False  # `tensor` is a fresh copy, not the caller's memory
+
+    def own(self) -> None:
+        """Make `tensor` a fresh copy (the API never modifies inputs it was not given)."""
+        if not self.owned:
+            self.tensor = self.tensor.clone()
+            self.owned = True
+
+    def result(self, tensor: torch.Tensor) -> Any:
+        """`tensor` (wire dtype, wire device) as a value of the caller's kind and dtype."""
+        if tensor.dtype != self.dtype:
+            if self.dtype in _VIEWED_DTYPES:
+                tensor = tensor.view(self.dtype)
+            else:
+                tensor = tensor.to(self.dtype)
+        if tensor.device != self.device:
+            tensor = tensor.to(self.device)
+        return tensor.numpy() if self.kind == "numpy" else tensor
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `dtype` travels as; TypeError for dtypes no process group carries."""
+    if dtype in _NATIVE_DTYPES:
+        return dtype
+    if dtype in _WIDENED_DTYPES:
+        return _WIDENED_DTYPES[dtype]
+    if dtype in _VIEWED_DTYPES:
+        return _VIEWED_DTYPES[dtype]
+    supported = sorted(dtype_name(d) for d in DTYPE_CODES)
+    raise TypeError(
+        f"cannot communicate values of dtype {dtype_name(dtype)}; expected one of "
+        f"{supported}; cast the value first"
+    )
+
+
+def needs_view(dtype: torch.dtype) -> bool:
+    """Whether `dtype` travels as a same-size view rather than a widened copy."""
+    return dtype in _VIEWED_DTYPES
+
+
+def is_single_array(value: object) -> bool:
+    """Whether `value` is one array (not a list of them)."""
+    return is_torch(value) or isinstance(value, np.ndarray)
+
+
+def divide(value: Any, count: float) -> Any:
+    """`value / count`, in place for the floating buffers the collective just made."""
+    if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.inexact):
+        np.true_divide(value, count, out=value)
+        return value
+    if is_torch(value) and (value.is_floating_point() or value.is_complex()):
+        return value.div_(count)
+    return backend_for(value).divide(value, count)  # type: ignore[arg-type]
