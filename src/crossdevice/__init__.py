@@ -27,6 +27,7 @@ from crossdevice import experimental as experimental
 from crossdevice._core.devices import device as device
 from crossdevice._core.errors import CollectiveMismatchError as CollectiveMismatchError
 from crossdevice._core.errors import CollectiveTimeoutError as CollectiveTimeoutError
+from crossdevice._core.errors import WorkerFailedError as WorkerFailedError
 from crossdevice._core.exports import fix_module_metadata as _fix_module_metadata
 from crossdevice._core.reduce_op import ReduceOp as ReduceOp
 from crossdevice._core.reduce_op import VariableAggregation as VariableAggregation
@@ -89,6 +90,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "WorkerFailedError",
     "__version__",
     "cluster_resolver",
     "config",
