@@ -201,6 +201,17 @@ def test_a_variable_of_another_strategy_is_refused(strategy: crossdevice.Mirrore
         assert float(other.reduce("mean", v, axis=None)) == 1.0  # its own strategy: fine
 
 
+def test_a_per_replica_value_of_another_strategy_is_refused(
+    strategy: crossdevice.MirroredStrategy,
+) -> None:
+    other = crossdevice.MirroredStrategy(["CPU:2", "CPU:3"])
+    theirs = other.experimental_distribute_values_from_function(lambda ctx: np.ones(2))
+    with pytest.raises(ValueError, match=r"made by another strategy"):
+        strategy.reduce("sum", theirs, axis=None)
+    mine = PerReplica([np.ones(2), np.ones(2)])  # no devices given: any strategy's
+    np.testing.assert_array_equal(other.reduce("sum", mine, axis=None), [2.0, 2.0])
+
+
 def test_reduce_to_a_device_of_another_worker(strategy: crossdevice.MirroredStrategy) -> None:
     value = PerReplica([np.ones(2), np.ones(2)])
     with pytest.raises(ValueError, match=r"names job 'foo' task 3, but this worker is job"):

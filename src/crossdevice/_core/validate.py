@@ -47,13 +47,18 @@ _NEST: Final[dict[str, Any]] = {"none_is_leaf": True, "namespace": "crossdevice"
 _DISTRIBUTED: list[Any] = []
 
 
-def register_distributed_values(cls: type) -> None:
-    """Tell the checks which class is `DistributedValues` (its components are checked too).
+def register_distributed_values(cls: type, default_devices: Any) -> None:
+    """Tell the checks which class is `DistributedValues` and how its default devices go.
 
     `crossdevice._values.values` calls it when it is imported: `_core` is below `_values`
     and must not import it (tests/test_layers.py).
+
+    Args:
+        cls: `DistributedValues`.
+        default_devices: `default_devices(values)`, the devices a value made without
+            `devices=` gets.
     """
-    _DISTRIBUTED[:] = [cls]
+    _DISTRIBUTED[:] = [cls, default_devices]
 
 
 def _distributed_values_type() -> Any:
@@ -159,7 +164,9 @@ def fits_strategy(value: Any, strategy: Any, what: str) -> None:
     leaves = optree.tree_leaves(value, **_NEST)
     if not any(isinstance(leaf, distributed) for leaf in leaves):
         return
-    replicas = len(strategy.extended._local_devices)
+    strategy_devices = tuple(strategy.extended._local_devices)
+    replicas = len(strategy_devices)
+    per_worker = getattr(strategy.extended, "_num_workers", 1) > 1
     paths, leaves, _ = optree.tree_flatten_with_path(value, **_NEST)
     for keys, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, distributed):
@@ -175,6 +182,20 @@ def fits_strategy(value: Any, strategy: Any, what: str) -> None:
                 )
             continue
         count = len(leaf.values)
+        if count == 1 and per_worker:
+            continue  # MultiWorkerMirroredStrategy: one value for this whole worker
+        devices = leaf._devices
+        if (
+            count == replicas
+            and devices != strategy_devices
+            and devices != _DISTRIBUTED[1](leaf.values)
+        ):
+            # Devices given explicitly and not ours: a value of another strategy.
+            raise ValueError(
+                f"{where} lives on {list(devices)}, but {strategy!r} runs on "
+                f"{list(strategy_devices)}: it was made by another strategy. Make it with "
+                "this strategy (run, experimental_distribute_values_from_function)"
+            )
         if count != replicas:
             raise ValueError(
                 f"{where} has {count} components, but {strategy!r} has {replicas} local "

@@ -188,4 +188,4 @@ class Mirrored(ArrayOperators, DistributedValues):
         return self._get()
 
 
-validate.register_distributed_values(DistributedValues)
+validate.register_distributed_values(DistributedValues, default_devices)
