@@ -12,11 +12,8 @@ The strategy combines it with the in-process collectives in three phases:
     # local broadcast: every local replica gets its slice of the result
     per_replica = unpack(totals)
 
-MEAN is SUM followed by a division by `divisor`, which the caller chooses because only
-it knows the global replica count (workers x local replicas); without a divisor MEAN
-divides by the number of workers. `batch_all_reduce(values, op, bytes_per_pack=...)`
-does the packing itself (by kind, device and dtype) for callers that have not packed.
-The other pieces of the strategy map the same way:
+MEAN is SUM then a division by `divisor` (the caller knows the global replica count);
+`batch_all_reduce` packs by kind, device and dtype itself. The rest of the strategy:
 
 * `gather(value, axis)`: concatenate the local replicas in replica order, then
   `all_gather(local, axis)`; ranks come in order, so the result is in global replica
@@ -39,8 +36,6 @@ collectives in the same order with matching values. Nothing is taken on trust:
   missing ranks when `timeout_seconds` (default `DEFAULT_TIMEOUT_SECONDS`) expires.
 * A failed communicator refuses further collectives: every worker must build a new one
   (TF's collectives poison the context too).
-
-Only the `_collectives` modules named above import torch.
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +79,8 @@ from crossdevice._collectives.wire import (
     divide,
     dtype_name,
     is_single_array,
+    own_all,
+    replace_wires,
     wire_dtype,
 )
 from crossdevice._collectives.worker_health import HealthBoard
@@ -304,6 +301,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         donate: bool = False,
         options: CommunicationOptions | None = None,
         signature: Signature | None = None,
+        produce: Callable[[], Sequence[Any]] | None = None,
     ) -> list[Any]:
         """Reduce each buffer element-wise across workers; every worker gets the result.
 
@@ -324,6 +322,8 @@ class ProcessGroupCommunicator(CommunicatorBase):
                 timeout is fixed at construction).
             signature: what the caller reduces before packing (op, shapes, structure),
                 added to the fingerprint; default the buffers' own.
+            produce: makes the buffers to reduce (donated), while the fingerprints travel;
+                `buffers` are then only templates of the same kinds, shapes and dtypes.
 
         Returns:
             One array per buffer, of the buffer's kind, dtype (MEAN of integers gives
@@ -363,7 +363,11 @@ class ProcessGroupCommunicator(CommunicatorBase):
                     cuda=any(w.tensor.is_cuda for w in wires),
                 ),
                 lambda: _describe_wires(wires),
-                None if donate else functools.partial(_own_all, wires),
+                (lambda: replace_wires(wires, [self._to_wire(b, copy=False) for b in produce()]))
+                if produce is not None
+                else None
+                if donate
+                else functools.partial(own_all, wires),
             )
             self._run(
                 call,
@@ -592,8 +596,3 @@ class ProcessGroupCommunicator(CommunicatorBase):
             f"ProcessGroupCommunicator(rank={self._rank}, world_size={self._world_size}, "
             f"collectives={self._seq}, {state})"
         )
-
-
-def _own_all(wires: Sequence[Wire]) -> None:
-    for wire in wires:
-        wire.own()

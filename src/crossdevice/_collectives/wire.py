@@ -6,6 +6,7 @@ Only torch-using modules import this one.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -13,7 +14,16 @@ import torch
 
 from crossdevice._arrays import backend_for, is_torch
 
-__all__ = ["DTYPE_CODES", "Wire", "divide", "dtype_name", "is_single_array", "wire_dtype"]
+__all__ = [
+    "DTYPE_CODES",
+    "Wire",
+    "divide",
+    "dtype_name",
+    "is_single_array",
+    "own_all",
+    "replace_wires",
+    "wire_dtype",
+]
 
 #: Dtypes Gloo reduces and moves natively (measured: int16/uint16/uint32 raise "Invalid
 #: scalar type"). Complex values travel as pairs of reals.
@@ -116,3 +126,21 @@ def divide(value: Any, count: float) -> Any:
     if is_torch(value) and (value.is_floating_point() or value.is_complex()):
         return value.div_(count)
     return backend_for(value).divide(value, count)  # type: ignore[arg-type]
+
+
+def own_all(wires: Sequence[Wire]) -> None:
+    """`Wire.own` on each wire."""
+    for wire in wires:
+        wire.own()
+
+
+def replace_wires(wires: list[Wire], fresh: Sequence[Wire]) -> None:
+    """Swap the template wires for the produced ones (same shapes and dtypes)."""
+    for wire, new in zip(wires, fresh, strict=True):
+        if (new.tensor.shape, new.tensor.dtype) != (wire.tensor.shape, wire.tensor.dtype):
+            raise ValueError(
+                f"all_reduce: produce() made a {dtype_name(new.tensor.dtype)}"
+                f"{tuple(new.tensor.shape)} buffer where the template promised "
+                f"{dtype_name(wire.tensor.dtype)}{tuple(wire.tensor.shape)}"
+            )
+    wires[:] = fresh

@@ -97,16 +97,14 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _local_sums(self, values: Sequence[DistributedValues]) -> list[Any]:
         # Phase 1, local reduce: in replica order, so results are reproducible. Large host
         # sums go into recycled buffers (they are then reduced in place across workers).
-        sums = []
-        for value in values:
-            arrays = inputs.component_arrays(value)
-            first = arrays[0]
-            if isinstance(first, np.ndarray) and first.nbytes >= DONATE_MIN_BYTES:
-                out = self._pool.take(first.dtype, first.size).reshape(first.shape)
-                sums.append(NUMPY.sum_n(arrays, out=out))
-            else:
-                sums.append(algorithms.sum_n(arrays))
-        return sums
+        return [self._local_sum(inputs.component_arrays(value)) for value in values]
+
+    def _local_sum(self, arrays: Sequence[Any]) -> Any:
+        first = arrays[0]
+        if isinstance(first, np.ndarray) and first.nbytes >= DONATE_MIN_BYTES:
+            out = self._pool.take(first.dtype, first.size).reshape(first.shape)
+            return NUMPY.sum_n(arrays, out=out)
+        return algorithms.sum_n(arrays)
 
     def _signature(self, op: ReduceOp, arrays: Sequence[Any], site: object) -> Any:
         # The fingerprint sees the values as the strategy reduces them (op, shapes,
@@ -119,34 +117,41 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     def _cross_worker(
         self,
-        arrays: list[Any],
+        values: Sequence[DistributedValues],
         options: CommunicationOptions,
         op: ReduceOp = ReduceOp.SUM,
         site: object = None,
     ) -> list[Any]:
         # Phase 2, cross-worker all-reduce. Large local sums are fresh arrays of ours: they
-        # are reduced in place (donated), as they are. Small ones are packed by dtype into
-        # flat buffers of about bytes_per_pack. Every worker splits the same way (same
-        # shapes everywhere), so the collectives match.
-        if self._communicator is None or not arrays:
-            return arrays
+        # are reduced in place (donated), as they are, and computed while the fingerprints
+        # travel. Small ones are packed by dtype into flat buffers of about
+        # bytes_per_pack. Every worker splits the same way (same shapes everywhere), so
+        # the collectives match.
+        components = [inputs.component_arrays(value) for value in values]
+        if self._communicator is None or not values:
+            return [self._local_sum(arrays) for arrays in components]
         merged = self._options.merge(options)
-        large = [i for i, x in enumerate(arrays) if backend_for(x).nbytes(x) >= DONATE_MIN_BYTES]
-        small = sorted(set(range(len(arrays))) - set(large))
-        out: list[Any] = list(arrays)
+        large = [
+            i
+            for i, arrays in enumerate(components)
+            if backend_for(arrays[0]).nbytes(arrays[0]) >= DONATE_MIN_BYTES
+        ]
+        small = sorted(set(range(len(values))) - set(large))
+        out: list[Any] = [None] * len(values)
         if large:
-            chosen = [arrays[i] for i in large]
+            templates = [components[i][0] for i in large]
             reduced = self._communicator.all_reduce(
-                chosen,
+                templates,
                 ReduceOp.SUM,
                 donate=True,
                 options=merged,
-                signature=self._signature(op, chosen, site),
+                signature=self._signature(op, templates, site),
+                produce=lambda: [self._local_sum(components[i]) for i in large],
             )
             for i, x in zip(large, reduced, strict=True):
                 out[i] = x
         if small:
-            chosen = [arrays[i] for i in small]
+            chosen = [self._local_sum(components[i]) for i in small]
             reduced = self._communicator.batch_all_reduce(
                 chosen, ReduceOp.SUM, options=merged, signature=self._signature(op, chosen, site)
             )
@@ -178,7 +183,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         # may run on any thread, whose stack would differ), else the caller's.
         site = call_site() if self.replica_call_site is False else self.replica_call_site
         self.replica_call_site = False
-        totals = self._cross_worker(self._local_sums(values), options, reduce_op, site)
+        totals = self._cross_worker(values, options, reduce_op, site)
         workers = self._num_between_graph_workers
         out = []
         for (value, destinations), total in zip(value_destination_pairs, totals, strict=True):
