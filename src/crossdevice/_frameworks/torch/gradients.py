@@ -140,8 +140,8 @@ class GradientSync:
             return
         current = self._replica_index()
         if current is None:
-            # backward outside `strategy.run`: there are no peers to meet; the optimizer
-            # refuses to step on gradients that were never reduced.
+            # backward outside `strategy.run`: there are no peers to meet. The gradients
+            # stay local, and MirroredOptimizer.step() refuses to run outside `run`.
             return
         if current != replica:
             raise RuntimeError(
