@@ -69,12 +69,14 @@ def _mismatch_step(cell: str, rank: int, world_size: int) -> Callable[[], Any]:
             return ctx.all_gather(x, axis=0) if odd else ctx.all_reduce("sum", x)
         if cell == "structure":
             return ctx.all_reduce("sum", [x] if odd else [x, x])
+        if cell == "same_leaves":  # the same leaves in another nest: no leaf differs
+            return ctx.all_reduce("sum", {"a": x, "b": x} if odd else [x, x])
         raise AssertionError(cell)
 
     return step
 
 
-MISMATCH_CELLS = ("shape", "dtype", "order", "op", "kind", "structure")
+MISMATCH_CELLS = ("shape", "dtype", "order", "op", "kind", "structure", "same_leaves")
 
 
 def mismatches(rank: int, world_size: int, local: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ __all__ = [
     "flatten_columns",
     "is_registered_node",
     "map_structure",
+    "structure_repr",
     "unflatten",
 ]
 
@@ -52,6 +53,15 @@ def flatten_columns(
             raise StructureMismatchError(mismatch(structure, i, spec))
         flats.append(leaves)
     return structure, list(zip(*flats, strict=True))
+
+
+def structure_repr(tree: Any) -> str:
+    """The text of `tree`'s structure, leaves aside: equal text, equal nest.
+
+    `structure_repr({"a": 1, "b": 2}) != structure_repr([1, 2])`; it is what workers
+    compare (through a digest) before reducing nests together.
+    """
+    return repr(optree.tree_structure(tree, **_KW))
 
 
 def unflatten(structure: Any, leaves: list[Any]) -> Any:

@@ -88,7 +88,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._options = CommunicationOptions().merge(options)
         self._pool = BufferPool()
         #: Set by the strategy from a replica thread just before a replica all-reduce.
-        self.replica_call_site: tuple[str, str, int] | bool | None = False
+        self.replica_call_site: object = False
 
     @property
     def _num_between_graph_workers(self) -> int:

@@ -96,9 +96,11 @@ class _MultiWorkerExtended(ReplicatedExtended):
 
             ops = self._cross_device_ops
             if isinstance(ops, CollectiveAllReduce):
-                # The user's line, read on the replica's own thread; every local replica
-                # writes the same value, and the merge reads it once all have arrived.
-                ops.replica_call_site = call_site()
+                # The user's line, read on the replica's own thread, and the value's nest
+                # structure ({'a': x} and [x] have the same leaves: the fingerprint's
+                # shapes alone would pass them). Every local replica writes the same
+                # value, and the merge reads it once all have arrived.
+                ops.replica_call_site = (call_site(), nest.structure_repr(value))
         return super()._replica_all_reduce(replica_id, op, value, options)
 
     def _merge_timeout(self) -> float | None:
