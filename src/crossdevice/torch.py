@@ -35,6 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised without torch
         "machine first pip install torch==2.13.0, or the CPU wheel for your platform)"
     ) from exc
 
+from crossdevice._arrays.torch_random import replica_generator as replica_generator
 from crossdevice._core.exports import fix_module_metadata as _fix_module_metadata
 from crossdevice._frameworks.torch.batchnorm import SyncBatchNorm as SyncBatchNorm
 from crossdevice._frameworks.torch.batchnorm import (
@@ -47,7 +48,6 @@ from crossdevice._frameworks.torch.losses import compute_average_loss as compute
 from crossdevice._frameworks.torch.module import MirroredModule as MirroredModule
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer as MirroredOptimizer
 from crossdevice._frameworks.torch.prepare import prepare as prepare
-from crossdevice._frameworks.torch.random import replica_generator as replica_generator
 from crossdevice._frameworks.torch.threads import (
     default_threads_per_replica as default_threads_per_replica,
 )

@@ -362,3 +362,26 @@ def test_a_single_replica_draws_from_torchs_generator(torch: Any, cdt: Any) -> N
     torch.manual_seed(5)
     torch.testing.assert_close(inside, torch.rand(3))
     assert strategy.run(cdt.replica_generator) is None
+
+
+def test_replica_streams_need_no_prepare(torch: Any) -> None:
+    # A fresh process: no crossdevice.torch, no mirrored module; torch imported, then run.
+    import subprocess
+    import sys
+
+    code = """
+import torch, crossdevice
+crossdevice.config.set_logical_cpu_devices(3)
+s = crossdevice.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+def draws():
+    torch.manual_seed(0)
+    return [t.tolist() for t in s.experimental_local_results(s.run(lambda: torch.rand(4)))]
+a, b = draws(), draws()
+assert a == b, (a, b)
+assert len({tuple(x) for x in a}) == 3, a
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.stdout.strip() == "ok", done.stdout + done.stderr

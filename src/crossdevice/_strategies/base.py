@@ -187,8 +187,12 @@ class Strategy:
             cross = self._run_frame = context.Frame(self)
         self._runs += 1
         if "torch" in sys.modules:
-            # Refuse torch modules and optimizers shared by every replica (at first use).
+            # Refuse torch modules and optimizers shared by every replica (at first use),
+            # and give each replica its own random stream (torch has one, process-wide).
+            from crossdevice._arrays import torch_random  # imports torch: loaded already
+
             torch_guard.install()
+            torch_random.install()
         context.push_frame(cross)
         try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))

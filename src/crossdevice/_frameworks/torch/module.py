@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from crossdevice._arrays import torch_guard
+from crossdevice._arrays import torch_guard, torch_random
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
-from crossdevice._frameworks.torch import random as replica_random
 from crossdevice._frameworks.torch.gradients import DEFAULT_BUCKET_CAP_BYTES, GradientSync
 from crossdevice._frameworks.torch.replicas import (
     local_replica_index,
@@ -117,7 +116,7 @@ class MirroredModule(torch.nn.Module):
         self.training = module.training
         torch_guard.mark(self, strategy, None)
         torch_guard.install()
-        replica_random.install()
+        torch_random.install()
         apply_thread_policy(len(replicas), threads_per_replica)
 
     # --- which copy -----------------------------------------------------------------------

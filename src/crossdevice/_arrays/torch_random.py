@@ -10,8 +10,9 @@ generator is seeded from it and `r`'s global replica id. Replicas thus draw diff
 masks, and two runs seeded alike give bitwise the same draws whatever the thread timing.
 
 torch has no thread-local generator, so the module-level functions and `Tensor`
-methods that draw are wrapped once, process-wide (outside replicas they call torch
-unchanged): `torch.rand`, `randn`, `randint`, `randperm`, `rand_like`, `randn_like`,
+methods that draw are wrapped once, process-wide, by the first `strategy.run` after
+torch is imported (outside replicas, and with one replica, they call torch unchanged):
+`torch.rand`, `randn`, `randint`, `randperm`, `rand_like`, `randn_like`,
 `randint_like`, `bernoulli`, `multinomial`, `normal`, `poisson`; the in-place
 `Tensor.uniform_`, `normal_`, `bernoulli_`, `random_`, `exponential_`, `geometric_`,
 `log_normal_`, `cauchy_`; and `torch.nn.functional.dropout`, `dropout1d/2d/3d`, which
