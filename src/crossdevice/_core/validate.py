@@ -127,6 +127,13 @@ def reducible(value: Any, what: str) -> None:
     Raises:
         TypeError: naming the first bad leaf's path in the nest and its dtype.
     """
+    kind = type(value)
+    if kind is float or kind is int:
+        return  # one plain leaf (a loss, a count): no nest to walk
+    if (kind is np.ndarray or isinstance(value, np.generic)) and (
+        value.dtype.kind in _NUMERIC_KINDS
+    ):
+        return
     leaves = optree.tree_leaves(value, **_NEST)
     distributed = None
     for leaf in leaves:
