@@ -159,11 +159,9 @@ class ReplicaContext:
             # through an autograd function whose backward all-reduces the gradients.
             from crossdevice._arrays import torch_autograd
 
-            def reduce(op: ReduceOp, xs: list[Any]) -> list[Any]:
-                return extended._replica_all_reduce(self._replica_id, op, xs, options)
-
             leaves = [_as_tensor(x) for x in leaves]
-            return nest.unflatten(structure, torch_autograd.all_reduce(reduce, op, leaves))
+            reduced = torch_autograd.all_reduce(self._reduce_list(options), op, leaves)
+            return nest.unflatten(structure, reduced)
         return extended._replica_all_reduce(self._replica_id, op, value, options)
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
@@ -192,14 +190,23 @@ class ReplicaContext:
             def gather(xs: list[Any], gather_axis: int) -> list[Any]:
                 return extended._replica_all_gather(self._replica_id, xs, gather_axis, options)
 
-            def reduce(op: ReduceOp, xs: list[Any]) -> list[Any]:
-                return extended._replica_all_reduce(self._replica_id, op, xs, options)
-
             leaves = [_as_tensor(x) for x in leaves]
+            reduce = self._reduce_list(options)
             index = self._replica_id
             gathered = torch_autograd.all_gather(gather, reduce, ReduceOp.SUM, leaves, axis, index)
             return nest.unflatten(structure, gathered)
         return extended._replica_all_gather(self._replica_id, value, axis, options)
+
+    def _reduce_list(
+        self, options: CommunicationOptions | None
+    ) -> Callable[[ReduceOp, list[Any]], list[Any]]:
+        """This replica's plain all-reduce of a list (what the autograd functions call)."""
+        extended = self._strategy.extended
+
+        def reduce(op: ReduceOp, xs: list[Any]) -> list[Any]:
+            return extended._replica_all_reduce(self._replica_id, op, xs, options)
+
+        return reduce
 
     def __enter__(self) -> ReplicaContext:
         self._frame = context.Frame(self._strategy, self, self._replica_id)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -109,11 +109,6 @@ class GradientSync:
                     )
             _install_backward_wrapper()
 
-    @property
-    def num_buckets(self) -> int:
-        """How many buckets each backward pass reduces."""
-        return len(self._buckets)
-
     def bucket_sizes(self) -> list[int]:
         """The number of parameters in each bucket, in reduction order."""
         return [len(b.indices) for b in self._buckets]
@@ -121,12 +116,6 @@ class GradientSync:
     def no_sync(self, replica: int) -> _NoSync:
         """Context manager: backward passes inside only accumulate local gradients."""
         return _NoSync(self, replica)
-
-    def remove(self) -> None:
-        """Remove the hooks (the module stops reducing gradients)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     # --- hooks ----------------------------------------------------------------------------
     def _hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
@@ -289,8 +278,3 @@ def _install_backward_wrapper() -> None:
         backward.__doc__ = original.__doc__
         backward.__wrapped__ = original  # type: ignore[attr-defined]
         torch.autograd.backward = backward
-
-
-def iter_params(module: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
-    """The parameters of `module` that take gradients, in registration order."""
-    return (p for p in module.parameters() if p.requires_grad)

@@ -16,7 +16,7 @@ from crossdevice._core import context
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_strategy
 
-__all__ = ["in_replica_of", "local_replica_index", "strategy_or_current", "torch_devices"]
+__all__ = ["local_replica_index", "strategy_or_current", "torch_devices"]
 
 
 def strategy_or_current(strategy: Strategy | None, what: str) -> Strategy:
@@ -63,12 +63,6 @@ def local_replica_index(strategy: Strategy) -> int | None:
     if frame.replica_context is not None:
         return frame.local_replica_id
     return frame.update_replica_id
-
-
-def in_replica_of(strategy: Strategy) -> bool:
-    """Whether the caller is one of `strategy`'s replicas (inside `strategy.run`)."""
-    frame = context.current_frame()
-    return frame is not None and frame.strategy is strategy and frame.replica_context is not None
 
 
 def torch_devices(strategy: Strategy) -> list[torch.device]:
