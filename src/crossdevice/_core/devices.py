@@ -27,10 +27,14 @@ __all__ = [
     "device_scope",
     "device_type",
     "get_logical_cpu_devices",
+    "get_logical_gpu_devices",
     "list_logical_devices",
     "local_host_device",
     "num_gpus",
+    "num_physical_gpus",
+    "physical_gpu_index",
     "set_logical_cpu_devices",
+    "set_logical_gpu_devices",
     "swap_device_stack",
 ]
 
@@ -40,6 +44,7 @@ __all__ = [
 #: cores (at least 2), so `MirroredStrategy(["CPU:0", "CPU:1"])` works out of the box.
 DEFAULT_LOGICAL_CPUS: Final = max(2, os.cpu_count() or 1)
 _ENV_LOGICAL_CPUS: Final = "CROSSDEVICE_LOGICAL_CPUS"
+_ENV_LOGICAL_GPUS: Final = "CROSSDEVICE_LOGICAL_GPUS"
 
 _SPEC_RE = re.compile(
     r"^(?:/job:(?P<job>[A-Za-z0-9_.-]+))?"
@@ -162,25 +167,29 @@ class _Config:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.logical_cpus: int | None = None
+        self.logical_gpus: int | None = None
 
 
 _CONFIG = _Config()
 
 
-def _env_logical_cpus() -> int | None:
-    raw = os.environ.get(_ENV_LOGICAL_CPUS)
+def _env_count(name: str) -> int | None:
+    raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
         value = int(raw)
     except ValueError:
         raise ValueError(
-            f"{_ENV_LOGICAL_CPUS} must be a positive integer, got {raw!r}; "
-            f"unset it or write e.g. {_ENV_LOGICAL_CPUS}=4"
+            f"{name} must be a positive integer, got {raw!r}; unset it or write e.g. {name}=4"
         ) from None
     if value < 1:
-        raise ValueError(f"{_ENV_LOGICAL_CPUS} must be >= 1, got {value}")
+        raise ValueError(f"{name} must be >= 1, got {value}; unset it or write e.g. {name}=4")
     return value
+
+
+def _env_logical_cpus() -> int | None:
+    return _env_count(_ENV_LOGICAL_CPUS)
 
 
 def set_logical_cpu_devices(n: int) -> None:
@@ -214,7 +223,7 @@ def get_logical_cpu_devices() -> int:
     return from_env if from_env is not None else DEFAULT_LOGICAL_CPUS
 
 
-def num_gpus() -> int:
+def num_physical_gpus() -> int:
     """CUDA devices visible through torch; 0 when torch is not installed or has no CUDA."""
     import importlib.util
 
@@ -223,6 +232,71 @@ def num_gpus() -> int:
     import torch
 
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def set_logical_gpu_devices(n: int | None) -> None:
+    """Offer `n` logical GPUs `GPU:0` … `GPU:n-1` on the CUDA devices of this host.
+
+    TF's `tf.config.set_logical_device_configuration(gpu, [LogicalDeviceConfiguration()] * n)`
+    splits one physical GPU into several; this is its counterpart, and how multi-GPU code
+    (`MirroredStrategy(["GPU:0", "GPU:1", ...])`) runs on a one-GPU machine. Logical GPU
+    `k` lives on CUDA device `k % P` (P physical GPUs). Each logical GPU gets its own CUDA
+    stream, so its replica's work is ordered as on a GPU of its own. Logical GPUs on one
+    card share its memory; NCCL, which refuses two ranks on one device, is replaced by an
+    in-order sum on the card (see `NcclAllReduce`).
+
+    Strategies already built keep their devices. The environment variable
+    `CROSSDEVICE_LOGICAL_GPUS=n` does the same for a whole process.
+
+    Args:
+        n: the number of logical GPUs, at least 1; `None` offers the physical GPUs again.
+
+    Raises:
+        ValueError: `n` is not a positive int.
+        RuntimeError: no CUDA device is visible (there is nothing to split).
+    """
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(
+            f"the number of logical GPUs must be an int >= 1 or None, got {n!r}; "
+            "write e.g. set_logical_gpu_devices(4)"
+        )
+    if n is not None and num_physical_gpus() == 0:
+        raise RuntimeError(
+            f"set_logical_gpu_devices({n}) needs at least one CUDA device, but torch sees "
+            "none (torch is not installed, is a CPU build, or CUDA_VISIBLE_DEVICES hides "
+            "every GPU); use logical CPU devices instead: set_logical_cpu_devices(n)"
+        )
+    with _CONFIG.lock:
+        _CONFIG.logical_gpus = n
+
+
+def get_logical_gpu_devices() -> int | None:
+    """The configured number of logical GPUs (`set_logical_gpu_devices` or the env var), or None."""
+    with _CONFIG.lock:
+        configured = _CONFIG.logical_gpus
+    if configured is not None:
+        return configured
+    return _env_count(_ENV_LOGICAL_GPUS)
+
+
+def num_gpus() -> int:
+    """The GPUs offered as `GPU:i`: the logical GPUs when configured, else the CUDA devices.
+
+    Logical GPUs need a CUDA device: with none visible there are none.
+    """
+    physical = num_physical_gpus()
+    logical = get_logical_gpu_devices()
+    if logical is None or physical == 0:
+        return physical
+    return logical
+
+
+def physical_gpu_index(index: int) -> int:
+    """The CUDA device index behind `GPU:index` (itself without logical GPUs)."""
+    if get_logical_gpu_devices() is None:
+        return index
+    physical = num_physical_gpus()
+    return index % physical if physical else index
 
 
 def list_logical_devices(device_type: str | None = None) -> list[LogicalDevice]:
