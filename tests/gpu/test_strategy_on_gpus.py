@@ -266,3 +266,44 @@ def test_default_mirrored_strategy_takes_every_gpu(gpus: Gpus) -> None:
     strategy = crossdevice.MirroredStrategy()
     assert strategy.num_replicas_in_sync == NUM_GPUS
     assert [d.rsplit("device:", 1)[-1] for d in strategy.extended.worker_devices] == gpus.names
+
+
+def _gpu_per_replica(gpus: Gpus, make: Callable[[int], Any]) -> Any:
+    from crossdevice._values.values import PerReplica
+
+    return PerReplica([make(i).to(gpus.torch_device(i)) for i in range(NUM_GPUS)], gpus.names)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("ops", list(OPS))
+def test_cross_device_ops_reduce_to_one_gpu_and_to_the_host(gpus: Gpus, ops: str, op: str) -> None:
+    cross_device_ops = OPS[ops]()
+    value = _gpu_per_replica(gpus, lambda i: torch.full((3,), float(i + 1)))
+    total = float(sum(range(1, NUM_GPUS + 1)))
+    want = total if op == "sum" else total / NUM_GPUS
+    on_gpu = cross_device_ops.reduce(op, value, "GPU:2")
+    assert on_gpu.device == gpus.torch_device(2)
+    assert on_gpu.cpu().tolist() == [want] * 3
+    on_host = cross_device_ops.reduce(op, value, "CPU:0")
+    assert on_host.device.type == "cpu"
+    assert on_host.tolist() == [want] * 3
+    for component in value.values:  # inputs untouched
+        assert component.cpu().tolist()[0] in range(1, NUM_GPUS + 1)
+
+
+@pytest.mark.parametrize("ops", list(OPS))
+def test_cross_device_ops_broadcast_and_gather_on_gpus(gpus: Gpus, ops: str) -> None:
+    from crossdevice._values.values import Mirrored
+
+    cross_device_ops = OPS[ops]()
+    source = torch.arange(4.0).to(gpus.torch_device(0))
+    destination = Mirrored([torch.zeros(1).to(gpus.torch_device(i)) for i in range(4)], gpus.names)
+    copies = cross_device_ops.broadcast(source, destination)
+    _assert_on_own_gpus(gpus, list(copies.values))
+    for copy in copies.values:
+        assert copy.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    value = _gpu_per_replica(gpus, lambda i: torch.full((1, 2), float(i)))
+    gathered = cross_device_ops._gather(value, value, axis=0)
+    _assert_on_own_gpus(gpus, list(gathered.values))
+    for component in gathered.values:
+        assert component.cpu().tolist() == [[float(i)] * 2 for i in range(NUM_GPUS)]
