@@ -199,8 +199,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(t: torch.Tensor) -> int:
+    """The address of `t`'s memory; 0 for an empty tensor (no memory, nothing to race on)."""
     with torch._C.DisableTorchFunctionSubclass():
-        return int(t.untyped_storage().data_ptr())
+        storage = t.untyped_storage()
+        return int(storage.data_ptr()) if storage.nbytes() else 0
 
 
 _FACTORIES = (
@@ -295,7 +297,8 @@ class FakeCuda:
 
     # --- reads and writes -------------------------------------------------------------
     def read(self, t: torch.Tensor, stream: FakeStream) -> None:
-        writer = self.writers.get(_storage_key(t))
+        key = _storage_key(t)
+        writer = self.writers.get(key) if key else None
         if writer is not None and writer[0] != stream.key and not stream.knows(writer):
             raise FakeCudaRaceError(
                 f"{stream!r} read a tensor on cuda:{stream.device_index} that "
@@ -306,7 +309,10 @@ class FakeCuda:
     def write(self, t: torch.Tensor, stream: FakeStream) -> None:
         self.stream_names[stream.key] = repr(stream)
         self.stream_devices[stream.key] = stream.device_index
-        self.writers[_storage_key(t)] = stream.tick()
+        key = _storage_key(t)
+        clock = stream.tick()
+        if key:
+            self.writers[key] = clock
 
     def adopt(self, t: torch.Tensor, index: int) -> FakeCudaTensor:
         """Tag a tensor that torch made natively (autograd's gradients, `.data` aliases).
@@ -323,6 +329,9 @@ class FakeCuda:
     # --- dispatch of operations on fake tensors ---------------------------------------
     def dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         name = getattr(func, "__name__", str(func))
+        if name in _NO_KERNEL:  # metadata: no memory read, nothing to check or tag
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         special = getattr(self, f"_t_{name}", None)
         if special is not None and name in _SPECIAL:
             return special(*args, **kwargs)
@@ -488,8 +497,8 @@ class FakeCuda:
             dst = self.index_of(device)
         else:
             dst = None
-        nbytes = x.numel() * x.element_size()
         with torch._C.DisableTorchFunctionSubclass():
+            nbytes = x.numel() * x.element_size()
             data = x.to(dtype) if dtype is not None else x
             if src == dst and data is x and not copy:
                 return x
@@ -882,6 +891,27 @@ _SPECIAL = {
     "is_pinned",
     "record_stream",
     "copy_",
+}
+#: Metadata queries: answered at once, without the device rules.
+_NO_KERNEL = {
+    "numel",
+    "element_size",
+    "dim",
+    "size",
+    "stride",
+    "storage_offset",
+    "is_contiguous",
+    "data_ptr",
+    "untyped_storage",
+    "is_floating_point",
+    "is_complex",
+    "__len__",
+    "nelement",
+    "ndimension",
+    "is_leaf",
+    "requires_grad",
+    "dtype",
+    "shape",
 }
 #: Operations that make views or read metadata: no kernel, not counted as passes.
 _VIEWS = {

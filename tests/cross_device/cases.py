@@ -62,18 +62,37 @@ MEAN_TOLERANCE = {
 }
 
 
+#: The device type the suite runs on: "CPU", or "GPU" while it is bound to GPUs
+#: (`test_contract_on_gpus.py`), where device `i` is `GPU:i` and torch values live there.
+DEVICE_TYPE = "CPU"
+
+
+def dev(i: int) -> str:
+    """The short name of device `i` of the bound type: `CPU:i` (or `GPU:i`)."""
+    return f"{DEVICE_TYPE}:{i}"
+
+
 def cpu(i: int) -> str:
-    """The canonical name of logical CPU `i`."""
-    return canonicalize(f"CPU:{i}")
+    """The canonical name of device `i` of the bound type (logical CPU `i` by default)."""
+    return canonicalize(dev(i))
 
 
 def make(backend: Backend, data: Any, dtype: str) -> Any:
-    """`data` as an array of `backend` with `dtype`."""
+    """`data` as an array of `backend` with `dtype` (on device 0 when bound to GPUs)."""
     if backend.name == "numpy":
         return np.asarray(data).astype(dtype)
     import torch
 
     return backend.make(np.asarray(data)).to(getattr(torch, dtype))
+
+
+def on_device(x: Any, i: int) -> Any:
+    """`x` on device `i` when the suite is bound to GPUs (host arrays otherwise)."""
+    if DEVICE_TYPE == "CPU":
+        return x
+    from crossdevice._arrays import backend_for
+
+    return backend_for(x).to_device(x, dev(i))
 
 
 def dtype_name(x: Any) -> str:
@@ -84,11 +103,11 @@ def dtype_name(x: Any) -> str:
 def per_replica(
     backend: Backend, n: int, dtype: str = "float32", shape: tuple[int, ...] = (2, 3), seed: int = 0
 ) -> PerReplica:
-    """`n` integer-valued components on CPU:0..n-1 (sums are exact in every dtype)."""
+    """`n` integer-valued components on devices 0..n-1 (sums are exact in every dtype)."""
     rng = np.random.default_rng(seed)
     return PerReplica(
-        [make(backend, rng.integers(-4, 5, size=shape) + i, dtype) for i in range(n)],
-        devices=[f"CPU:{i}" for i in range(n)],
+        [on_device(make(backend, rng.integers(-4, 5, size=shape) + i, dtype), i) for i in range(n)],
+        devices=[dev(i) for i in range(n)],
     )
 
 

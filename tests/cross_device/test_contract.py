@@ -24,8 +24,10 @@ from tests.cross_device.cases import (
     MEAN_TOLERANCE,
     assert_unchanged,
     cpu,
+    dev,
     dtype_name,
     make,
+    on_device,
     per_replica,
     reference,
     snapshot,
@@ -46,11 +48,11 @@ def _permuted(backend: Backend, value: PerReplica) -> tuple[Any, tuple[str, ...]
 
 def _string_outside(backend: Backend, value: PerReplica) -> tuple[Any, tuple[str, ...]]:
     n = len(value.values)
-    return f"/cpu:{n}", (cpu(n),)
+    return f"/{dev(n).lower()}", (cpu(n),)
 
 
 def _string_first(backend: Backend, value: PerReplica) -> tuple[Any, tuple[str, ...]]:
-    return "CPU:0", (cpu(0),)
+    return dev(0), (cpu(0),)
 
 
 def _mirrored(backend: Backend, value: PerReplica) -> tuple[Any, tuple[str, ...]]:
@@ -60,7 +62,7 @@ def _mirrored(backend: Backend, value: PerReplica) -> tuple[Any, tuple[str, ...]
 
 
 def _variable(backend: Backend, value: PerReplica) -> tuple[Any, tuple[str, ...]]:
-    return Variable(make(backend, np.zeros(3), "float32"), device="CPU:5"), (cpu(5),)
+    return Variable(make(backend, np.zeros(3), "float32"), device=dev(5)), (cpu(5),)
 
 
 def _array(backend: Backend, value: PerReplica) -> tuple[Any, tuple[str, ...]]:
@@ -139,9 +141,9 @@ def test_batch_reduce(ops: CrossDeviceOps, backend: Backend, n: int) -> None:
     a = per_replica(backend, n, "float32", (3,), seed=1)
     b = per_replica(backend, n, "int64", (2, 2), seed=2)
     c = per_replica(backend, n, "float64", (), seed=3)
-    variable = Variable(make(backend, np.zeros(2), "float32"), device="CPU:4")
+    variable = Variable(make(backend, np.zeros(2), "float32"), device=dev(4))
     all_reduce = [(a, a), (b, b), (c, c)]
-    mixed = [(a, a), (b, "CPU:0"), (c, variable)]
+    mixed = [(a, a), (b, dev(0)), (c, variable)]
     for op in ["SUM", "MEAN"]:
         for pairs in (all_reduce, mixed):
             before = snapshot(a, b, c, variable)
@@ -151,7 +153,7 @@ def test_batch_reduce(ops: CrossDeviceOps, backend: Backend, n: int) -> None:
                 devices = (
                     value._devices
                     if destinations is value
-                    else ((cpu(0),) if destinations == "CPU:0" else (cpu(4),))
+                    else ((cpu(0),) if destinations == dev(0) else (cpu(4),))
                 )
                 dtype = dtype_name(value.values[0])
                 shortcut = n == 1 and set(devices) == set(value._devices)
@@ -211,7 +213,7 @@ def test_broadcast(ops: CrossDeviceOps, backend: Backend, n: int) -> None:
         components = result.values if isinstance(result, Mirrored) else (result,)
         assert all(c is not tensor for c in components)
         assert_unchanged(before, tensor, destinations)
-    mirrored = ops.broadcast(Mirrored([tensor, tensor]), "CPU:7")
+    mirrored = ops.broadcast(Mirrored([tensor, tensor]), dev(7))
     np.testing.assert_array_equal(to_numpy(mirrored), np.arange(6).reshape(2, 3))
 
 
@@ -222,11 +224,11 @@ def test_gather(ops: CrossDeviceOps, backend: Backend, axis: int, n: int) -> Non
     for i in range(n):
         shape = [2, 3]
         shape[axis] = i + 1  # sizes may differ along the gather axis only
-        parts.append(make(backend, np.full(shape, i), "int32"))
-    value = PerReplica(parts, devices=[f"CPU:{i}" for i in range(n)])
+        parts.append(on_device(make(backend, np.full(shape, i), "int32"), i))
+    value = PerReplica(parts, devices=[dev(i) for i in range(n)])
     expected = np.concatenate([to_numpy(p) for p in parts], axis=axis)
     before = snapshot(value)
-    for destinations, devices in [(value, value._devices), ("CPU:9", (cpu(9),))]:
+    for destinations, devices in [(value, value._devices), (dev(9), (cpu(9),))]:
         result = ops._gather(value, destinations, axis)
         check_result(result, devices, expected, "int32", "SUM", f"gather to {destinations!r}")
     assert_unchanged(before, value)
