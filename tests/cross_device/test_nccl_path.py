@@ -42,6 +42,7 @@ class FakeNccl:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, int]] = []  # (collective, wire dtype, op)
         self.buffers: list[list[Any]] = []  # the tensors each all_reduce wrote
+        self.read: list[list[Any]] = []  # the tensors each all_reduce read
         self.active = 0
         self.max_active = 0
         self.delay = 0.0
@@ -75,6 +76,7 @@ class FakeNccl:
             wire = self._wire(list(inputs))
             self.calls.append(("all_reduce", inputs[0].dtype, op))
             self.buffers.append(list(outputs))
+            self.read.append(list(inputs))
             n = len(wire)
             if op == 0:
                 total = wire[0].clone()
@@ -370,3 +372,17 @@ def test_nccl_launches_never_interleave_across_threads(fake: FakeNccl) -> None:
     assert not errors
     assert len(fake.calls) == 4
     assert fake.max_active == 1, "two torch.cuda.nccl launches ran at once"
+
+
+def test_users_tensors_are_read_out_of_place_not_cloned(fake: FakeNccl) -> None:
+    n = 2
+    parts = [torch.full((5,), float(i + 1)) for i in range(n)]
+    value = per_replica(parts, n)
+    (result,) = NcclAllReduce(num_packs=0).batch_reduce("sum", [(value, value)])
+    user = {p.untyped_storage().data_ptr() for p in parts}
+    # NCCL reads the user's tensors themselves (no clone pass) and writes new buffers.
+    assert {t.untyped_storage().data_ptr() for t in fake.read[0]} == user
+    written = {t.untyped_storage().data_ptr() for t in fake.buffers[0]}
+    assert not written & user
+    assert {c.untyped_storage().data_ptr() for c in components(result)} == written
+    assert [p.tolist() for p in parts] == [[1.0] * 5, [2.0] * 5]

@@ -195,12 +195,25 @@ def on_distinct_gpus(tensors: Sequence[Any]) -> bool:
     return len(set(indices)) == len(indices) and nccl_available()
 
 
-def all_reduce(tensors: Sequence[Any], op: int = NCCL_SUM) -> None:
-    """`torch.cuda.nccl.all_reduce(tensors, op=op)` in place, under the process-wide lock."""
+def all_reduce(
+    tensors: Sequence[Any], op: int = NCCL_SUM, outputs: Sequence[Any] | None = None
+) -> None:
+    """`torch.cuda.nccl.all_reduce` under the process-wide lock.
+
+    Args:
+        tensors: one contiguous CUDA tensor per device.
+        op: an `ncclRedOp_t` (`NCCL_SUM`, `NCCL_MAX`, `NCCL_AVG`).
+        outputs: where to write (one per device); None reduces `tensors` in place.
+    """
     import torch.cuda.nccl
 
     with _LAUNCH_LOCK:
-        torch.cuda.nccl.all_reduce(list(tensors), op=op)  # type: ignore[no-untyped-call]
+        if outputs is None:
+            torch.cuda.nccl.all_reduce(list(tensors), op=op)  # type: ignore[no-untyped-call]
+        else:
+            torch.cuda.nccl.all_reduce(  # type: ignore[no-untyped-call]
+                list(tensors), outputs=list(outputs), op=op
+            )
 
 
 def reduce(inputs: Sequence[Any], output: Any, root: int, op: int = NCCL_SUM) -> None:

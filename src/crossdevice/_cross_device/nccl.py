@@ -130,6 +130,9 @@ def _nccl_all_reduce(
 ) -> list[Any]:
     """All-reduce `pieces[j]` (one array per GPU) with NCCL; returns new tensors (or ours, reused).
 
+    The user's tensors are never written: NCCL reads them and writes new buffers (out of
+    place); pack buffers of ours are reduced in place.
+
     Floating MEAN is ncclAvg (NCCL >= 2.10) or an in-place division of the buffer NCCL
     wrote: no second tensor per device. Integer (and bool) MEAN is the sum divided into
     the default float dtype, as on the CPU path (TF's `true_divide` semantics).
@@ -146,24 +149,30 @@ def _nccl_all_reduce(
     route = nccl_calls.sum_route(moved[0].dtype)
     if route.kind == nccl_calls.IN_ORDER:
         return _in_order_all_reduce(moved, devices, reduce_op)
-    tensors = []
-    writes_in_place = route.kind != nccl_calls.UPCAST  # an upcast is a new buffer already
-    for piece, tensor in zip(pieces, moved, strict=True):
-        if writes_in_place and ((user_owned and tensor is piece) or not tensor.is_contiguous()):
-            # NCCL writes in place: never into the user's tensor, always contiguous.
-            tensors.append(tensor.clone(memory_format=torch.contiguous_format))
-        else:
-            tensors.append(tensor)
+    sources = [t if t.is_contiguous() else t.contiguous() for t in moved]
+    if route.kind == nccl_calls.UPCAST:
+        # The upcast is a new buffer of ours: reduce it in place.
+        wire_in = [route.to_wire(t) for t in sources]
+        wire_out, results = wire_in, sources
+    elif user_owned or any(s is p for s, p in zip(sources, pieces, strict=True)):
+        # Never write the user's tensor: NCCL reads it and writes a new buffer (out of
+        # place, as nccl-tests' out-of-place mode), which saves a clone pass.
+        results = [torch.empty_like(t) for t in sources]
+        wire_in = [route.to_wire(t) for t in sources]
+        wire_out = [route.to_wire(t) for t in results]
+    else:  # our pack buffer (or a fresh upload): in place
+        wire_in = wire_out = [route.to_wire(t) for t in sources]
+        results = sources
     n = len(devices)
     mean = reduce_op is ReduceOp.MEAN
     average = mean and route.floating and nccl_calls.has_avg()
-    wire = [route.to_wire(t) for t in tensors]
-    if tensors[0].numel() > 0:  # an empty pack (num_packs > elements) has nothing to add
-        nccl_calls.all_reduce(wire, nccl_calls.NCCL_AVG if average else route.op)
+    if sources[0].numel() > 0:  # an empty pack (num_packs > elements) has nothing to add
+        op = nccl_calls.NCCL_AVG if average else route.op
+        nccl_calls.all_reduce(wire_in, op, outputs=None if wire_out is wire_in else wire_out)
         if mean and route.floating and not average:
-            for w in wire:
+            for w in wire_out:
                 w.div_(n)  # the buffer is ours: divide in place
-    out = [route.from_wire(w, t) for w, t in zip(wire, tensors, strict=True)]
+    out = [route.from_wire(w, t) for w, t in zip(wire_out, results, strict=True)]
     if mean and not route.floating:
         out = [backend_for(t).divide(t, n) for t in out]
     return out
