@@ -7,6 +7,8 @@ that differs from TF carries a `# TF:` comment with the TF line it replaces. Run
 
     python examples/custom_training_loop.py                    # 4 CPU replicas
     python examples/custom_training_loop.py --strategy one_device
+    python examples/custom_training_loop.py --device-type GPU  # GPU:0..3 (logical GPUs
+                                                # on a host with fewer than 4)
     torchrun --standalone --nproc-per-node 2 examples/custom_training_loop.py \\
         --strategy multi_worker --replicas 2                    # 2 workers x 2 replicas
 
@@ -38,13 +40,13 @@ from crossdevice.datasets import load_digits, train_test_split  # TF: tf.keras.d
 STRATEGIES = ("mirrored", "one_device", "central_storage", "multi_worker")
 
 
-def make_strategy(name: str, replicas: int) -> crossdevice.Strategy:
+def make_strategy(name: str, replicas: int, device_type: str = "CPU") -> crossdevice.Strategy:
     """The strategy to train with (the tutorial's `tf.distribute.MirroredStrategy()`)."""
-    devices = [f"CPU:{i}" for i in range(replicas)]
+    devices = [f"{device_type}:{i}" for i in range(replicas)]
     if name == "mirrored":
         return crossdevice.MirroredStrategy(devices)  # TF: tf.distribute.MirroredStrategy()
     if name == "one_device":
-        return crossdevice.OneDeviceStrategy("CPU:0")
+        return crossdevice.OneDeviceStrategy(devices[0])
     if name == "central_storage":
         return crossdevice.experimental.CentralStorageStrategy(devices, parameter_device="CPU:0")
     # Under torchrun or TF_CONFIG: one process per worker, `replicas` replicas each.
@@ -82,6 +84,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=STRATEGIES, default="mirrored")
     parser.add_argument("--replicas", type=int, default=4, help="local replicas")
+    parser.add_argument(
+        "--device-type",
+        choices=("CPU", "GPU"),
+        default="CPU",
+        help="GPU: replicas on GPU:0..N-1, logical GPUs where the host has fewer",
+    )
     parser.add_argument("--batch-size-per-replica", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
@@ -99,8 +107,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # TF: tf.config.set_logical_device_configuration(cpu, [LogicalDeviceConfiguration()] * 4)
     crossdevice.config.set_logical_cpu_devices(max(2, args.replicas))
+    if args.device_type == "GPU" and torch.cuda.device_count() < args.replicas:
+        # TF: set_logical_device_configuration(gpu, [LogicalDeviceConfiguration(...)] * 4)
+        crossdevice.config.set_logical_gpu_devices(args.replicas)
     torch.set_default_dtype(getattr(torch, args.dtype))  # TF: tf.keras.backend.set_floatx
-    strategy = make_strategy(args.strategy, args.replicas)
+    strategy = make_strategy(args.strategy, args.replicas, args.device_type)
     if not is_chief(strategy):
         say = lambda *_: None  # noqa: E731  (TF: only the chief writes summaries)
     say(f"Number of devices: {strategy.num_replicas_in_sync}")
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         strategy, args, global_batch_size, train_images, train_labels, test_images, test_labels, say
     )
     if args.check:
-        single = crossdevice.OneDeviceStrategy("CPU:0")
+        single = crossdevice.OneDeviceStrategy(f"{args.device_type}:0")
         reference = train(
             single,
             args,
@@ -257,8 +268,10 @@ def train(
     seconds = time.perf_counter() - start
     replicas = model.replicas
     return {
-        "params": [p.detach().numpy().copy() for p in replicas[0].parameters()],
-        "replica_params": [[p.detach().numpy().copy() for p in r.parameters()] for r in replicas],
+        "params": [p.detach().cpu().numpy().copy() for p in replicas[0].parameters()],
+        "replica_params": [
+            [p.detach().cpu().numpy().copy() for p in r.parameters()] for r in replicas
+        ],
         "test_accuracy": test_correct / len(test_labels),
         "steps": steps,
         "seconds": seconds,

@@ -44,7 +44,8 @@ class NumpyBackend:
             from crossdevice._arrays import get_torch_backend
 
             torch_be = get_torch_backend()
-            return torch_be.to_device(torch_be.asarray(np.ascontiguousarray(x)), device)
+            # np.asarray(order="C"), not np.ascontiguousarray: that makes a 0-d array 1-d.
+            return torch_be.to_device(torch_be.asarray(np.asarray(x, order="C")), device)
         return x
 
     def copy(self, x: Any) -> np.ndarray:

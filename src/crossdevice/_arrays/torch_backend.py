@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - exercised only without torch
 
 import numpy as np
 
-from crossdevice._core.devices import DeviceSpec, canonicalize
+from crossdevice._core.devices import DeviceSpec, canonicalize, physical_gpu_index
 
 __all__ = ["TORCH", "TorchBackend"]
 
@@ -43,17 +43,27 @@ class TorchBackend:
         return None
 
     def torch_device(self, device: str) -> torch.device:
-        """The torch device for a TF device string."""
+        """The torch device for a TF device string (a logical GPU: the CUDA device behind it)."""
         spec = DeviceSpec.from_string(device)
         if spec.device_type == "GPU":
-            return torch.device("cuda", spec.device_index or 0)
+            return torch.device("cuda", physical_gpu_index(spec.device_index or 0))
         return torch.device("cpu")
 
     def to_device(self, x: Any, device: str) -> Any:
-        """`x.to(device)`; host → host returns `x`."""
+        """`x.to(device)`; host → host returns `x`; a device already there returns `x`.
+
+        Host → GPU goes through pinned memory without blocking the host (a pageable copy
+        is `cudaStreamSynchronize` on the stream, which waits for every kernel queued
+        there). The copy is made on the calling thread's current stream of the target
+        device, so work queued there after it sees the data. The pinned staging copy is
+        ours: the caller may change `x` as soon as this returns.
+        """
         target = self.torch_device(device)
         if x.device == target or (x.device.type == "cpu" and target.type == "cpu"):
             return x
+        if x.device.type == "cpu":
+            staged = x if x.is_pinned() else x.pin_memory()
+            return staged.to(target, non_blocking=True)
         return x.to(target, non_blocking=False)
 
     def copy(self, x: Any) -> torch.Tensor:

@@ -39,7 +39,7 @@ from crossdevice._collectives.rendezvous import Rendezvous, is_rendezvous_error
 from crossdevice._core import context, devices
 from crossdevice._core import cooperative as cooperative_module
 from crossdevice._core.errors import ReplicaAbortedError
-from crossdevice._replica import execution, thread_state
+from crossdevice._replica import cuda_streams, execution, thread_state
 from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
 
 __all__ = ["ReplicaRunner"]
@@ -114,6 +114,9 @@ class ReplicaRunner:
         # The thread running a merge_fn of this runner (a nested run starts there).
         self._merging: int | None = None
         self._nested: ReplicaRunner | None = None
+        # GPU replicas: their CUDA device and stream, and the ordering of merge_calls.
+        self._cuda = cuda_streams.cuda_replicas(self._devices)
+        self._cuda_run: cuda_streams.CudaRun | None = None
         self._threads = [
             threading.Thread(
                 target=self._worker, args=(i,), name=f"{name}-replica-{i}", daemon=True
@@ -161,6 +164,7 @@ class ReplicaRunner:
                 self._recover()
             coop, key = self._choose_mode(fn)
             state = thread_state.capture()
+            cuda_run = self._cuda.start() if self._cuda is not None else None
             with self._lock:
                 if self._closed:
                     raise RuntimeError(
@@ -177,6 +181,7 @@ class ReplicaRunner:
                 self._running = [True] * self._n
                 self._interrupted_at = None
                 self._merge_timeout = merge_timeout
+                self._cuda_run = cuda_run
                 current = devices.current_device()
                 self._caller_devices = [current] if current else []
             start = time.perf_counter()
@@ -189,6 +194,8 @@ class ReplicaRunner:
                     args0, kwargs0 = per_replica_args[0]
                     self._run_replica(0, fn, args0, kwargs0)
                     self._wait_done()
+                    if cuda_run is not None:
+                        cuda_run.finish()
             except BaseException as exc:
                 # Only the caller's own waiting gets here (a KeyboardInterrupt while it waits
                 # for the replica threads; the cooperative scheduler failing twice): replicas
@@ -238,9 +245,17 @@ class ReplicaRunner:
                 self._merging = outer
                 devices.swap_device_stack(replica_devices)
 
-        return self._rendezvous.merge_call(
-            replica_id, merge_here, value, call, description, self._merge_timeout
+        cuda_run = self._cuda_run
+        if cuda_run is None:
+            return self._rendezvous.merge_call(
+                replica_id, merge_here, value, call, description, self._merge_timeout
+            )
+        cuda_run.arrive(replica_id)
+        result = self._rendezvous.merge_call(
+            replica_id, cuda_run.merging(merge_here), value, call, description, self._merge_timeout
         )
+        cuda_run.resume(replica_id)
+        return result
 
     def close(self) -> None:
         """End the replica threads now (idempotent); later runs raise RuntimeError."""
@@ -294,8 +309,13 @@ class ReplicaRunner:
         old_devices = None
         if replica_id == 0:
             old_devices = devices.swap_device_stack([self._devices[0]])
+        cuda_run = self._cuda_run
         try:
-            result = fn(*args, **kwargs)
+            if cuda_run is None:
+                result = fn(*args, **kwargs)
+            else:
+                with cuda_run.replica(replica_id):
+                    result = fn(*args, **kwargs)
         except ReplicaAbortedError:
             result = None
         except BaseException as exc:  # every error reaches the caller of run

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from crossdevice._arrays import backend_for
+from crossdevice._arrays import backend_for, is_array
 from crossdevice._collectives.rendezvous import describe_leaves
 from crossdevice._core import context, nest, validate
 from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope
@@ -21,6 +21,7 @@ from crossdevice._core.errors import ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._input.input_context import ValueContext
+from crossdevice._replica.cuda_streams import cuda_device
 from crossdevice._strategies.context import get_replica_context, require_cross_replica
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
@@ -394,8 +395,12 @@ class StrategyExtended:
         n = self._num_replicas_in_sync
         values = []
         for i, device in enumerate(self._local_devices):
-            with device_scope(device):
-                values.append(value_fn(ValueContext(self._replica_id_offset + i, n)))
+            with device_scope(device), cuda_device(device):
+                value = value_fn(ValueContext(self._replica_id_offset + i, n))
+            # TF creates the values under the replica's device; ours may come from
+            # anywhere, so each array is put on its replica's device (GPU replicas: a CUDA
+            # tensor there; host devices keep host arrays as they are).
+            values.append(nest.map_structure(lambda x, d=device: _placed(x, d), value))
         return regroup(values, PerReplica, True, self._local_devices)
 
     def _input_workers(self) -> tuple[int, int]:
@@ -464,3 +469,8 @@ def _without_axis(shape: tuple[int, ...], axis: int) -> tuple[Any, ...]:
     if not -len(shape) <= axis < len(shape):
         return shape
     return tuple(None if k == axis % len(shape) else d for k, d in enumerate(shape))
+
+
+def _placed(x: Any, device: str) -> Any:
+    """`x` on `device` when it is an array (anything else as it is)."""
+    return backend_for(x).to_device(x, device) if is_array(x) else x

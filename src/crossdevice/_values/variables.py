@@ -93,8 +93,11 @@ def resolve_trainable(trainable: bool | None, synchronization: VariableSynchroni
     return bool(trainable)
 
 
-def make_initial_value(initial_value: Any, dtype: Any) -> Any:
-    """The initial array: call a callable, convert (TF dtype rules), cast to `dtype`, copy."""
+def make_initial_value(initial_value: Any, dtype: Any, *, copy: bool = True) -> Any:
+    """The initial array: call a callable, convert (TF dtype rules), cast to `dtype`, copy.
+
+    `copy=False` may return the caller's own array (for a caller that copies it anyway).
+    """
     if initial_value is None:
         raise ValueError("initial_value must be specified (an array, a number or a callable)")
     if callable(initial_value):
@@ -114,7 +117,7 @@ def make_initial_value(initial_value: Any, dtype: Any) -> Any:
             f"dtype {value.dtype}: {initial_value!r}; keep strings and objects in plain "
             "Python or NumPy values"
         )
-    return backend.copy(value)
+    return backend.copy(value) if copy else value
 
 
 #: NumPy dtype kinds a variable cannot hold: strings, bytes, objects, datetimes, voids.
@@ -227,13 +230,16 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
     ) -> None:
         self._synchronization = as_synchronization(synchronization)
         self._aggregation = as_aggregation(aggregation)
-        value = make_initial_value(initial_value, dtype)
+        value = make_initial_value(initial_value, dtype, copy=False)
         backend = backend_for(value)
         own = backend.device_of(value)
         target = canonicalize(device) if device else (own or current_device() or "CPU:0")
         target = canonicalize(target)
-        if own != backend.device_of(backend.to_device(value, target)):
-            value = backend.to_device(value, target)
+        # Moved once, judged by what came back: a NumPy value bound for a GPU comes back
+        # as a CUDA tensor, which NumPy's backend cannot see the device of. The variable
+        # owns its value: a value that did not move is copied.
+        moved = backend.to_device(value, target)
+        value = backend.copy(value) if moved is value else moved
         self._value = value
         self._device = target
         self._name = unique_name(name)
