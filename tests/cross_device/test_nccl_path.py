@@ -386,3 +386,170 @@ def test_users_tensors_are_read_out_of_place_not_cloned(fake: FakeNccl) -> None:
     assert not written & user
     assert {c.untyped_storage().data_ptr() for c in components(result)} == written
     assert [p.tolist() for p in parts] == [[1.0] * 5, [2.0] * 5]
+
+
+# --- end to end on the fake-CUDA harness (tests/fake_cuda.py) ---------------------------
+
+
+@pytest.fixture
+def four_gpus() -> Iterator[Any]:
+    from tests.fake_cuda import fake_cuda
+
+    with fake_cuda(4) as state:
+        yield state
+
+
+def on_gpus(make: Any, n: int = 4, device: Any = None) -> PerReplica:
+    parts = [make(i).to(device or f"cuda:{i}") for i in range(n)]
+    return PerReplica(parts, devices=gpus(n))
+
+
+def passes(counts: Any, prefix: str = "op:") -> dict[str, int]:
+    return {k: v for k, v in counts.items() if k.startswith(prefix) and v}
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("num_packs", [0, 1])
+def test_fake_cuda_nccl_all_reduce_places_and_launches_once_per_pack(
+    four_gpus: Any, op: str, num_packs: int
+) -> None:
+    value = on_gpus(lambda i: torch.arange(6.0) * (i + 1))
+    other = on_gpus(lambda i: torch.full((2, 2), float(i)))
+    four_gpus.counts.clear()
+    out = NcclAllReduce(num_packs).batch_reduce(op, [(value, value), (other, other)])
+    counts = four_gpus.counts
+    assert counts["nccl_all_reduce"] == (2 if num_packs == 0 else 1)
+    # No copies between devices or to the host, no host sync, no division pass: MEAN
+    # is ncclAvg, and the user's tensors are read out of place rather than cloned.
+    assert counts["D2D"] == counts["H2D"] == counts["D2H"] == counts["sync"] == 0
+    kernels = passes(counts)
+    assert not {k for k in kernels if "div" in k or "clone" in k}, kernels
+    scale = 1 / 4 if op == "mean" else 1
+    for result, expected in (
+        (out[0], torch.arange(6.0) * 10 * scale),
+        (out[1], torch.full((2, 2), 6.0 * scale)),
+    ):
+        comps = components(result)
+        assert [c.device for c in comps] == [torch.device("cuda", i) for i in range(4)]
+        assert len({c.untyped_storage().data_ptr() for c in comps}) == 4
+        for c in comps:
+            assert torch.equal(c.cpu(), expected)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.int16], ids=str
+)
+def test_fake_cuda_dtype_fallbacks_are_exact(four_gpus: Any, dtype: Any) -> None:
+    rng = np.random.default_rng(7)
+    data = [rng.integers(-4, 5, size=8).astype(np.float32) / 4 for _ in range(4)]
+    if dtype.is_complex:
+        make = lambda i: (torch.tensor(data[i]) + 1j * torch.tensor(data[3 - i])).to(dtype)  # noqa: E731
+        exact = sum(make(i).to(torch.complex128) for i in range(4))
+    elif dtype == torch.int16:
+        make = lambda i: torch.tensor(data[i] * 4 + 30000).to(dtype)  # noqa: E731 - wraps
+        exact = sum(make(i).to(torch.int64) for i in range(4)).to(torch.int16)
+    else:
+        make = lambda i: torch.tensor(data[i]).to(dtype)  # noqa: E731
+        exact = sum(make(i).to(torch.float64) for i in range(4)).to(dtype)
+    value = on_gpus(make)
+    four_gpus.counts.clear()
+    (result,) = NcclAllReduce().batch_reduce("sum", [(value, value)])
+    assert four_gpus.counts["nccl_all_reduce"] == 1
+    for i, c in enumerate(components(result)):
+        assert c.device == torch.device("cuda", i)
+        assert c.dtype == dtype
+        got = c.cpu()
+        assert torch.equal(got.view(torch.uint8), exact.to(dtype).view(torch.uint8)), (got, exact)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_fake_logical_gpus_share_a_card_without_nccl(
+    op: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.fake_cuda import fake_cuda
+
+    with fake_cuda(1) as state:
+        devices_module.set_logical_gpu_devices(4)
+        try:
+            parts = [torch.tensor([0.1, 0.2, 0.3]) * (i + 1) for i in range(4)]
+            value = on_gpus(lambda i: parts[i], device="cuda:0")
+            small = on_gpus(lambda i: torch.tensor([float(i)]), device="cuda:0")
+            state.counts.clear()
+            with caplog.at_level(logging.WARNING, logger="crossdevice"):
+                out = NcclAllReduce().batch_reduce(op, [(value, value), (small, small)])
+            assert state.counts["nccl_all_reduce"] == 0
+            # One in-order chain over the pack for the whole batch (3 adds, 4 replicas).
+            assert state.counts["op:add"] + state.counts["op:add_"] == 3
+            messages = [r.getMessage() for r in caplog.records]
+            assert [m for m in messages if "share CUDA device" in m]
+            in_order = parts[0] + parts[1] + parts[2] + parts[3]
+            if op == "mean":
+                in_order = torch.true_divide(in_order, 4)
+            comps = components(out[0])
+            assert {c.device for c in comps} == {torch.device("cuda", 0)}
+            assert len({c.untyped_storage().data_ptr() for c in comps}) == 4
+            for c in comps:
+                assert torch.equal(c.cpu(), in_order)
+        finally:
+            devices_module.set_logical_gpu_devices(None)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_fake_cuda_reduction_to_one_device_is_one_reduce_and_one_broadcast(
+    four_gpus: Any, op: str
+) -> None:
+    value = on_gpus(lambda i: torch.arange(5.0) + i)
+    four_gpus.counts.clear()
+    result = ReductionToOneDevice().reduce(op, value, value)
+    counts = four_gpus.counts
+    assert (counts["nccl_reduce"], counts["nccl_broadcast"], counts["D2D"]) == (1, 1, 0)
+    expected = (torch.arange(5.0) * 4 + 6) / (4 if op == "mean" else 1)
+    comps = components(result)
+    assert [c.device for c in comps] == [torch.device("cuda", i) for i in range(4)]
+    for c in comps:
+        assert torch.equal(c.cpu(), expected)
+
+
+def test_fake_cuda_accumulation_fn_keeps_the_copies(four_gpus: Any) -> None:
+    value = on_gpus(lambda i: torch.arange(5.0) + i)
+    four_gpus.counts.clear()
+    result = ReductionToOneDevice(accumulation_fn=lambda xs: sum(xs[1:], xs[0])).reduce(
+        "sum", value, value
+    )
+    assert four_gpus.counts["nccl_reduce"] == 0
+    assert four_gpus.counts["D2D"] >= 3  # the user's function adds on one device
+    for c in components(result):
+        assert torch.equal(c.cpu(), torch.arange(5.0) * 4 + 6)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_fake_cuda_hierarchical_copy_reduces_and_broadcasts_with_nccl(
+    four_gpus: Any, op: str
+) -> None:
+    from crossdevice._cross_device import HierarchicalCopyAllReduce
+
+    value = on_gpus(lambda i: torch.arange(4.0) * (i + 1))
+    four_gpus.counts.clear()
+    (result,) = HierarchicalCopyAllReduce().batch_reduce(op, [(value, value)])
+    counts = four_gpus.counts
+    # Two half reduces, two half broadcasts, and one copy each way between the roots.
+    assert (counts["nccl_reduce"], counts["nccl_broadcast"], counts["D2D"]) == (2, 2, 2)
+    expected = torch.arange(4.0) * 10 / (4 if op == "mean" else 1)
+    comps = components(result)
+    assert [c.device for c in comps] == [torch.device("cuda", i) for i in range(4)]
+    assert len({c.untyped_storage().data_ptr() for c in comps}) == 4
+    for c in comps:
+        assert torch.equal(c.cpu(), expected)
+
+
+def test_fake_cuda_broadcast_is_one_nccl_broadcast_of_any_dtype(four_gpus: Any) -> None:
+    source = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64, device="cuda:1")
+    destination = on_gpus(lambda i: torch.zeros(2, dtype=torch.complex64))
+    four_gpus.counts.clear()
+    result = ReductionToOneDevice().broadcast(source, destination)
+    assert (four_gpus.counts["nccl_broadcast"], four_gpus.counts["D2D"]) == (1, 0)
+    comps = components(result)
+    assert [c.device for c in comps] == [torch.device("cuda", i) for i in range(4)]
+    for c in comps:
+        assert torch.equal(c.cpu(), source.cpu())
+    assert all(c is not source for c in comps)  # results never alias the input

@@ -99,6 +99,11 @@ def _nccl_mode(devices: tuple[str, ...], logical_gpus: int | None) -> tuple[str,
     return NCCL, ""
 
 
+#: `nccl_status.cache_clear()` forgets the cached answers (for tests that change what
+#: torch sees, as an `lru_cache` function would).
+nccl_status.cache_clear = _nccl_mode.cache_clear  # type: ignore[attr-defined]
+
+
 def _distinct(values: Sequence[Any]) -> list[Any]:
     """`values`, with a copy in place of every repeat of an earlier object."""
     seen: set[int] = set()
