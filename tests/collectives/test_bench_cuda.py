@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+from typing import Any
 
 import pytest
 
@@ -132,3 +134,39 @@ def test_run_cuda_never_imports_the_cuda_cases_without_cuda(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert bench_cuda.run_cuda(parse(["--cuda"])) == bench_cuda.NO_CUDA_EXIT
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cards", "logical"), [(2, None), (1, 3)], ids=["2-gpus", "3-on-1"])
+def test_bench_cuda_end_to_end_on_fake_cuda(
+    cards: int, logical: int | None, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    pytest.importorskip("torch")
+    from crossdevice._core import devices
+    from tests.fake_cuda import fake_cuda
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--cuda", "--cuda-sizes", "4K", "-n", "1", "-w", "1", "--repeats", "2"]
+    with fake_cuda(cards) as state:
+        devices.set_logical_gpu_devices(logical)
+        try:
+            assert main([*argv, "--json", str(out)]) == 0  # 1 would mean a wrong result
+        finally:
+            devices.set_logical_gpu_devices(None)
+    text = capsys.readouterr().out
+    assert "WRONG" not in text
+    rows = json.loads(out.read_text())["rows"]
+    measured = {(r["impl"], r["redop"]) for r in rows if r["time_us"] is not None}
+    for impl in ("NcclAllReduce", "HierarchicalCopyAllReduce", "ReductionToOneDevice"):
+        for op in ("sum", "mean"):
+            assert (f"crossdevice {impl}", op) in measured
+    if logical is None:
+        assert (RAW_IN_PLACE, "mean") in measured
+        assert (RAW_OUT_OF_PLACE, "sum") in measured
+        assert state.counts["nccl_all_reduce"] > 0
+        assert (
+            "not compared: torch.distributed nccl (world 1) (torch.distributed NCCL runs one"
+            in text
+        )
+    else:
+        assert "# not compared: torch.cuda.nccl (logical GPUs share a card" in text
+        assert all(r["vs_nccl"] is None for r in rows)

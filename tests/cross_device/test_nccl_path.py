@@ -553,3 +553,30 @@ def test_fake_cuda_broadcast_is_one_nccl_broadcast_of_any_dtype(four_gpus: Any) 
     for c in comps:
         assert torch.equal(c.cpu(), source.cpu())
     assert all(c is not source for c in comps)  # results never alias the input
+
+
+# --- real NCCL (a host with 2+ GPUs; skipped elsewhere) ---------------------------------
+
+REAL_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REAL_GPUS < 2, reason="real NCCL needs 2 CUDA GPUs")
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.complex64, torch.int16],
+    ids=str,
+)
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_real_nccl_dtypes_and_mean(dtype: Any, op: str) -> None:
+    n = min(REAL_GPUS, 4)
+    data = [torch.arange(8, dtype=torch.float32) / 4 + i for i in range(n)]
+    parts = [(d + 1j * d if dtype.is_complex else d).to(dtype) for d in data]
+    value = PerReplica([p.to(f"cuda:{i}") for i, p in enumerate(parts)], devices=gpus(n))
+    (result,) = NcclAllReduce().batch_reduce(op, [(value, value)])
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    exact = sum(p.to(wide) for p in parts) / (n if op == "mean" else 1)
+    for i, c in enumerate(components(result)):
+        assert c.device == torch.device("cuda", i)
+        assert c.dtype == (torch.float32 if op == "mean" and dtype == torch.int16 else dtype)
+        np.testing.assert_allclose(c.cpu().to(wide).numpy(), exact.numpy(), rtol=0.07)

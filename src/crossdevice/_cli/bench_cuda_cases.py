@@ -91,8 +91,8 @@ def measure_all(
     version = ".".join(map(str, nccl_calls.nccl_version()))
     names = sorted({torch.cuda.get_device_name(p) for p in physical})
     header = [
-        f"# torch {torch.__version__}, NCCL {version}, {n} GPUs {devices} on CUDA devices "
-        f"{physical} ({', '.join(names)})",
+        f"# torch {torch.__version__}, NCCL {version}, {n} GPUs "
+        f"{[f'GPU:{i}' for i in indices]} on CUDA devices {physical} ({', '.join(names)})",
         "# one float32 buffer per GPU; time = median of rounds; busbw = algbw * 2(n-1)/n",
     ]
     raw_note = "" if nccl_ok else "logical GPUs share a card: NCCL refuses two ranks on one device"
