@@ -25,8 +25,8 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
     0-3 and 4-7 fully connected, i <-> i+4 links between them). On NVSwitch machines
     (DGX-2, HGX A100/H100), where every GPU reaches every other at full bandwidth, it
     brings no benefit: it concentrates the traffic on two roots where `NcclAllReduce`
-    spreads it over every GPU (about 7x slower on 8 H100s by the GPU review's model).
-    Prefer `NcclAllReduce` on GPUs.
+    spreads it over every GPU (with copies between GPUs, the GPU review's model put it at
+    about 7x raw NCCL's time on 8 H100s). Prefer `NcclAllReduce` on GPUs.
 
     On distinct CUDA devices, each half is reduced onto its root with one
     `torch.cuda.nccl.reduce` and the total broadcast back with `torch.cuda.nccl.broadcast`

@@ -84,8 +84,9 @@ def _nccl_mode(devices: tuple[str, ...], logical_gpus: int | None) -> tuple[str,
         return FALLBACK, "torch has no CUDA device"
     visible = num_gpus() if logical_gpus is not None else torch.cuda.device_count()
     if max(indices) >= visible:
-        kind = "logical GPUs are configured" if logical_gpus is not None else "CUDA devices"
-        return FALLBACK, f"only {visible} {kind} are visible"
+        if logical_gpus is not None:
+            return FALLBACK, f"only {visible} logical GPUs are configured"
+        return FALLBACK, f"only {visible} CUDA devices are visible"
     if not nccl_calls.nccl_available():
         return FALLBACK, "torch was built without NCCL"
     physical = [nccl_calls.cuda_device_of(d) for d in devices]
