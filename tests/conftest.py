@@ -62,13 +62,19 @@ class Backend:
         return self.name
 
 
+#: Where the torch backend makes its tensors: "cpu", or "cuda" (the current CUDA device:
+#: inside a GPU replica, its GPU) while a GPU strategy of the contract suite runs.
+TORCH_DEVICE = "cpu"
+
+
 @pytest.fixture(params=["numpy", "torch"])
 def backend(request: pytest.FixtureRequest) -> Backend:
-    """Run a test once with NumPy values and once with torch CPU tensors."""
+    """Run a test once with NumPy values and once with torch tensors (CPU, or CUDA with a
+    GPU strategy of the contract suite)."""
     if request.param == "numpy":
         return Backend("numpy", np.asarray)
     torch = require_torch(request)
-    return Backend("torch", lambda x: torch.as_tensor(np.asarray(x)))
+    return Backend("torch", lambda x: torch.as_tensor(np.asarray(x), device=TORCH_DEVICE))
 
 
 @pytest.fixture

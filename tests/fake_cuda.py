@@ -349,6 +349,12 @@ class FakeCuda:
                 f"devices, {seen[0]} and {seen[1]}! (fake_cuda, in {name})"
             )
         index = devices.pop()
+        generator = kwargs.get("generator")
+        if generator is not None and getattr(generator, "fake_index", None) != index:
+            raise RuntimeError(
+                f"Expected a 'cuda' device type for generator but found "
+                f"'{generator.device}' (fake_cuda, in {name} on cuda:{index})"
+            )
         if device_kw is not None:
             kwargs = dict(kwargs)
             target = torch.device(device_kw)
@@ -413,6 +419,15 @@ class FakeCuda:
         self.counts["sync"] += 1
         with torch._C.DisableTorchFunctionSubclass():
             return x.item()
+
+    def _t___bool__(self, x: Any) -> Any:
+        return bool(self._t_item(x))
+
+    def _t___float__(self, x: Any) -> Any:
+        return float(self._t_item(x))
+
+    def _t___int__(self, x: Any) -> Any:
+        return int(self._t_item(x))
 
     def _t_tolist(self, x: Any) -> Any:
         self.read(x, self.current_stream(x._fake_index))
@@ -604,6 +619,11 @@ class FakeCuda:
         setattr(owner, name, value)
 
     def install(self) -> None:
+        # crossdevice wraps torch's drawing functions once per process; wrap after it, so
+        # that uninstalling puts its wrappers back, not torch's bare functions.
+        from crossdevice._arrays import torch_random
+
+        torch_random.install()
         cuda = torch.cuda
         state = self
 
@@ -655,6 +675,26 @@ class FakeCuda:
                 super().__init__(device, priority, **kw)
                 FakeStreamRegistry.all.append(self)
 
+        real_generator = torch.Generator
+
+        class FakeGenerator(real_generator):  # type: ignore[misc, valid-type]
+            """`torch.Generator(device="cuda:i")`: a CPU generator that says it is cuda:i."""
+
+            def __new__(cls, device: Any = "cpu") -> Any:
+                target = torch.device(device)
+                generator = real_generator.__new__(cls)
+                generator.fake_index = state.index_of(target) if target.type == "cuda" else None
+                return generator
+
+            def __init__(self, device: Any = "cpu") -> None:
+                super().__init__()
+
+            @property
+            def device(self) -> torch.device:
+                index = self.fake_index
+                return torch.device("cuda", index) if index is not None else torch.device("cpu")
+
+        self._patch(torch, "Generator", FakeGenerator)
         patches: dict[str, Any] = {
             "is_available": lambda: True,
             "device_count": lambda: state.n,
@@ -828,6 +868,9 @@ class FakeCuda:
 _MISSING = object()
 _SPECIAL = {
     "backward",
+    "__bool__",
+    "__float__",
+    "__int__",
     "to",
     "cuda",
     "cpu",

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from crossdevice._collectives import algorithms
+from crossdevice._core.devices import num_gpus
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import VariableAggregation
 from crossdevice._cross_device import (
@@ -34,7 +35,8 @@ BAD_DESTINATIONS: list[tuple[Any, type[Exception], str]] = [
     ("", ValueError, r"destinations can not be empty; got ''"),
     ("   ", ValueError, r"destinations can not be empty"),
     ("CPU:99", ValueError, r"device '.*CPU:99' does not exist; the devices of this host are"),
-    ("GPU:7", ValueError, r"device '.*GPU:7' does not exist"),
+    # One past the GPUs this host has (GPU:7 exists on an 8-GPU host).
+    (f"GPU:{num_gpus()}", ValueError, rf"device '.*GPU:{num_gpus()}' does not exist"),
     ("not a device", ValueError, r"could not parse device string 'not a device'"),
 ]
 

@@ -159,11 +159,11 @@ def test_mixed_nest_of_tensors_and_host_numbers(gpus: Gpus, ops: str) -> None:
     for component in _local(strategy, tensors):
         assert component.cpu().tolist() == [float(sum(range(NUM_GPUS)))] * 3
     for host, want in ((ones, NUM_GPUS), (twos, 2 * NUM_GPUS)):
-        assert {float(np.asarray(_cpu(c))) for c in _local(strategy, host)} == {want}
-
-
-def _cpu(x: Any) -> Any:
-    return x.cpu() if isinstance(x, torch.Tensor) else x
+        # Host values are reduced on the host and stay there: no upload, no sync to read.
+        for component in _local(strategy, host):
+            assert isinstance(component, np.ndarray), type(component)
+            assert component.shape == ()
+            assert float(component) == want
 
 
 @pytest.mark.parametrize("ops", list(OPS))
@@ -228,18 +228,30 @@ def test_dataset_batches_upload_through_pinned_memory_without_a_host_sync(gpus: 
         assert counts.get("sync", 0) == 0, counts
 
 
-def test_host_number_all_reduce_does_not_sync_the_gpus(gpus: Gpus) -> None:
-    strategy = _strategy(gpus, "nccl")
+@pytest.mark.parametrize("ops", list(OPS))
+def test_host_values_all_reduce_on_the_host_without_touching_the_gpus(gpus: Gpus, ops: str) -> None:
+    strategy = _strategy(gpus, ops)
 
     def step() -> Any:
-        return crossdevice.get_replica_context().all_reduce("sum", 1.0)
+        ctx = crossdevice.get_replica_context()
+        flags = torch.zeros(3)  # a CPU tensor, as GradientSync's "used" flags
+        flags[ctx.replica_id_in_sync_group % 3] = 1.0
+        count, used = ctx.all_reduce("sum", [1.0, flags])
+        assert bool(used[0] > 0)  # read on the host: must not wait for a GPU
+        return count, used
 
-    strategy.run(step)  # warm up
-    if gpus.fake is None:
-        pytest.skip("counting host synchronisations needs the fake")
-    gpus.fake.counts.clear()
-    strategy.run(step)
-    assert gpus.fake.counts.get("sync", 0) == 0, dict(gpus.fake.counts)
+    if gpus.fake is not None:
+        gpus.fake.counts.clear()
+    count, used = strategy.run(step)
+    for c in _local(strategy, count):
+        assert float(c) == NUM_GPUS
+    for u in _local(strategy, used):
+        assert u.device.type == "cpu"
+        assert u.tolist() == [2.0, 1.0, 1.0]
+    if gpus.fake is not None:
+        counts = dict(gpus.fake.counts)
+        for what in ("sync", "H2D", "D2H", "nccl_all_reduce"):
+            assert counts.get(what, 0) == 0, counts
 
 
 def test_strategy_reduce_of_gpu_values_lands_on_the_host(gpus: Gpus) -> None:
@@ -254,3 +266,44 @@ def test_default_mirrored_strategy_takes_every_gpu(gpus: Gpus) -> None:
     strategy = crossdevice.MirroredStrategy()
     assert strategy.num_replicas_in_sync == NUM_GPUS
     assert [d.rsplit("device:", 1)[-1] for d in strategy.extended.worker_devices] == gpus.names
+
+
+def _gpu_per_replica(gpus: Gpus, make: Callable[[int], Any]) -> Any:
+    from crossdevice._values.values import PerReplica
+
+    return PerReplica([make(i).to(gpus.torch_device(i)) for i in range(NUM_GPUS)], gpus.names)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("ops", list(OPS))
+def test_cross_device_ops_reduce_to_one_gpu_and_to_the_host(gpus: Gpus, ops: str, op: str) -> None:
+    cross_device_ops = OPS[ops]()
+    value = _gpu_per_replica(gpus, lambda i: torch.full((3,), float(i + 1)))
+    total = float(sum(range(1, NUM_GPUS + 1)))
+    want = total if op == "sum" else total / NUM_GPUS
+    on_gpu = cross_device_ops.reduce(op, value, "GPU:2")
+    assert on_gpu.device == gpus.torch_device(2)
+    assert on_gpu.cpu().tolist() == [want] * 3
+    on_host = cross_device_ops.reduce(op, value, "CPU:0")
+    assert on_host.device.type == "cpu"
+    assert on_host.tolist() == [want] * 3
+    for component in value.values:  # inputs untouched
+        assert component.cpu().tolist()[0] in range(1, NUM_GPUS + 1)
+
+
+@pytest.mark.parametrize("ops", list(OPS))
+def test_cross_device_ops_broadcast_and_gather_on_gpus(gpus: Gpus, ops: str) -> None:
+    from crossdevice._values.values import Mirrored
+
+    cross_device_ops = OPS[ops]()
+    source = torch.arange(4.0).to(gpus.torch_device(0))
+    destination = Mirrored([torch.zeros(1).to(gpus.torch_device(i)) for i in range(4)], gpus.names)
+    copies = cross_device_ops.broadcast(source, destination)
+    _assert_on_own_gpus(gpus, list(copies.values))
+    for copy in copies.values:
+        assert copy.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    value = _gpu_per_replica(gpus, lambda i: torch.full((1, 2), float(i)))
+    gathered = cross_device_ops._gather(value, value, axis=0)
+    _assert_on_own_gpus(gpus, list(gathered.values))
+    for component in gathered.values:
+        assert component.cpu().tolist() == [[float(i)] * 2 for i in range(NUM_GPUS)]

@@ -24,14 +24,52 @@ def _central_storage() -> Any:
     return cd.experimental.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
 
 
-#: (id, factory, replica execution) for every strategy of the contract suite.
+def _mirrored_gpus(n: int) -> Callable[[], Any]:
+    return lambda: cd.MirroredStrategy([f"GPU:{i}" for i in range(n)])
+
+
+#: (id, factory, replica execution) for every strategy of the contract suite. The GPU
+#: ones run on fake CUDA (4 cards, or one card split into 4 logical GPUs) and on real
+#: CUDA where there is one (logical GPUs making up 4); with them the torch backend makes
+#: CUDA tensors.
 STRATEGIES: list[tuple[str, Callable[[], Any], str]] = [
     *[(f"mirrored{n}", _mirrored(n), "threads") for n in (1, 2, 3, 4, 8)],
     ("one_device", lambda: cd.OneDeviceStrategy("CPU:0"), "threads"),
     ("central_storage2", _central_storage, "threads"),
     *[(f"mirrored{n}_coop", _mirrored(n), "cooperative") for n in (2, 3, 4, 8)],
     ("central_storage2_coop", _central_storage, "cooperative"),
+    ("mirrored4_gpu_fake", _mirrored_gpus(4), "gpu:fake"),
+    ("mirrored4_logical_gpu_fake", _mirrored_gpus(4), "gpu:fake-logical"),
+    ("one_device_gpu_fake", lambda: cd.OneDeviceStrategy("GPU:0"), "gpu:fake"),
+    ("mirrored4_gpu_cuda", _mirrored_gpus(4), "gpu:cuda"),
 ]
+
+
+@contextlib.contextmanager
+def _gpus(kind: str) -> Iterator[None]:
+    """Fake or real CUDA with 4 GPUs (logical where fewer), torch values made on CUDA."""
+    import tests.conftest as shared
+    from crossdevice._core import devices
+    from tests.gpu.conftest import NUM_GPUS, REAL_CUDA_DEVICES
+
+    pytest.importorskip("torch")
+    context: Any = contextlib.nullcontext()
+    logical = kind == "fake-logical" or (kind == "cuda" and REAL_CUDA_DEVICES < NUM_GPUS)
+    if kind == "cuda" and REAL_CUDA_DEVICES == 0:
+        pytest.skip("needs a CUDA GPU (torch sees none); the fake-CUDA runs cover CI")
+    if kind != "cuda":
+        from tests.fake_cuda import fake_cuda
+
+        context = fake_cuda(1 if logical else NUM_GPUS)
+    with context:
+        if logical:
+            devices.set_logical_gpu_devices(NUM_GPUS)
+        shared.TORCH_DEVICE = "cuda"
+        try:
+            yield
+        finally:
+            shared.TORCH_DEVICE = "cpu"
+            devices.set_logical_gpu_devices(None)
 
 
 @contextlib.contextmanager
@@ -52,6 +90,10 @@ def replica_execution(mode: str) -> Iterator[None]:
 def strategy(request: pytest.FixtureRequest) -> Iterator[Any]:
     """Each strategy of the contract suite (with several replicas: in both modes)."""
     factory, mode = request.param
+    if mode.startswith("gpu:"):
+        with _gpus(mode.removeprefix("gpu:")):
+            yield factory()
+        return
     with replica_execution(mode):
         yield factory()
 

@@ -67,7 +67,8 @@ class _ReplicaStreams:
         self.lock = threading.Lock()
         self.run = -1
         self.seed = 0
-        self.generators: dict[int, tuple[int, torch.Generator]] = {}
+        # (replica, device) -> (run, generator): a CUDA draw needs a CUDA generator.
+        self.generators: dict[tuple[int, torch.device], tuple[int, torch.Generator]] = {}
 
 
 _STREAMS: weakref.WeakKeyDictionary[Any, _ReplicaStreams] = weakref.WeakKeyDictionary()
@@ -75,11 +76,15 @@ _STREAMS_LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
 
 
-def replica_generator() -> torch.Generator | None:
+def replica_generator(device: Any = None) -> torch.Generator | None:
     """The running replica's generator; None outside `strategy.run` or with one replica.
 
     Pass it explicitly (`generator=`) to draw from the replica's stream in code the
     wrappers do not cover.
+
+    Args:
+        device: the device the draw happens on (torch needs a CUDA generator for CUDA
+            tensors); default the CPU. Each device has its own stream, seeded alike.
     """
     frame = context.current_frame()
     if frame is None or frame.replica_context is None:
@@ -93,7 +98,11 @@ def replica_generator() -> torch.Generator | None:
             streams = _STREAMS.setdefault(strategy, _ReplicaStreams())
     run = getattr(strategy, "_runs", 0)
     replica = frame.replica_context.replica_id_in_sync_group
-    entry = streams.generators.get(replica)
+    where = torch.device(device) if device is not None else _CPU
+    if str(where) == "cuda":  # no index: the current CUDA device
+        where = torch.device("cuda", torch.cuda.current_device())
+    key = (replica, where)
+    entry = streams.generators.get(key)
     if entry is not None and entry[0] == run:
         return entry[1]
     with streams.lock:
@@ -104,19 +113,31 @@ def replica_generator() -> torch.Generator | None:
             )
             streams.run = run
         seed = (streams.seed + _MIX * (replica + 1)) % (2**63)
-    generator = entry[1] if entry is not None else torch.Generator()
+    generator = entry[1] if entry is not None else torch.Generator(device=where)
     generator.manual_seed(seed)
-    streams.generators[replica] = (run, generator)
+    streams.generators[key] = (run, generator)
     return generator
 
 
 _ORIGINAL_RANDINT: Callable[..., Any] = torch.randint
+_CPU: Final = torch.device("cpu")
+
+
+def _draw_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Where a draw happens: its `device=`, else its first tensor's, else torch's default."""
+    device = kwargs.get("device")
+    if device is not None:
+        return device
+    for arg in args[:1]:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+    return torch.get_default_device()
 
 
 def _with_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     def draw(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("generator") is None:
-            generator = replica_generator()
+            generator = replica_generator(_draw_device(args, kwargs))
             if generator is not None:
                 kwargs["generator"] = generator
         return original(*args, **kwargs)
@@ -131,7 +152,7 @@ def _dropout_like(original: Callable[..., Any], feature: bool) -> Callable[..., 
     def dropout(
         input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
     ) -> torch.Tensor:
-        generator = replica_generator() if training else None
+        generator = replica_generator(input.device) if training else None
         if generator is None or p == 0.0:
             return original(input, p, training, inplace)
         if p < 0.0 or p > 1.0:

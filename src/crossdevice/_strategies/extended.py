@@ -13,19 +13,24 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from crossdevice._arrays import backend_for, is_array
+from crossdevice._arrays.numpy_backend import NUMPY
+from crossdevice._collectives import algorithms
 from crossdevice._collectives.rendezvous import describe_leaves
 from crossdevice._core import context, nest, validate
-from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope
+from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope, local_host_device
 from crossdevice._core.errors import ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+from crossdevice._cross_device import inputs
 from crossdevice._input.input_context import ValueContext
 from crossdevice._replica.cuda_streams import cuda_device
 from crossdevice._strategies.context import get_replica_context, require_cross_replica
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
-from crossdevice._values.values import DistributedValues, PerReplica
+from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
 from crossdevice._values.variables import Variable
 
 if TYPE_CHECKING:
@@ -338,9 +343,33 @@ class StrategyExtended:
         """All-reduce through one batched `merge_call` (TF's path)."""
 
         def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
-            return strategy.extended.batch_reduce_to(op, [(v, v) for v in per_replica], options)
+            extended = strategy.extended
+            host = [_on_host(v) for v in per_replica] if self._host_leaves_stay() else []
+            if not any(host):
+                return extended.batch_reduce_to(op, [(v, v) for v in per_replica], options)
+            on_devices = [(v, v) for v, h in zip(per_replica, host, strict=True) if not h]
+            reduced = iter(extended.batch_reduce_to(op, on_devices, options) if on_devices else [])
+            return [
+                _host_all_reduce(op, v) if h else next(reduced)
+                for v, h in zip(per_replica, host, strict=True)
+            ]
 
         return self._merge_leaves(replica_id, value, merge_fn, "all_reduce", op.name, None)
+
+    def _host_leaves_stay(self) -> bool:
+        """Whether host leaves of a replica all-reduce are reduced on the host.
+
+        On GPU replicas of one worker a host value (a Python number, a NumPy array, a
+        CPU tensor: a loss count, a metric, a flag) is summed in replica order on the
+        host and comes back as a host value. TF would turn it into a tensor on each GPU;
+        here that would cost an upload per replica and a device-to-host sync wherever
+        the step reads the result (`if count == 0`), so host in gives host out. Across
+        workers the value must travel, so the cross-device ops take it.
+        """
+        devices = self._local_devices
+        return len(devices) == self._num_replicas_in_sync and any(
+            DeviceSpec.from_string(d).device_type == "GPU" for d in devices
+        )
 
     def _replica_all_gather(
         self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
@@ -474,3 +503,26 @@ def _without_axis(shape: tuple[int, ...], axis: int) -> tuple[Any, ...]:
 def _placed(x: Any, device: str) -> Any:
     """`x` on `device` when it is an array (anything else as it is)."""
     return backend_for(x).to_device(x, device) if is_array(x) else x
+
+
+def _on_host(value: DistributedValues) -> bool:
+    """Every component is a host array (NumPy, or a torch CPU tensor)."""
+    for component in value.values:
+        if backend_for(component).device_of(component) is not None:
+            return False
+        device = getattr(component, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            return False
+    return True
+
+
+def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Mirrored:
+    """`value`'s host components reduced in replica order on the host, one per replica."""
+    arrays = [inputs.as_array(c) for c in value.values]
+    total = algorithms.reduce_to_one(arrays, local_host_device(), op)
+    if isinstance(total, np.ndarray | np.generic):
+        shared = NUMPY.freeze(np.asarray(total))  # one read-only buffer for every replica
+        return Mirrored([shared] * len(arrays), devices=value._devices)
+    backend = backend_for(total)
+    copies = [total] + [backend.copy(total) for _ in arrays[1:]]
+    return Mirrored(copies, devices=value._devices)
