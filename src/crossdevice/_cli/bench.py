@@ -377,6 +377,9 @@ def register(subparsers: Any) -> None:
         help="all-reduce across worker processes instead: launch with `torchrun "
         "--standalone --nproc-per-node 2 -m crossdevice bench --multi-worker`",
     )
+    from crossdevice._cli.bench_cuda import add_arguments  # --cuda: GPUs against raw NCCL
+
+    add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -515,6 +518,10 @@ def run(args: argparse.Namespace) -> int:
         from crossdevice._cli.bench_plot import require_matplotlib
 
         require_matplotlib()  # before the benchmark, not after minutes of it
+    if getattr(args, "cuda", False):
+        from crossdevice._cli.bench_cuda import run_cuda
+
+        return run_cuda(args)
     if getattr(args, "multi_worker", False):
         from crossdevice._cli.bench_workers import run_multi_worker
 

@@ -8,6 +8,13 @@ is free and results may be one shared object: callers decide whether to copy or
 freeze before handing results out (see `crossdevice._cross_device.results`).
 
 The phases are named as in the textbooks and in TF's `cross_device_utils.py`.
+
+On GPUs (every array a CUDA tensor on a CUDA device of its own, a dtype NCCL sums
+natively, no user `accumulation_fn`) the reduce phases are `torch.cuda.nccl.reduce` and
+the broadcasts `torch.cuda.nccl.broadcast`, as `torch.nn.parallel.comm.reduce_add` and
+`broadcast_coalesced` do: one grouped launch instead of a chain of `Tensor.to` copies,
+each ordered behind everything queued on two streams. NCCL adds in its own order, so
+on GPUs these sums are not the in-order chain the host path computes bit for bit.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from crossdevice._arrays import backend_for
+from crossdevice._arrays import backend_for, is_torch
+from crossdevice._collectives import nccl_calls
 from crossdevice._core.reduce_op import ReduceOp
 
 __all__ = [
@@ -69,6 +77,37 @@ def _scale(total: Any, reduce_op: ReduceOp, count: int) -> Any:
     return total
 
 
+def _divide_owned(total: Any, count: int) -> Any:
+    """MEAN of a buffer we own: floats divide in place, integers become floats (TF)."""
+    if total.is_floating_point() or total.is_complex():
+        return total.div_(count)
+    return backend_for(total).divide(total, count)
+
+
+def _nccl_reducible(values: Sequence[Any]) -> bool:
+    """Whether `values` can be summed by `torch.cuda.nccl.reduce` (see the module docstring)."""
+    return (
+        len(values) > 1
+        and nccl_calls.on_distinct_gpus(values)
+        and nccl_calls.sum_route(values[0].dtype).kind == nccl_calls.NATIVE
+    )
+
+
+def _nccl_reduce(values: Sequence[Any], root: int, reduce_op: ReduceOp) -> Any:
+    """NCCL reduce of `values` into a new tensor on `values[root]`'s device (inputs only read)."""
+    import torch
+
+    inputs = [v if v.is_contiguous() else v.contiguous() for v in values]
+    route = nccl_calls.sum_route(inputs[0].dtype)
+    average = reduce_op is ReduceOp.MEAN and route.floating and nccl_calls.has_avg()
+    out = torch.empty_like(inputs[root], memory_format=torch.contiguous_format)
+    if out.numel() > 0:
+        nccl_calls.reduce(inputs, out, root, nccl_calls.NCCL_AVG if average else route.op)
+    if reduce_op is ReduceOp.MEAN and not average:
+        out = _divide_owned(out, len(values))
+    return out
+
+
 def reduce_to_one(
     values: Sequence[Any],
     device: str,
@@ -94,6 +133,12 @@ def reduce_to_one(
     """
     if not values:
         raise ValueError("per_replica_value must be non-empty: reduce_to_one got no values")
+    if accumulation_fn is None and _nccl_reducible(values):
+        target = nccl_calls.cuda_device_of(device)
+        roots = [k for k, v in enumerate(values) if v.device.index == target]
+        if roots:
+            # reduce: one NCCL reduce onto the device (torch's comm.reduce_add)
+            return _nccl_reduce(values, roots[0], reduce_op)
     # gather: copy every value to the reduce device
     gathered = [_to(v, device) for v in values]
     # accumulate, in replica order
@@ -129,9 +174,41 @@ def broadcast(value: Any, devices: Sequence[str]) -> list[Any]:
         devices: canonical destination devices.
 
     Returns:
-        One array per device, in the order of `devices`.
+        One array per device, in the order of `devices`. Between distinct CUDA devices
+        it is one `torch.cuda.nccl.broadcast` (of the bytes: any dtype) from the device
+        that holds `value`; the result there is `value` itself, as with copies.
     """
+    nccl = _nccl_broadcast(value, devices)
+    if nccl is not None:
+        return nccl
     return [_to(value, d) for d in devices]
+
+
+def _nccl_broadcast(value: Any, devices: Sequence[str]) -> list[Any] | None:
+    """`broadcast` through NCCL, or None where it cannot run (then copies do the work)."""
+    if len(devices) < 2 or not is_torch(value) or value.device.type != "cuda":
+        return None
+    targets = [nccl_calls.cuda_device_of(d) for d in devices]
+    indices = [t for t in targets if t is not None]
+    if len(set(indices)) != len(targets) or value.device.index not in indices:
+        return None
+    if not nccl_calls.nccl_available():
+        return None
+    import torch
+
+    source = value if value.is_contiguous() else value.contiguous()
+    out = [
+        source
+        if t == source.device.index
+        else torch.empty_like(source, device=torch.device("cuda", t))
+        for t in indices
+    ]
+    if source.numel() > 0:
+        # Bytes, not elements: a broadcast copies bits, so every dtype goes (bool and
+        # float8 are bytes to torch anyway; complex and int16 have no NCCL type).
+        wire = [t.reshape(-1).view(torch.uint8) for t in out]
+        nccl_calls.broadcast(wire, indices.index(source.device.index))
+    return out
 
 
 def hierarchical_roots(num_devices: int, index: int) -> tuple[int, int]:
@@ -205,6 +282,8 @@ def hierarchical_copy_all_reduce(
     if n == 1:
         # TF never gets here (the single-replica shortcut hides it; add_n of [] would fail).
         return [_scale(values[0], reduce_op, 1)]
+    if _nccl_reducible(values):
+        return _hierarchical_copy_nccl(values, devices, reduce_op, index)
     half = n // 2
     m0, m1 = hierarchical_roots(n, index)
     first, second = range(half), range(half, n)
@@ -219,3 +298,43 @@ def hierarchical_copy_all_reduce(
     total_m1 = _to(total, devices[m1])
     # broadcast: every device copies from the root of its own half
     return [_to(total if j in own else total_m1, devices[j]) for j in range(n)]
+
+
+def _hierarchical_copy_nccl(
+    values: Sequence[Any], devices: Sequence[str], reduce_op: ReduceOp, index: int
+) -> list[Any]:
+    """`hierarchical_copy_all_reduce` with NCCL reduces and broadcasts inside each half.
+
+    Each half always uses the same device list (so torch's communicator cache holds two
+    communicators, whatever the rotating roots); the roots exchange by one P2P copy each
+    way. The total is `sum(own half) + sum(other half)`, each half summed in NCCL's order.
+    """
+    n = len(values)
+    half = n // 2
+    m0, m1 = hierarchical_roots(n, index)
+    first, second = list(range(half)), list(range(half, n))
+    own, other = (first, second) if m0 < half else (second, first)
+    values = [v if v.is_contiguous() else v.contiguous() for v in values]
+    # reduce the other half onto its root m1 (its value itself for a half of one)
+    if len(other) > 1:
+        partial = _nccl_reduce([values[j] for j in other], other.index(m1), ReduceOp.SUM)
+    else:
+        partial = values[m1]
+    # reduce m0's half onto m0, into a buffer of ours
+    if len(own) > 1:
+        total = _nccl_reduce([values[j] for j in own], own.index(m0), ReduceOp.SUM)
+    else:
+        total = values[m0].clone()
+    # add the other half's partial sum (one P2P copy into m0)
+    total.add_(partial.to(total.device))
+    if reduce_op is ReduceOp.MEAN:
+        total = _divide_owned(total, n)
+    # copy the total back to the other half's root
+    total_m1 = total.to(values[m1].device)
+    # broadcast: every device gets the total from the root of its own half
+    out: list[Any] = [None] * n
+    for members, root_value in ((own, total), (other, total_m1)):
+        copies = broadcast(root_value, [devices[j] for j in members])
+        for j, result in zip(members, copies, strict=True):
+            out[j] = result
+    return out

@@ -19,9 +19,19 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
     It reduces to one device along the edges of a hierarchy and broadcasts back along
     the same path: the devices split into two halves, each half is summed on its root,
     the roots exchange, and every device copies from its half's root. The roots rotate
-    from one tensor (or pack) to the next to spread the load. The hierarchy was made for
-    NVIDIA DGX-1 (GPUs 0-3 and 4-7 fully connected, i <-> i+4 links between them); on
-    other interconnects it is likely slower than `ReductionToOneDevice`.
+    from one tensor (or pack) to the next to spread the load.
+
+    It is a DGX-1 algorithm: the hierarchy matches the DGX-1's partial NVLink mesh (GPUs
+    0-3 and 4-7 fully connected, i <-> i+4 links between them). On NVSwitch machines
+    (DGX-2, HGX A100/H100), where every GPU reaches every other at full bandwidth, it
+    brings no benefit: it concentrates the traffic on two roots where `NcclAllReduce`
+    spreads it over every GPU (with copies between GPUs, the GPU review's model put it at
+    about 7x raw NCCL's time on 8 H100s). Prefer `NcclAllReduce` on GPUs.
+
+    On distinct CUDA devices, each half is reduced onto its root with one
+    `torch.cuda.nccl.reduce` and the total broadcast back with `torch.cuda.nccl.broadcast`
+    (as `torch.nn.parallel.comm` does), for dtypes NCCL sums natively; the halves are
+    then summed in NCCL's order, not bit for bit in replica order as on the host.
 
     Unlike TF, which silently drops the last device's value for an odd number of
     devices, every device is summed for any N. Reduces that are not all-reduces (the

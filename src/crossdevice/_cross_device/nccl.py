@@ -1,10 +1,16 @@
 """`NcclAllReduce`: NCCL all-reduce between the GPUs of this process, via torch.
 
-When every device is a local CUDA GPU and torch has NCCL, each piece is all-reduced
-with `torch.cuda.nccl.all_reduce` (single process, many GPUs). Anywhere else (logical
-CPU devices, no CUDA, torch built without NCCL, Windows) it falls back to
-`ReductionToOneDevice` and logs one warning per instance, as TF does when no NCCL
-kernel is registered (tensorflow/tensorflow#21470).
+When every device is a local CUDA GPU of its own and torch has NCCL, each piece is
+all-reduced with `torch.cuda.nccl.all_reduce` (single process, many GPUs). Logical GPUs
+that share a card (`config.set_logical_gpu_devices`) cannot be NCCL ranks (NCCL refuses
+two ranks on one device): their pieces are summed in replica order on the card instead.
+Anywhere else (logical CPU devices, no CUDA, torch built without NCCL, Windows) it falls
+back to `ReductionToOneDevice`. Either way it logs one warning per instance, as TF does
+when no NCCL kernel is registered (tensorflow/tensorflow#21470).
+
+Dtypes are checked per piece (`nccl_calls.sum_route`): NCCL sums bool and float8 as
+uint8 bit patterns and cannot send complex, int16 or unsigned 16/32/64-bit values, so
+those go through exact views or upcasts, or the in-order sum; never a wrong sum.
 """
 
 from __future__ import annotations
@@ -13,19 +19,25 @@ import functools
 import importlib.util
 import logging
 from collections.abc import Sequence
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, Final, final
 
 from crossdevice._arrays import backend_for
-from crossdevice._core.devices import DeviceSpec
+from crossdevice._collectives import algorithms, nccl_calls
+from crossdevice._core.devices import DeviceSpec, get_logical_gpu_devices, num_gpus
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device.all_reduce import AllReduceCrossDeviceOps
 
-__all__ = ["NcclAllReduce", "nccl_status"]
+__all__ = ["NcclAllReduce", "nccl_mode", "nccl_status"]
 
 _LOG = logging.getLogger("crossdevice")
 
+#: `nccl_mode` results: NCCL runs; logical GPUs share a card (in-order sum on the card);
+#: NCCL cannot run at all (`ReductionToOneDevice`).
+NCCL: Final = "nccl"
+SHARED_CARD: Final = "shared_card"
+FALLBACK: Final = "fallback"
 
-@functools.lru_cache(maxsize=256)
+
 def nccl_status(devices: tuple[str, ...]) -> tuple[bool, str]:
     """Whether NCCL can all-reduce between `devices` in this process, and why not.
 
@@ -35,50 +47,141 @@ def nccl_status(devices: tuple[str, ...]) -> tuple[bool, str]:
     Returns:
         `(True, "")`, or `(False, reason)`.
     """
+    mode, reason = nccl_mode(devices)
+    return mode == NCCL, reason
+
+
+def nccl_mode(devices: tuple[str, ...]) -> tuple[str, str]:
+    """How `NcclAllReduce` all-reduces between `devices`: `"nccl"`, `"shared_card"` or `"fallback"`.
+
+    Args:
+        devices: canonical device strings.
+
+    Returns:
+        `(mode, reason)`; the reason is empty for `"nccl"`.
+    """
+    # The logical-GPU configuration decides which CUDA device backs GPU:k: part of the key.
+    return _nccl_mode(tuple(devices), get_logical_gpu_devices())
+
+
+@functools.lru_cache(maxsize=256)
+def _nccl_mode(devices: tuple[str, ...], logical_gpus: int | None) -> tuple[str, str]:
     specs = [DeviceSpec.from_string(d) for d in devices]
     if not specs:
-        return False, "no devices were given"
+        return FALLBACK, "no devices were given"
     if any(s.device_type != "GPU" for s in specs):
-        return False, "not every device is a GPU"
+        return FALLBACK, "not every device is a GPU"
     if any(s.job not in (None, "localhost") or (s.task or 0) != 0 for s in specs):
-        return False, "some devices belong to other workers"
+        return FALLBACK, "some devices belong to other workers"
     indices = [s.device_index or 0 for s in specs]
     if len(set(indices)) != len(indices):
-        return False, "a GPU appears twice (NCCL needs one tensor per GPU)"
+        return FALLBACK, "a GPU appears twice (NCCL needs one tensor per GPU)"
     if importlib.util.find_spec("torch") is None:
-        return False, "torch is not installed (pip install torch)"
+        return FALLBACK, "torch is not installed (pip install torch)"
     import torch
 
     if not torch.cuda.is_available():
-        return False, "torch has no CUDA device"
-    if max(indices) >= torch.cuda.device_count():
-        return False, f"only {torch.cuda.device_count()} CUDA devices are visible"
-    if not hasattr(torch._C, "_nccl_all_reduce"):
-        return False, "torch was built without NCCL"
-    return True, ""
+        return FALLBACK, "torch has no CUDA device"
+    visible = num_gpus() if logical_gpus is not None else torch.cuda.device_count()
+    if max(indices) >= visible:
+        if logical_gpus is not None:
+            return FALLBACK, f"only {visible} logical GPUs are configured"
+        return FALLBACK, f"only {visible} CUDA devices are visible"
+    if not nccl_calls.nccl_available():
+        return FALLBACK, "torch was built without NCCL"
+    physical = [nccl_calls.cuda_device_of(d) for d in devices]
+    shared = sorted({p or 0 for p in physical if physical.count(p) > 1})
+    if shared:
+        names = [f"GPU:{i}" for i, p in zip(indices, physical, strict=True) if p in shared]
+        return SHARED_CARD, (
+            f"logical GPUs {names} share CUDA device(s) {shared} and NCCL refuses two "
+            "ranks on one device"
+        )
+    return NCCL, ""
 
 
-def _nccl_all_reduce(pieces: list[Any], devices: tuple[str, ...], user_owned: bool) -> list[Any]:
-    """Sum `pieces[j]` (one array per GPU) with NCCL; returns new tensors (or ours, reused).
+#: `nccl_status.cache_clear()` forgets the cached answers (for tests that change what
+#: torch sees, as an `lru_cache` function would).
+nccl_status.cache_clear = _nccl_mode.cache_clear  # type: ignore[attr-defined]
+
+
+def _distinct(values: Sequence[Any]) -> list[Any]:
+    """`values`, with a copy in place of every repeat of an earlier object."""
+    seen: set[int] = set()
+    out = []
+    for value in values:
+        fresh = backend_for(value).copy(value) if id(value) in seen else value
+        seen.add(id(fresh))
+        out.append(fresh)
+    return out
+
+
+def _in_order_all_reduce(
+    pieces: list[Any], devices: tuple[str, ...], reduce_op: ReduceOp
+) -> list[Any]:
+    """`pieces` summed in replica order on the first device; one distinct result per device.
+
+    Used where NCCL cannot sum: logical GPUs sharing a card, and dtypes NCCL lacks. It is
+    `ReductionToOneDevice`'s arithmetic, so results are bitwise those of the CPU path.
+    """
+    total = algorithms.reduce_to_one(pieces, devices[0], reduce_op)
+    return _distinct(algorithms.broadcast(total, devices))
+
+
+def _nccl_all_reduce(
+    pieces: list[Any],
+    devices: tuple[str, ...],
+    user_owned: bool,
+    reduce_op: ReduceOp = ReduceOp.SUM,
+) -> list[Any]:
+    """All-reduce `pieces[j]` (one array per GPU) with NCCL; returns new tensors (or ours, reused).
+
+    The user's tensors are never written: NCCL reads them and writes new buffers (out of
+    place); pack buffers of ours are reduced in place.
+
+    Floating MEAN is ncclAvg (NCCL >= 2.10) or an in-place division of the buffer NCCL
+    wrote: no second tensor per device. Integer (and bool) MEAN is the sum divided into
+    the default float dtype, as on the CPU path (TF's `true_divide` semantics).
 
     Args:
         pieces: one array per device (torch tensors, or NumPy arrays to be moved).
         devices: the GPU of each piece.
         user_owned: the pieces are (views of) the user's arrays: never write them.
+        reduce_op: SUM or MEAN.
     """
     import torch
-    import torch.cuda.nccl
 
-    tensors = []
-    for piece, device in zip(pieces, devices, strict=True):
-        moved = backend_for(piece).to_device(piece, device)
-        if (user_owned and moved is piece) or not moved.is_contiguous():
-            # NCCL writes in place: never into the user's tensor, always contiguous.
-            moved = moved.clone(memory_format=torch.contiguous_format)
-        tensors.append(moved)
-    if tensors[0].numel() > 0:  # an empty pack (num_packs > elements) has nothing to add
-        torch.cuda.nccl.all_reduce(tensors)  # type: ignore[no-untyped-call]
-    return tensors
+    moved = [backend_for(p).to_device(p, d) for p, d in zip(pieces, devices, strict=True)]
+    route = nccl_calls.sum_route(moved[0].dtype)
+    if route.kind == nccl_calls.IN_ORDER:
+        return _in_order_all_reduce(moved, devices, reduce_op)
+    sources = [t if t.is_contiguous() else t.contiguous() for t in moved]
+    if route.kind == nccl_calls.UPCAST:
+        # The upcast is a new buffer of ours: reduce it in place.
+        wire_in = [route.to_wire(t) for t in sources]
+        wire_out, results = wire_in, sources
+    elif user_owned or any(s is p for s, p in zip(sources, pieces, strict=True)):
+        # Never write the user's tensor: NCCL reads it and writes a new buffer (out of
+        # place, as nccl-tests' out-of-place mode), which saves a clone pass.
+        results = [torch.empty_like(t) for t in sources]
+        wire_in = [route.to_wire(t) for t in sources]
+        wire_out = [route.to_wire(t) for t in results]
+    else:  # our pack buffer (or a fresh upload): in place
+        wire_in = wire_out = [route.to_wire(t) for t in sources]
+        results = sources
+    n = len(devices)
+    mean = reduce_op is ReduceOp.MEAN
+    average = mean and route.floating and nccl_calls.has_avg()
+    if sources[0].numel() > 0:  # an empty pack (num_packs > elements) has nothing to add
+        op = nccl_calls.NCCL_AVG if average else route.op
+        nccl_calls.all_reduce(wire_in, op, outputs=None if wire_out is wire_in else wire_out)
+        if mean and route.floating and not average:
+            for w in wire_out:
+                w.div_(n)  # the buffer is ours: divide in place
+    out = [route.from_wire(w, t) for w, t in zip(wire_out, results, strict=True)]
+    if mean and not route.floating:
+        out = [backend_for(t).divide(t, n) for t in out]
+    return out
 
 
 @final
@@ -87,7 +190,15 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
 
     Where NCCL cannot run (CPU devices, no CUDA, torch without NCCL) it falls back to
     `ReductionToOneDevice` and logs one warning (logger `"crossdevice"`) per instance.
-    Reduces that are not all-reduces also go to `ReductionToOneDevice`.
+    Logical GPUs that share a card are summed in replica order on the card (one warning
+    too), each replica getting a tensor of its own. Reduces that are not all-reduces also
+    go to `ReductionToOneDevice`.
+
+    Sums through NCCL are in NCCL's own order (ring, tree or NVLS: fixed for a given
+    configuration, not the in-order `x0 + x1 + ...` of the CPU path), and floating MEAN
+    is NCCL's average (each input scaled by 1/n, then summed). Dtypes NCCL lacks or
+    mis-sums (bool, float8, complex, int16, unsigned 16/32/64-bit) are summed exactly
+    through views or upcasts; the rest take the in-order sum.
 
     Args:
         num_packs: a non-negative int: the number of flat buffers per dtype that a batch
@@ -110,18 +221,26 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
         self._fallback_warned = False
 
     def _can_all_reduce(self, devices: tuple[str, ...]) -> bool:
-        ok, reason = nccl_status(tuple(devices))
-        if not ok:
-            with self._warn_lock:
-                warn, self._fallback_warned = not self._fallback_warned, True
-            if warn:
-                _LOG.warning(
-                    "NcclAllReduce cannot run on devices %s: %s. Falling back to "
-                    "ReductionToOneDevice (logged once per NcclAllReduce instance).",
-                    list(devices),
-                    reason,
-                )
-        return ok
+        mode, reason = nccl_mode(tuple(devices))
+        if mode == NCCL:
+            return True
+        with self._warn_lock:
+            warn, self._fallback_warned = not self._fallback_warned, True
+        if warn and mode == SHARED_CARD:
+            _LOG.warning(
+                "NcclAllReduce cannot run NCCL on devices %s: %s. All-reducing with an "
+                "in-order sum on the card instead (logged once per NcclAllReduce instance).",
+                list(devices),
+                reason,
+            )
+        elif warn:
+            _LOG.warning(
+                "NcclAllReduce cannot run on devices %s: %s. Falling back to "
+                "ReductionToOneDevice (logged once per NcclAllReduce instance).",
+                list(devices),
+                reason,
+            )
+        return mode == SHARED_CARD
 
     def _all_reduce_pieces(
         self,
@@ -130,14 +249,18 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
         devices: tuple[str, ...],
         borrowed: Sequence[bool],
     ) -> list[list[Any]]:
-        """One NCCL all-reduce per piece; MEAN divides on every device."""
+        """One NCCL all-reduce per piece (MEAN included), or the in-order sum on shared cards."""
+        shared_card = nccl_mode(tuple(devices))[0] != NCCL
         out: list[list[Any]] = [[] for _ in devices]
         for k in range(len(pieces[0])):
-            summed = _nccl_all_reduce(
-                [device_pieces[k] for device_pieces in pieces], devices, borrowed[k]
-            )
-            if reduce_op is ReduceOp.MEAN:
-                summed = [backend_for(t).divide(t, len(devices)) for t in summed]
-            for device_out, total in zip(out, summed, strict=True):
+            column = [device_pieces[k] for device_pieces in pieces]
+            if shared_card:
+                moved = [
+                    backend_for(p).to_device(p, d) for p, d in zip(column, devices, strict=True)
+                ]
+                reduced = _in_order_all_reduce(moved, devices, reduce_op)
+            else:
+                reduced = _nccl_all_reduce(column, devices, borrowed[k], reduce_op)
+            for device_out, total in zip(out, reduced, strict=True):
                 device_out.append(total)
         return out

@@ -30,6 +30,11 @@ class ReductionToOneDevice(CrossDeviceOps):
     It always copies the values to one device, reduces them there and broadcasts the
     result to the destinations. It doesn't batch: `batch_reduce` reduces pair by pair.
 
+    Between distinct CUDA devices, without an `accumulation_fn`, the reduce is one
+    `torch.cuda.nccl.reduce` onto the reduce device (when it holds one of the values) and
+    the broadcast one `torch.cuda.nccl.broadcast`, as `torch.nn.parallel.comm.reduce_add`
+    does; NCCL then adds in its own order rather than in replica order.
+
     Args:
         reduce_to_device: the device to reduce on; None means the first destination
             device of each call.

@@ -130,5 +130,6 @@ def simple_broadcast(
     value = owned(value, inputs)
     if isinstance(value, np.generic):
         value = np.asarray(value)
-    first = algorithms.broadcast(value, destinations[:1])
-    return mirror(first, destinations[:1], destinations, like_numpy=like_numpy)
+    # Every destination at once: between CUDA devices this is one NCCL broadcast.
+    copies = algorithms.broadcast(value, destinations)
+    return mirror(copies, destinations, destinations, like_numpy=like_numpy)
