@@ -266,6 +266,8 @@ def test_default_mirrored_strategy_takes_every_gpu(gpus: Gpus) -> None:
     strategy = crossdevice.MirroredStrategy()
     assert strategy.num_replicas_in_sync == NUM_GPUS
     assert [d.rsplit("device:", 1)[-1] for d in strategy.extended.worker_devices] == gpus.names
+    # NCCL between cards; logical GPUs sharing a card are summed there, packed, by it too.
+    assert type(strategy.extended._cross_device_ops).__name__ == "NcclAllReduce"
 
 
 def _gpu_per_replica(gpus: Gpus, make: Callable[[int], Any]) -> Any:

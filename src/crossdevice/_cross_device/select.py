@@ -21,7 +21,8 @@ def select_cross_device_ops(devices: Sequence[Any]) -> CrossDeviceOps:
 
     All host (CPU) devices get `HostAllReduce()` (TF picks ReductionToOneDevice, which
     gives the same sums at a fraction of the speed). GPUs on which NCCL can run get
-    `NcclAllReduce(num_packs=1)`; anything else (CPUs mixed with GPUs, no CUDA, torch
+    `NcclAllReduce(num_packs=1)` (logical GPUs sharing a card too: it sums them packed on
+    the card); anything else (CPUs mixed with GPUs, no CUDA, torch
     without NCCL, a GPU listed twice) gets `ReductionToOneDevice()`, as in TF. It never
     picks an implementation that cannot run.
 
@@ -49,8 +50,9 @@ def select_cross_device_ops(devices: Sequence[Any]) -> CrossDeviceOps:
         return HostAllReduce()
     if any(device_type(name) != "GPU" for name in names):
         return ReductionToOneDevice()
-    ok, reason = nccl.nccl_status(names)
-    if ok:
+    mode, reason = nccl.nccl_mode(names)
+    if mode != nccl.FALLBACK:
+        # "shared_card": logical GPUs on one card, which NcclAllReduce sums packed there.
         return nccl.NcclAllReduce(num_packs=1)
     _LOG.warning(
         "NCCL cannot all-reduce between %s: %s. Using ReductionToOneDevice instead.",
