@@ -84,14 +84,17 @@ def test_select_cross_device_ops(
         HostAllReduce
     )
     # A CPU among GPUs never gets NCCL, even where NCCL could run.
-    monkeypatch.setattr(nccl_module, "nccl_status", lambda devices: (True, ""))
+    monkeypatch.setattr(nccl_module, "nccl_mode", lambda devices: ("nccl", ""))
     assert type(select_cross_device_ops(["GPU:0", "CPU:0"])) is ReductionToOneDevice
     chosen = select_cross_device_ops(["GPU:0", "/gpu:1"])
     assert type(chosen) is NcclAllReduce
     assert chosen.num_packs == 1
+    # Logical GPUs sharing a card: NcclAllReduce sums them packed on the card.
+    monkeypatch.setattr(nccl_module, "nccl_mode", lambda devices: ("shared_card", "shared"))
+    assert type(select_cross_device_ops(["GPU:0", "GPU:1"])) is NcclAllReduce
     monkeypatch.undo()
     # Where NCCL cannot run (here: no CUDA), never choose it.
-    monkeypatch.setattr(nccl_module, "nccl_status", lambda devices: (False, "no CUDA here"))
+    monkeypatch.setattr(nccl_module, "nccl_mode", lambda devices: ("fallback", "no CUDA here"))
     with caplog.at_level(logging.WARNING, logger="crossdevice"):
         assert type(select_cross_device_ops(["GPU:0", "GPU:1"])) is ReductionToOneDevice
     assert "no CUDA here" in caplog.text
