@@ -768,6 +768,14 @@ class FakeCuda:
                 return bool(tensor_is_pinned(x, *args))
             return bool(getattr(x, "_fake_pinned", False))
 
+        def record_stream(x: Any, stream: Any) -> None:
+            if not isinstance(stream, FakeStream):
+                raise TypeError(f"record_stream expects a CUDA stream, got {stream!r}")
+            if state.device_index(x) != stream.device_index:
+                raise RuntimeError("record_stream: the stream is on another device")
+            state.counts["record_stream"] += 1
+
+        self._patch(torch.Tensor, "record_stream", record_stream)
         self._patch(torch.Tensor, "to", to)
         self._patch_parameters()
         self._patch(torch.Tensor, "cuda", to_cuda)

@@ -309,3 +309,15 @@ def test_cross_device_ops_broadcast_and_gather_on_gpus(gpus: Gpus, ops: str) -> 
     _assert_on_own_gpus(gpus, list(gathered.values))
     for component in gathered.values:
         assert component.cpu().tolist() == [[float(i)] * 2 for i in range(NUM_GPUS)]
+
+
+def test_results_used_on_another_logical_gpus_stream_are_recorded_there(gpus: Gpus) -> None:
+    """A result allocated on the merging replica's stream and used on another's is
+    `record_stream`ed there, or the caching allocator could hand its memory out early."""
+    if gpus.fake is None or not gpus.logical:
+        pytest.skip("only logical GPUs give replicas their own streams (and the fake counts)")
+    strategy = _strategy(gpus, "nccl")
+    value = _on_gpus(strategy, gpus, lambda i: torch.full((3,), float(i)))
+    gpus.fake.counts.clear()
+    strategy.run(lambda x: crossdevice.get_replica_context().all_reduce("sum", x), args=(value,))
+    assert gpus.fake.counts["record_stream"] >= NUM_GPUS, dict(gpus.fake.counts)

@@ -28,6 +28,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from crossdevice._core import nest
 from crossdevice._core.devices import DeviceSpec, get_logical_gpu_devices, physical_gpu_index
 
 __all__ = ["CudaReplicas", "CudaRun", "cuda_device", "cuda_replicas"]
@@ -91,7 +92,7 @@ class CudaReplicas:
         if self._own_streams:
             for index, stream in caller.items():
                 started[index] = stream.record_event()
-        return CudaRun(torch, self.indices, streams, caller, started)
+        return CudaRun(torch, self.indices, streams, caller, started, self._own_streams)
 
 
 class CudaRun:
@@ -104,8 +105,10 @@ class CudaRun:
         streams: Sequence[Any],
         caller: dict[int, Any],
         started: dict[int, Any],
+        own_streams: bool = False,
     ) -> None:
         self._torch = torch
+        self._own_streams = own_streams
         self._indices = indices
         self._streams = streams
         self._caller = caller
@@ -148,13 +151,26 @@ class CudaRun:
         if index is not None:
             self._arrived[replica_id] = self._torch.cuda.current_stream(index).record_event()
 
-    def resume(self, replica_id: int) -> None:
-        """Replica `replica_id` leaves a merge_call: its stream waits for the merge."""
+    def resume(self, replica_id: int, result: Any) -> None:
+        """Replica `replica_id` leaves a merge_call: its stream waits for the merge.
+
+        With streams of their own (logical GPUs), the result's tensors were allocated on
+        the merging replica's stream; they are recorded on this replica's too, so the
+        caching allocator does not hand their memory out again while this stream may
+        still use it (torch's `record_stream` rule).
+        """
         index = self._indices[replica_id]
-        if index is not None:
-            merged = self._merged.get(index)
-            if merged is not None:
-                self._torch.cuda.current_stream(index).wait_event(merged)
+        if index is None:
+            return
+        stream = self._torch.cuda.current_stream(index)
+        merged = self._merged.get(index)
+        if merged is not None:
+            stream.wait_event(merged)
+        if self._own_streams:
+            tensor = self._torch.Tensor
+            for leaf in _tensors_in(result):
+                if isinstance(leaf, tensor) and leaf.is_cuda and leaf.get_device() == index:
+                    leaf.record_stream(stream)
 
     def merging(self, merge: Callable[[list[Any]], list[Any]]) -> Callable[[list[Any]], list[Any]]:
         """`merge` ordered after every replica's arrival, with its end marked per device."""
@@ -172,3 +188,16 @@ class CudaRun:
                 self._merged = {i: torch.cuda.current_stream(i).record_event() for i in devices}
 
         return ordered
+
+
+def _tensors_in(result: Any) -> list[Any]:
+    """The leaves of a merge_call result, with the components of distributed values."""
+    leaves, _ = nest.flatten(result)
+    out: list[Any] = []
+    for leaf in leaves:
+        components = getattr(leaf, "values", None)
+        if isinstance(components, tuple):  # a DistributedValues
+            out.extend(components)
+        else:
+            out.append(leaf)
+    return out

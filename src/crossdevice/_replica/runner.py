@@ -254,7 +254,7 @@ class ReplicaRunner:
         result = self._rendezvous.merge_call(
             replica_id, cuda_run.merging(merge_here), value, call, description, self._merge_timeout
         )
-        cuda_run.resume(replica_id)
+        cuda_run.resume(replica_id, result)
         return result
 
     def close(self) -> None:

@@ -366,10 +366,14 @@ class StrategyExtended:
         the step reads the result (`if count == 0`), so host in gives host out. Across
         workers the value must travel, so the cross-device ops take it.
         """
-        devices = self._local_devices
-        return len(devices) == self._num_replicas_in_sync and any(
-            DeviceSpec.from_string(d).device_type == "GPU" for d in devices
-        )
+        stay: bool | None = self.__dict__.get("_host_leaves_stay_cached")
+        if stay is None:  # the devices never change: decided once
+            devices = self._local_devices
+            stay = len(devices) == self._num_replicas_in_sync and any(
+                DeviceSpec.from_string(d).device_type == "GPU" for d in devices
+            )
+            self.__dict__["_host_leaves_stay_cached"] = stay
+        return stay
 
     def _replica_all_gather(
         self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
