@@ -58,7 +58,8 @@ from crossdevice._collectives.host_reduce import (
     make_plan,
     reduce_pieces,
 )
-from crossdevice._collectives.rendezvous import Rendezvous, Round, describe_leaves
+from crossdevice._collectives.rendezvous import Rendezvous
+from crossdevice._collectives.rounds import Round, describe_leaves
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 
 __all__ = [
