@@ -308,17 +308,19 @@ class Rendezvous:
         """Run by the last arriver: compare what the replicas called, then complete."""
         arrivals = rnd.arrivals
         first = arrivals[0]
-        rnd.kind = first.kind
+        kind = rnd.kind = first.kind
+        handler = first.handler
         try:
-            if any(a.kind != first.kind or a.handler is not first.handler for a in arrivals):
-                rnd.set_error(
-                    RuntimeError,
-                    f"{self._name}: the replicas called different collectives: "
-                    f"{self.describe_calls(rnd)}. Every replica must make the same "
-                    "merge_call, all_reduce and all_gather calls in the same order.",
-                )
-                return
-            first.handler.complete(self, rnd, replica_id)
+            for a in arrivals:
+                if a.kind != kind or a.handler is not handler:
+                    rnd.set_error(
+                        RuntimeError,
+                        f"{self._name}: the replicas called different collectives: "
+                        f"{self.describe_calls(rnd)}. Every replica must make the same "
+                        "merge_call, all_reduce and all_gather calls in the same order.",
+                    )
+                    return
+            handler.complete(self, rnd, replica_id)
         except BaseException as exc:
             rnd.failure, rnd.failure_replica = exc, replica_id
             rnd.work = None
