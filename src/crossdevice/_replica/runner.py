@@ -25,6 +25,12 @@ Rules (docs/design.md §3):
 Small steps may run as cooperative replicas instead, greenlets taking turns on the
 caller's thread (`crossdevice._replica.cooperative`, chosen by `set_replica_execution`).
 Every wait goes through `cooperative.block`, so both modes share the rules above.
+
+On Linux the worker threads run under SCHED_BATCH (`_batch_scheduling`): a replica thread
+that is woken waits for the thread that woke it, which holds the GIL, instead of
+preempting it only to sleep again on the GIL. Nothing else changes: the caller's thread
+keeps its policy, a worker's CPU share (its nice value) stays, and threads a replica
+starts inherit the policy, as threads do.
 """
 
 from __future__ import annotations
