@@ -567,8 +567,6 @@ class ThreadCommunicator:
             rnd.results[key] = values
 
     def _result_key(self, rnd: Round, replica_id: int) -> Any:
-        if rnd.kind == "all_reduce" and rnd.plan is not None:
-            return rnd.arrivals[replica_id].torch_mask
         if rnd.kind == "broadcast":
             arrival = rnd.arrivals[replica_id]
             assert arrival is not None
