@@ -204,3 +204,69 @@ def test_a_peer_that_never_comes_times_out_naming_it(n: int) -> None:
     kind, message = outcomes[0][0]
     assert kind == "CollectiveTimeoutError", message
     assert f"merge_call #0 timed out after 0.2 s: replicas [{n - 1}] did not arrive" in message
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_many_rounds_back_to_back_complete_with_replica_zero_woken_last(n: int) -> None:
+    """Replica 0 is woken after its peers left each round; rounds follow at once."""
+
+    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
+        def replica(r: int) -> Any:
+            totals = []
+            for step in range(50):
+                x = comm.all_reduce(r, [np.float32(r + step)], "sum")[0]
+                y = rv.merge_call(r, lambda inputs: [sum(inputs)] * n, r)
+                totals.append((float(x), y))
+            return totals
+
+        return replica
+
+    expected = [(float(sum(range(n)) + n * step), sum(range(n))) for step in range(50)]
+    assert _both(n, make) == [("ok", expected)] * n
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_cooperative_replica_zero_resumes_after_its_peers_left_the_round(n: int) -> None:
+    """The caller's replica goes last after a round: it would otherwise wait again at the end."""
+    order: list[int] = []
+    rendezvous = Rendezvous(n, "test")
+    comm = ThreadCommunicator(n, "test", rendezvous)
+
+    def replica(r: int) -> Any:
+        out = comm.all_reduce(r, [np.float32(1.0)], "sum")[0]
+        order.append(r)
+        return float(out)
+
+    assert _run("cooperative", rendezvous, replica) == [("ok", float(n))] * n
+    # The last arriver (n - 1) goes on at once, the others in turn, replica 0 last.
+    assert order == [n - 1, *range(1, n - 1), 0]
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_an_abort_after_a_round_releases_replica_zero_held_back(n: int) -> None:
+    """Replica 0 held back until its peers leave is woken by an abort too (no hang)."""
+
+    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
+        def replica(r: int) -> Any:
+            out = float(comm.all_reduce(r, [np.float32(r)], "sum")[0])
+            if r == n - 1:
+                rv.abort(RuntimeError("stop"))
+            return out
+
+        return replica
+
+    # Every replica had its result when the abort came: it changes nothing for them.
+    assert _both(n, make) == [("ok", float(sum(range(n))))] * n
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rounds_with_a_timeout_complete_with_replica_zero_held_back(mode: str) -> None:
+    """Replica 0 held back sleeps with its deadline (a timed wait) and still gets its result."""
+    n = 3
+    rendezvous = Rendezvous(n, "test")
+    comm = ThreadCommunicator(n, "test", rendezvous)
+
+    def replica(r: int) -> Any:
+        return float(comm.all_reduce(r, [np.float32(r)], "sum", timeout=5)[0])
+
+    assert _run(mode, rendezvous, replica) == [("ok", 3.0)] * n

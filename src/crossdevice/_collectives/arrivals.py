@@ -18,7 +18,8 @@ import numpy as np
 from crossdevice._arrays import is_torch
 from crossdevice._arrays.numpy_backend import NUMPY
 from crossdevice._collectives.host_reduce import Plan, describe_sig
-from crossdevice._collectives.rendezvous import Rendezvous, Round
+from crossdevice._collectives.rendezvous import Rendezvous
+from crossdevice._collectives.rounds import Round
 from crossdevice._core.reduce_op import ReduceOp
 
 __all__ = ["NUMERIC_KINDS", "ONE_NUMPY", "CollectiveArrival", "host_view", "no_torch", "validate"]
@@ -72,8 +73,17 @@ def host_view(value: Any) -> tuple[Any, np.ndarray | None, bool]:
 
 def validate(rendezvous: Rendezvous, rnd: Round, arrivals: list[CollectiveArrival]) -> str | None:
     """Whether the replicas' arrivals agree: None, or what differs (for a ValueError)."""
-    name = rendezvous.name
     first = arrivals[0]
+    if first.kind == "all_reduce":
+        # The per-step case, every replica agreeing: one pass (the messages below say
+        # what differs).
+        op, sig, structure = first.op, first.sig, first.structure
+        for a in arrivals:
+            if a.op is not op or a.sig != sig or a.structure != structure:
+                break
+        else:
+            return None
+    name = rendezvous.name
     if any(a.structure != first.structure for a in arrivals):
         return (
             f"{name}: {first.kind} #{rnd.seq}: the replicas passed different nest "

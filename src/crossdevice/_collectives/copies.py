@@ -16,7 +16,7 @@ import numpy as np
 from crossdevice._arrays import backend_for
 from crossdevice._collectives.arrivals import CollectiveArrival
 from crossdevice._collectives.host_reduce import ALIGN_BYTES, PARALLEL_MIN_BYTES
-from crossdevice._collectives.rendezvous import Round
+from crossdevice._collectives.rounds import Round
 
 __all__ = ["setup_broadcast", "setup_gather"]
 

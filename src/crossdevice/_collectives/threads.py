@@ -58,7 +58,8 @@ from crossdevice._collectives.host_reduce import (
     make_plan,
     reduce_pieces,
 )
-from crossdevice._collectives.rendezvous import Rendezvous, Round, describe_leaves
+from crossdevice._collectives.rendezvous import Rendezvous
+from crossdevice._collectives.rounds import Round, describe_leaves
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 
 __all__ = [
@@ -215,12 +216,12 @@ class ThreadCommunicator:
         ):
             values = [array]
             sig = ((array.shape, array.dtype),)
-            arrival = CollectiveArrival(
-                "all_reduce", values, values, sig, ONE_NUMPY, op, handler=self
-            )
-            plan = self._plans.get(sig)
             # One array is never packed (`make_plan`): nothing to copy before arriving.
-            arrival.plan = plan if plan is not None else self._plan(sig)
+            plan = self._plans.get(sig) or self._plan(sig)
+            # Positional (no packs, extra or structure): keywords cost a third of the call.
+            arrival = CollectiveArrival(
+                "all_reduce", values, values, sig, ONE_NUMPY, op, plan, None, None, None, self
+            )
             return self._rendezvous.arrive(replica_id, arrival, timeout)[0]
         return self.all_reduce(replica_id, [array], op, timeout)[0]
 
@@ -442,6 +443,8 @@ class ThreadCommunicator:
 
     def result(self, rnd: Round, replica_id: int) -> list[Any]:
         """Replica `replica_id`'s results of a completed round (shared buffers)."""
+        if rnd.kind == "all_reduce":
+            return list(rnd.results[rnd.arrivals[replica_id].torch_mask])
         return list(rnd.results[self._result_key(rnd, replica_id)])
 
     # all_reduce ---------------------------------------------------------------
@@ -449,16 +452,15 @@ class ThreadCommunicator:
     def _setup_reduce(self, rnd: Round, arrivals: list[CollectiveArrival]) -> None:
         first = arrivals[0]
         op = first.op
-        if first.arrays is None or any(a.arrays is None for a in arrivals):
-            self._fallback_reduce(rnd, arrivals, op)
-            return
+        tensors = False
+        for a in arrivals:
+            if a.arrays is None:
+                self._fallback_reduce(rnd, arrivals, op)
+                return
+            tensors = tensors or a.torch_mask[0]
         plan = first.plan
         assert plan is not None
-        if (
-            len(plan.placements) == 1
-            and plan.total_bytes < PACK_BELOW_BYTES
-            and not any(a.torch_mask[0] for a in arrivals)
-        ):
+        if len(plan.placements) == 1 and plan.total_bytes < PACK_BELOW_BYTES and not tensors:
             self._reduce_one_small(rnd, arrivals, plan)
             return
         rnd.plan = plan
@@ -501,16 +503,17 @@ class ThreadCommunicator:
         without the flat-buffer bookkeeping that pays off only for many or large arrays.
         """
         dtype = plan.dtypes[0]
-        shape = plan.placements[0][3]
         inputs = [a.arrays[0] for a in arrivals]  # type: ignore[index]
-        out = plain_sum(inputs, np.empty(shape, dtype=dtype))
-        result: np.ndarray = out
-        if arrivals[0].op is ReduceOp.MEAN:
-            if dtype.kind in "fc":
-                np.true_divide(out, self._n, out=out)
-            else:
-                result = NUMPY.divide(out, self._n)
-        rnd.results[no_torch(1)] = [NUMPY.freeze(result)]
+        out = plain_sum(inputs, np.empty(plan.placements[0][3], dtype=dtype))
+        mean = arrivals[0].op is ReduceOp.MEAN
+        if mean and dtype.kind not in "fc":
+            # An integer mean is a float (NumPy's true_divide), for 0-d a NumPy scalar.
+            rnd.results[ONE_NUMPY] = [NUMPY.freeze(NUMPY.divide(out, self._n))]
+            return
+        if mean:
+            np.true_divide(out, self._n, out=out)
+        out.flags.writeable = False  # one buffer, shared by every replica
+        rnd.results[ONE_NUMPY] = [out]
 
     def _reduce_pieces(
         self,
@@ -564,8 +567,6 @@ class ThreadCommunicator:
             rnd.results[key] = values
 
     def _result_key(self, rnd: Round, replica_id: int) -> Any:
-        if rnd.kind == "all_reduce" and rnd.plan is not None:
-            return rnd.arrivals[replica_id].torch_mask
         if rnd.kind == "broadcast":
             arrival = rnd.arrivals[replica_id]
             assert arrival is not None

@@ -153,15 +153,16 @@ class ReplicaContext:
             raise ValueError(f"options must be a CommunicationOptions or None, got {options!r}")
         self._check_current()
         extended = self._strategy.extended
-        differentiable, leaves, structure = _needs_grad(value)
-        if differentiable:
-            # TF's all_reduce is differentiable: route tensors that require grad
-            # through an autograd function whose backward all-reduces the gradients.
-            from crossdevice._arrays import torch_autograd
+        if type(value) is not np.ndarray:  # a NumPy array never requires grad
+            differentiable, leaves, structure = _needs_grad(value)
+            if differentiable:
+                # TF's all_reduce is differentiable: route tensors that require grad
+                # through an autograd function whose backward all-reduces the gradients.
+                from crossdevice._arrays import torch_autograd
 
-            leaves = [_as_tensor(x) for x in leaves]
-            reduced = torch_autograd.all_reduce(self._reduce_list(options), op, leaves)
-            return nest.unflatten(structure, reduced)
+                leaves = [_as_tensor(x) for x in leaves]
+                reduced = torch_autograd.all_reduce(self._reduce_list(options), op, leaves)
+                return nest.unflatten(structure, reduced)
         return extended._replica_all_reduce(self._replica_id, op, value, options)
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
