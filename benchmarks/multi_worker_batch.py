@@ -51,8 +51,10 @@ def main() -> None:
     device = extended.worker_devices[0]
     values = [PerReplica([a], devices=[device]) for a in arrays]
     group = comm._host_group
+    flat = torch.zeros(sum(sizes), dtype=torch.float32)
     calls: dict[str, Callable[[], Any]] = {
         "per_tensor": lambda: [dist.all_reduce(t, group=group) for t in tensors],
+        "one_call_floor": lambda: dist.all_reduce(flat, group=group),
         "batch_all_reduce": lambda: comm.batch_all_reduce(arrays, "sum"),
         "batch_reduce_to": lambda: extended.batch_reduce_to("sum", [(v, v) for v in values]),
     }
