@@ -7,6 +7,9 @@ Run under torchrun (one process per worker, Gloo on the host)::
 Each round times, interleaved so drift on a shared host hits them alike:
 
 * `per_tensor`: one `torch.distributed.all_reduce` per tensor (160 calls, in place);
+* `one_call_floor`: one `torch.distributed.all_reduce` of a flat buffer already holding
+  every tensor (no packing, no copy): no packed implementation can beat it, so it bounds
+  the speed-up any packing can reach against `per_tensor`;
 * `batch_all_reduce`: `ProcessGroupCommunicator.batch_all_reduce` (packed per dtype into
   packs of `bytes_per_pack`, one fingerprinted collective, inputs unmodified);
 * `batch_reduce_to`: `MultiWorkerMirroredStrategy.extended.batch_reduce_to` of the 160

@@ -14,6 +14,7 @@ from crossdevice._collectives.speculation import (  # noqa: E402
     RoomPool,
     inline_agrees,
     inline_header,
+    speculative_ops,
 )
 
 
@@ -82,3 +83,48 @@ def test_room_pool_recognises_its_buffers() -> None:
     assert room.data_ptr() == view.ctypes.data
     assert rooms.room_of(torch.zeros(10)) is None
     assert rooms.room_of(torch.from_numpy(view[1:])) is None
+
+
+def test_large_first_buffers_send_their_header_apart_and_first() -> None:
+    from crossdevice._collectives.speculation import APART_MIN_BYTES, header_apart
+
+    small = ((torch.float32, 1024),)
+    large = ((torch.float32, APART_MIN_BYTES // 4),)
+    assert not header_apart(small)
+    assert header_apart(large)
+    header = _header(3)
+    data = torch.ones(1024 + INLINE_SLOTS)
+    ops, slots, mine = speculative_ops(small, [data], header)
+    assert len(ops) == 1
+    assert ops[0][0].data_ptr() == data.data_ptr()
+    assert ops[0][0].numel() == data.numel()  # the header rides in the last op
+    assert ops[0][1] == (0, 0, 1024)
+    assert slots.data_ptr() == data[-INLINE_SLOTS:].data_ptr()
+    assert slots.tolist() == mine
+    big = torch.ones(APART_MIN_BYTES // 4)
+    ops, slots, mine = speculative_ops(large, [big], header)
+    assert ops[0] == (slots, None)  # the header's own op goes first
+    assert ops[1][0].data_ptr() == big.data_ptr()
+    assert slots.dtype == torch.float64
+    assert Predictor().zeros(large)[0].numel() == APART_MIN_BYTES // 4
+
+
+def test_very_large_buffers_leave_in_chunks_covering_every_element() -> None:
+    from crossdevice._collectives.speculation import CHUNK_BYTES, PIPELINE_MIN_BYTES, Filler
+
+    numel = PIPELINE_MIN_BYTES // 4 + 1000
+    layout = ((torch.float32, numel), (torch.float32, 10))
+    buffers = [torch.zeros(numel), torch.zeros(10)]
+    ops, _, _ = speculative_ops(layout, buffers, _header(4))
+    spans = [span for _, span in ops if span is not None]
+    assert spans[0] == (0, 0, CHUNK_BYTES // 4)
+    assert spans[-1] == (1, 0, 10)
+    covered = sum(stop - start for index, start, stop in spans if index == 0)
+    assert covered == numel
+    filled: list[tuple[int, int, int]] = []
+    filler = Filler(lambda *span: filled.append(span), [numel, 0, 10])
+    filler.live(1, 2, 5)  # the second non-empty buffer is buffer 2
+    filler.all()
+    filler.all()  # once only
+    filler.live(0, 0, 1)  # after all: nothing more
+    assert filled == [(2, 2, 5), (0, 0, numel), (2, 0, 10)]

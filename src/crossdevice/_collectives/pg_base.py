@@ -25,17 +25,15 @@ import torch.distributed as dist
 from crossdevice._arrays import NUMPY, is_torch
 from crossdevice._collectives import fingerprint as fp
 from crossdevice._collectives.speculation import (
-    INLINE_SLOTS,
     MAX_INLINE_WORKERS,
     Layout,
     Predictor,
     inline_agrees,
-    inline_header,
+    speculative_ops,
 )
 from crossdevice._collectives.wire import (
     DTYPE_CODES,
     Wire,
-    dtype_name,
     needs_view,
     wire_dtype,
 )
@@ -208,11 +206,10 @@ class CommunicatorBase:
                 if predicted and self._world_size <= MAX_INLINE_WORKERS:
                     # The peers start with the predicted all-reduce: pair it, with an
                     # inline header that fails their check, then the abort header.
-                    zeros = self._predictor.zeros(predicted)
-                    zeros[0][-INLINE_SLOTS:].copy_(
-                        torch.tensor(inline_header(header_np), dtype=zeros[0].dtype)
+                    ops, _, _ = speculative_ops(
+                        predicted, self._predictor.zeros(predicted), header_np
                     )
-                    for t in zeros:
+                    for t, _ in ops:
                         work = dist.all_reduce(t, group=self._host_group, async_op=True)
                         _FAILED_GROUPS.append((work, t))
                 header = torch.from_numpy(header_np)
@@ -256,23 +253,26 @@ class CommunicatorBase:
         overlap: Callable[[], None] | None = None,
         fit: Callable[[Layout], list[torch.Tensor] | None] | None = None,
         layout: Layout | None = None,
+        fill: Callable[[int, int, int], None] | None = None,
     ) -> list[fp.Fingerprint]:
         """Check every worker's fingerprint; CollectiveMismatchError unless they match.
 
         When every worker predicts an all-reduce layout (`speculation.py`), the check
         rides inline in that all-reduce: `fit(predicted)` returns this worker's buffers
-        (the first with room for the inline header) when its call has that layout, else
+        (the first with room for the inline header unless `header_apart`) when its call
+        has that layout, else
         None (zeros are sent). `call.speculated` then says whether the data is reduced.
         Otherwise, or when the inline check fails, the headers are all-gathered (and
         `overlap`, e.g. the API's copy of the inputs, runs while they travel). `layout`
-        is this call's own host layout (all_reduce only), recorded for the next guess.
+        is this call's own host layout (all_reduce only), recorded for the next guess;
+        `fill` writes the data chunk by chunk as it leaves (see `_inline`).
         """
         header_np = mine.encode()
         n = self._world_size
         predicted = self._predictor.predict() if n <= MAX_INLINE_WORKERS else None
         fitted = False
         if predicted:
-            fitted, agrees = self._inline(call, header_np, predicted, fit, overlap)
+            fitted, agrees = self._inline(call, header_np, predicted, fit, overlap, fill)
             if agrees:
                 call.speculated = fitted
                 self._predictor.learn([header_np] * n, layout)
@@ -333,21 +333,29 @@ class CommunicatorBase:
         predicted: Layout,
         fit: Callable[[Layout], list[torch.Tensor] | None] | None,
         overlap: Callable[[], None] | None,
+        fill: Callable[[int, int, int], None] | None,
     ) -> tuple[bool, bool]:
-        """The predicted all-reduce with the inline header: (this call fit, all agree)."""
+        """The predicted all-reduce with the inline header: (this call fit, all agree).
+
+        `fill(buffer, start, stop)`, when given, writes this worker's data of that range
+        just before the op that sends it (`speculation.PIPELINE_MIN_BYTES`).
+        """
         tensors = fit(predicted) if fit is not None else None
         fitted = tensors is not None
         if tensors is None:
             tensors = self._predictor.zeros(predicted)
-        tail = tensors[0][-INLINE_SLOTS:]
-        mine = inline_header(header_np)
-        tail.copy_(torch.tensor(mine, dtype=tail.dtype))
-        self._run(
-            call,
-            lambda: [dist.all_reduce(t, group=self._host_group, async_op=True) for t in tensors],
-            None if fitted else overlap,
-        )
-        return fitted, inline_agrees(tail, mine, self._world_size)
+        ops, slots, mine = speculative_ops(predicted, tensors, header_np)
+
+        def launch() -> list[Any]:
+            works = []
+            for tensor, span in ops:
+                if fitted and fill is not None and span is not None:
+                    fill(*span)
+                works.append(dist.all_reduce(tensor, group=self._host_group, async_op=True))
+            return works
+
+        self._run(call, launch, None if fitted else overlap)
+        return fitted, inline_agrees(slots, mine, self._world_size)
 
     def _decode(self, call: _Call, rows: np.ndarray) -> list[fp.Fingerprint]:
         """Every worker's header, checked; WorkerFailedError if a peer sent an abort."""
@@ -589,9 +597,3 @@ def _numel(shape: Sequence[int]) -> int:
     for d in shape:
         out *= int(d)
     return out
-
-
-def _describe_wires(wires: Sequence[Wire]) -> str:
-    items = [f"{dtype_name(w.dtype)}{list(w.shape)}" for w in wires[:12]]
-    more = f" +{len(wires) - 12} more" if len(wires) > 12 else ""
-    return "buffers: " + ", ".join(items) + more

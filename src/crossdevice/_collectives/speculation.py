@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import weakref
+from collections.abc import Callable
 from typing import Final
 
 import numpy as np
@@ -50,17 +51,24 @@ from crossdevice._arrays.buffer_pool import BufferPool
 from crossdevice._collectives.fingerprint import digest
 
 __all__ = [
+    "APART_MIN_BYTES",
+    "CHUNK_BYTES",
     "INLINE_DTYPES",
     "INLINE_SLOTS",
     "MAX_ENTRIES",
     "MAX_INLINE_WORKERS",
+    "PIPELINE_MIN_BYTES",
+    "Filler",
     "Layout",
+    "Op",
     "Predictor",
     "RoomPool",
+    "header_apart",
     "host_layout",
     "inline_agrees",
     "inline_header",
     "layout_digest",
+    "speculative_ops",
 ]
 
 #: One buffer's wire dtype and element count, in order: what Gloo sees.
@@ -76,6 +84,12 @@ INLINE_SLOTS: Final = 2 * _LIMBS
 #: (float32: below 2**24).
 INLINE_DTYPES: Final = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 MAX_INLINE_WORKERS: Final = 256
+#: A first buffer this large keeps no header behind it: its inline header travels in a
+#: small float64 all-reduce of its own, issued just before the data, so that a donated
+#: buffer is reduced where it lies instead of being copied next to room for the header.
+#: On the 2-core host a copy costs 10-38% of the all-reduce of its bytes, the extra
+#: small op about 0.4 ms (3% of a 16 MiB all-reduce, 40% of a 1 MiB one).
+APART_MIN_BYTES: Final = 8 * 1024 * 1024
 
 
 class Predictor:
@@ -123,8 +137,9 @@ class Predictor:
         if buffers is None:
             if len(self._zeros) >= 4:
                 self._zeros.clear()
+            room = 0 if header_apart(layout) else INLINE_SLOTS
             buffers = [
-                torch.zeros(n + (INLINE_SLOTS if i == 0 else 0), dtype=dtype)
+                torch.zeros(n + (room if i == 0 else 0), dtype=dtype)
                 for i, (dtype, n) in enumerate(layout)
             ]
             self._zeros[layout] = buffers
@@ -132,6 +147,52 @@ class Predictor:
             for b in buffers:
                 b.zero_()
         return buffers
+
+
+def header_apart(layout: Layout) -> bool:
+    """Whether `layout`'s inline header travels apart (`APART_MIN_BYTES`), not behind it."""
+    dtype, numel = layout[0]
+    return numel * dtype.itemsize >= APART_MIN_BYTES
+
+
+#: Buffers this large are all-reduced in chunks of `CHUNK_BYTES`, each sent as soon as
+#: it is filled, so the copy (or local sum) of the next chunk runs while the previous
+#: one travels. Raw Gloo, 2-core host, copy then all-reduce of 64 MiB: +38% over the
+#: all-reduce alone; in 32 MiB chunks +16%; in 4-8 MiB chunks +31-36% (per-op costs).
+PIPELINE_MIN_BYTES: Final = 48 * 1024 * 1024
+CHUNK_BYTES: Final = 32 * 1024 * 1024
+
+#: One op of the predicted all-reduce: the tensor to send and the data range it holds,
+#: (buffer, start, stop), or None for the header's own op.
+Op = tuple[torch.Tensor, tuple[int, int, int] | None]
+
+
+def speculative_ops(
+    layout: Layout, tensors: list[torch.Tensor], header: np.ndarray
+) -> tuple[list[Op], torch.Tensor, list[int]]:
+    """What to all-reduce, in order, for `layout`: (ops, the header's slots, its values).
+
+    `tensors` are the data buffers (the first with room behind it unless the header
+    travels apart); `header` is this worker's encoded fingerprint. The split into ops is
+    a function of `layout` alone, so every worker sends the same ops.
+    """
+    mine = inline_header(header)
+    ops: list[Op] = []
+    if header_apart(layout):
+        slots = torch.tensor(mine, dtype=torch.float64)
+        ops.append((slots, None))
+    else:
+        slots = tensors[0][-INLINE_SLOTS:]
+        slots.copy_(torch.tensor(mine, dtype=slots.dtype))
+    for index, ((dtype, numel), tensor) in enumerate(zip(layout, tensors, strict=True)):
+        step = numel
+        if numel * dtype.itemsize >= PIPELINE_MIN_BYTES:
+            step = CHUNK_BYTES // dtype.itemsize
+        for start in range(0, numel, step):
+            stop = min(start + step, numel)
+            end = tensor.numel() if stop == numel else stop  # the last takes any room
+            ops.append((tensor[start:end], (index, start, stop)))
+    return ops, slots, mine
 
 
 def host_layout(tensors: list[torch.Tensor]) -> Layout | None:
@@ -202,3 +263,31 @@ class RoomPool:
             return torch.cat(tensors)
         total = sum(t.numel() for t in tensors)
         return torch.cat(tensors, out=self.buffer(tensors[0].dtype, total)[:total])
+
+
+class Filler:
+    """Runs a caller's `fill(i, start, stop)` once per range: by chunks, or all at once.
+
+    Args:
+        fill: writes elements `start:stop` of buffer `i`; None: nothing to write.
+        sizes: every buffer's element count (empty buffers are not sent, so the ops'
+            buffer numbers count the non-empty ones only).
+    """
+
+    def __init__(self, fill: Callable[[int, int, int], None] | None, sizes: list[int]) -> None:
+        self._fill = fill
+        self._done = fill is None
+        self._sizes = sizes
+        self._live = [k for k, n in enumerate(sizes) if n]
+
+    def all(self) -> None:
+        """Fill every buffer whole, unless done already."""
+        if self._fill is not None and not self._done:
+            self._done = True
+            for k in self._live:
+                self._fill(k, 0, self._sizes[k])
+
+    def live(self, j: int, start: int, stop: int) -> None:
+        """Fill a range of the `j`-th non-empty buffer (one op's data), unless all done."""
+        if self._fill is not None and not self._done:
+            self._fill(self._live[j], start, stop)

@@ -24,11 +24,11 @@ MEAN is SUM then a division by `divisor` (the caller knows the global replica co
 Every public method is one *numbered collective*, and every worker must call the same
 collectives in the same order with matching values. Nothing is taken on trust:
 
-* **Fingerprints** (`fingerprint.py`): each collective starts with an all-gather of a
-  fixed-size header saying what every worker is about to do (number, kind, op, dtypes,
-  bytes, shapes, structure, local replica count); any difference raises
-  `CollectiveMismatchError` on every worker before data moves, so Gloo never sees
-  buffers of different sizes (it aborts the process when it does).
+* **Fingerprints** (`fingerprint.py`, `speculation.py`): a fixed-size header says what
+  each worker is about to do (number, kind, op, dtypes, bytes, shapes, structure, layout,
+  local replica count); any difference raises `CollectiveMismatchError` on every worker
+  and Gloo never sees buffers of different sizes (it aborts the process when it does). A
+  repeated all-reduce carries it inside its data, in one round trip.
 * **Health** (`worker_health.py`): heartbeats, arrival marks and abort marks in the c10d
   store. A waiting worker looks at them every `_POLL_SECONDS`: a peer whose step raised
   (`abort`) or whose heartbeat stopped (dead) raises `WorkerFailedError` naming it within
@@ -51,7 +51,6 @@ import numpy as np
 try:
     import torch
     import torch.distributed as dist
-    from torch._C._distributed_c10d import PrefixStore, TCPStore
 except ImportError:  # pragma: no cover - exercised only without torch
     raise ImportError(
         "multi-worker collectives need PyTorch, which is not installed; install it with "
@@ -61,20 +60,24 @@ except ImportError:  # pragma: no cover - exercised only without torch
 from crossdevice._collectives import fingerprint as fp
 from crossdevice._collectives.pg_base import (
     _BACKSTOP_SLACK_SECONDS,
-    _DIAGNOSIS_STORE_TIMEOUT_SECONDS,
     DEFAULT_INIT_TIMEOUT_SECONDS,
     DEFAULT_TIMEOUT_SECONDS,
     MAX_PEER_BYTES,
     CommunicatorBase,
     Signature,
-    _describe_wires,
     _numel,
 )
-from crossdevice._collectives.process_group_start import start_default_group, store_host
+from crossdevice._collectives.process_group_start import (
+    health_store,
+    start_default_group,
+    store_host,
+)
 from crossdevice._collectives.speculation import (
+    Filler,
     Layout,
     Predictor,
     RoomPool,
+    header_apart,
     host_layout,
     layout_digest,
 )
@@ -82,6 +85,7 @@ from crossdevice._collectives.value_checks import check_broadcast, check_gather
 from crossdevice._collectives.wire import (
     DTYPE_CODES,
     Wire,
+    describe_wires,
     divide,
     group_by_size,
     is_single_array,
@@ -182,7 +186,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
             self._cuda_group = dist.new_group(backend="nccl", timeout=group_timeout)
         namespace = self._host_group.group_name
         self._health = HealthBoard(
-            lambda: self._health_store(namespace), self._rank, self._world_size, store_host()
+            lambda: health_store(namespace), self._rank, self._world_size, store_host()
         )
 
     # -- construction ------------------------------------------------------------------
@@ -220,26 +224,6 @@ class ProcessGroupCommunicator(CommunicatorBase):
         )
         self._owns_default_group = True
         return cluster
-
-    @staticmethod
-    def _health_store(namespace: str) -> Any:
-        """A store for health marks, with its own connection and a short read timeout."""
-        # torch keeps no public handle on the default group's store; this private getter
-        # has existed since torch 1.x.
-        store = dist.distributed_c10d._get_default_store()
-        base = store
-        while isinstance(base, PrefixStore):
-            base = base.underlying_store
-        if isinstance(base, TCPStore):
-            # A connection of our own: its timeout bounds our reads without changing the
-            # default store's, and a dead server fails our reads at once.
-            store = TCPStore(
-                base.host,
-                base.port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=_DIAGNOSIS_STORE_TIMEOUT_SECONDS),
-            )
-        return PrefixStore(f"crossdevice/{namespace}/health/", store)
 
     # -- properties ----------------------------------------------------------------------
 
@@ -285,6 +269,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         options: CommunicationOptions | None = None,
         signature: Signature | None = None,
         produce: Callable[[], Sequence[Any]] | None = None,
+        fill: Callable[[int, int, int], None] | None = None,
     ) -> list[Any]:
         """Reduce each buffer element-wise across workers; every worker gets the result.
 
@@ -307,6 +292,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
                 added to the fingerprint; default the buffers' own.
             produce: makes the buffers to reduce (donated), while the fingerprints travel;
                 `buffers` are then only templates of the same kinds, shapes and dtypes.
+            fill: `fill(i, start, stop)` writes elements `start:stop` of flat buffer `i`
+                (donated `pack_buffer` views), chunk by chunk just before each leaves, or
+                all while the fingerprints travel.
 
         Returns:
             One array per buffer, of the buffer's kind, dtype (MEAN of integers gives
@@ -331,6 +319,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
             shapes = tuple((tuple(w.tensor.shape), w.dtype) for w in wires)
             signature = Signature(op.name.lower(), fp.cached_digest(shapes))
         layout = host_layout([w.tensor for w in wires])
+        filler = Filler(fill, [w.tensor.numel() for w in wires])
 
         def fit(predicted: Layout) -> list[torch.Tensor] | None:
             # This worker's buffers when they are what every worker sends, the first in a
@@ -341,9 +330,14 @@ class ProcessGroupCommunicator(CommunicatorBase):
             if produce is not None:
                 replace_wires(wires, [self._to_wire(b, copy=False) for b in produce()])
             live = [w for w in wires if w.tensor.numel()]
+            if header_apart(predicted):
+                if not donate and produce is None:
+                    own_all(live)
+                return [w.tensor for w in live]
             first = live[0]
             room = self._rooms.room_of(first.tensor) if donate or produce is not None else None
             if room is None:
+                filler.all()
                 room = self._rooms.buffer(first.tensor.dtype, first.tensor.numel())
                 room[: first.tensor.numel()].copy_(first.tensor.reshape(-1))
             first.tensor, first.owned = room[: first.tensor.numel()].view(first.tensor.shape), True
@@ -367,14 +361,15 @@ class ProcessGroupCommunicator(CommunicatorBase):
                     cuda=any(w.tensor.is_cuda for w in wires),
                     layout=layout_digest(layout),
                 ),
-                lambda: _describe_wires(wires),
+                lambda: describe_wires(wires),
                 (lambda: replace_wires(wires, [self._to_wire(b, copy=False) for b in produce()]))
                 if produce is not None
-                else None
+                else filler.all
                 if donate
                 else functools.partial(own_all, wires),
                 fit,
                 layout,
+                filler.live,
             )
             if not call.speculated:
                 self._run(

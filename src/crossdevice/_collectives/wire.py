@@ -17,6 +17,7 @@ from crossdevice._arrays import backend_for, is_torch
 __all__ = [
     "DTYPE_CODES",
     "Wire",
+    "describe_wires",
     "divide",
     "dtype_name",
     "group_by_size",
@@ -187,3 +188,10 @@ def mean_count(op: Any, divisor: float | None, world_size: int) -> float | None:
             raise ValueError(f"divisor must be a positive number, got {divisor!r}")
         return divisor
     return world_size if mean else None
+
+
+def describe_wires(wires: Sequence[Wire]) -> str:
+    """`buffers: float32[2, 3], ...` (the first 12), for mismatch messages."""
+    items = [f"{dtype_name(w.dtype)}{list(w.shape)}" for w in wires[:12]]
+    more = f" +{len(wires) - 12} more" if len(wires) > 12 else ""
+    return "buffers: " + ", ".join(items) + more

@@ -190,17 +190,22 @@ class CollectiveAllReduce(CrossDeviceOps):
             packs.extend(
                 [members[j] for j in pack] for pack in group_by_size(sizes, options.bytes_per_pack)
             )
-        buffers = []
-        for pack in packs:
-            buffer = comm.pack_buffer(components[pack[0]][0].dtype, _total(components, pack))
+        buffers = [
+            comm.pack_buffer(components[p[0]][0].dtype, _total(components, p)) for p in packs
+        ]
+
+        def fill(k: int, start: int, stop: int) -> None:
+            # Elements start:stop of pack k: the local sums of the values they cover,
+            # written as the communicator sends them (large packs leave in chunks).
             offset = 0
-            for i in pack:
-                first = components[i][0]
-                NUMPY.sum_n(
-                    components[i], out=buffer[offset : offset + first.size].reshape(first.shape)
-                )
-                offset += first.size
-            buffers.append(buffer)
+            for i in packs[k]:
+                size = components[i][0].size
+                a, b = max(start, offset), min(stop, offset + size)
+                if a < b:
+                    flats = [c.reshape(-1)[a - offset : b - offset] for c in components[i]]
+                    NUMPY.sum_n(flats, out=buffers[k][a:b])
+                offset += size
+
         firsts = [arrays[0] for arrays in components]
         reduced = comm.all_reduce(
             buffers,
@@ -208,6 +213,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             donate=True,
             options=options,
             signature=self._signature(op, firsts, site),
+            fill=fill,
         )
         out: list[Any] = [None] * len(components)
         for pack, flat in zip(packs, reduced, strict=True):
