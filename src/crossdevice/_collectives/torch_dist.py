@@ -3,12 +3,10 @@
 `ProcessGroupCommunicator` is the cross-worker half of `MultiWorkerMirroredStrategy`.
 The strategy combines it with the in-process collectives in three phases:
 
-    # local reduce: each worker sums its own replicas' gradients, packed into flat
-    #   buffers (one per dtype, about bytes_per_pack each)
+    # local reduce: each worker sums its replicas' values into flat packs (per dtype)
     local_sums = [pack(sum_n(replica_grads)) for each pack]
     # cross-worker all-reduce: one numbered collective over all packs
-    totals = communicator.all_reduce(local_sums, "mean", divisor=num_replicas_in_sync,
-                                     donate=True)
+    totals = communicator.all_reduce(local_sums, "mean", divisor=n_replicas, donate=True)
     # local broadcast: every local replica gets its slice of the result
     per_replica = unpack(totals)
 
@@ -319,6 +317,11 @@ class ProcessGroupCommunicator(CommunicatorBase):
             shapes = tuple((tuple(w.tensor.shape), w.dtype) for w in wires)
             signature = Signature(op.name.lower(), fp.cached_digest(shapes))
         layout = host_layout([w.tensor for w in wires])
+        if fill is not None and (not donate or produce is not None):
+            raise ValueError(
+                f"all_reduce: fill= needs donate=True and no produce=, got donate={donate} "
+                f"and produce={produce is not None}; pass donate=True without produce"
+            )
         filler = Filler(fill, [w.tensor.numel() for w in wires])
 
         def fit(predicted: Layout) -> list[torch.Tensor] | None:
