@@ -7,6 +7,9 @@ Run under torchrun (one process per worker, Gloo on the host)::
 Each round times, interleaved so drift on a shared host hits them alike:
 
 * `per_tensor`: one `torch.distributed.all_reduce` per tensor (160 calls, in place);
+* `one_call_floor`: one `torch.distributed.all_reduce` of a flat buffer already holding
+  every tensor (no packing, no copy): no packed implementation can beat it, so it bounds
+  the speed-up any packing can reach against `per_tensor`;
 * `batch_all_reduce`: `ProcessGroupCommunicator.batch_all_reduce` (packed per dtype into
   packs of `bytes_per_pack`, one fingerprinted collective, inputs unmodified);
 * `batch_reduce_to`: `MultiWorkerMirroredStrategy.extended.batch_reduce_to` of the 160
@@ -51,8 +54,10 @@ def main() -> None:
     device = extended.worker_devices[0]
     values = [PerReplica([a], devices=[device]) for a in arrays]
     group = comm._host_group
+    flat = torch.zeros(sum(sizes), dtype=torch.float32)
     calls: dict[str, Callable[[], Any]] = {
         "per_tensor": lambda: [dist.all_reduce(t, group=group) for t in tensors],
+        "one_call_floor": lambda: dist.all_reduce(flat, group=group),
         "batch_all_reduce": lambda: comm.batch_all_reduce(arrays, "sum"),
         "batch_reduce_to": lambda: extended.batch_reduce_to("sum", [(v, v) for v in values]),
     }

@@ -71,12 +71,41 @@ def _mismatch_step(cell: str, rank: int, world_size: int) -> Callable[[], Any]:
             return ctx.all_reduce("sum", [x] if odd else [x, x])
         if cell == "same_leaves":  # the same leaves in another nest: no leaf differs
             return ctx.all_reduce("sum", {"a": x, "b": x} if odd else [x, x])
+        if cell.startswith("predicted_"):
+            for _ in range(3):  # teach every worker: after _reduce_a comes _reduce_b of x
+                _reduce_a(ctx, x)
+                _reduce_b(ctx, x)
+            _reduce_a(ctx, x)
+            if not odd:
+                return _reduce_b(ctx, x)
+            if cell == "predicted_shape":  # the predicted layout: this worker's data is sent
+                return _reduce_b(ctx, x.reshape(3, 2))
+            if cell == "predicted_size":
+                return _reduce_b(ctx, np.ones(7, np.float32))
+            if cell == "predicted_dtype":
+                return _reduce_b(ctx, x.astype(np.float64))
+            return ctx.all_gather(x, axis=0)
         raise AssertionError(cell)
 
     return step
 
 
-MISMATCH_CELLS = ("shape", "dtype", "order", "op", "kind", "structure", "same_leaves")
+MISMATCH_CELLS = (
+    "shape",
+    "dtype",
+    "order",
+    "op",
+    "kind",
+    "structure",
+    "same_leaves",
+    # After a warm-up, every worker predicts the next all-reduce's layout and sends its
+    # data with the fingerprint inside it (speculation.py): the disagreement is then
+    # found in the summed data, on buffers of the predicted sizes, never by Gloo.
+    "predicted_shape",
+    "predicted_size",
+    "predicted_dtype",
+    "predicted_kind",
+)
 
 
 def mismatches(rank: int, world_size: int, local: int) -> dict[str, Any]:

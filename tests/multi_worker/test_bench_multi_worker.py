@@ -40,7 +40,7 @@ def test_bench_across_two_workers(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 workers (Gloo)" in out.stdout
     rows = json.loads(out_json.read_text())["rows"]
-    assert {r["impl"] for r in rows} == {"torch", "comm", "strategy"}
+    assert {r["impl"] for r in rows} == {"torch", "torch+copy", "comm", "strategy"}
     assert {r["size"] for r in rows} == {64 * 1024, 256 * 1024, 1024 * 1024}
     assert all(r["wrong"] == 0 and r["algbw"] > 0 for r in rows)
     for row in rows:  # nccl-tests' all-reduce bus bandwidth factor 2(n-1)/n with n = 2

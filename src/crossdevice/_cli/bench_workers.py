@@ -6,6 +6,9 @@ all-reducing it are timed, interleaved call by call so drift on a shared machine
 of them alike:
 
 * `torch`: `torch.distributed.all_reduce` on the buffer itself (the baseline);
+* `torch+copy`: a copy of the input into a reused buffer, then `torch.distributed.
+  all_reduce` of that: the floor for any all-reduce that leaves its input unmodified,
+  as the strategy's must (its cost over `torch` is the copy's alone);
 * `comm`: crossdevice's `ProcessGroupCommunicator.all_reduce` of a buffer it may reduce
   in place (`donate=True`), as the strategy's own buffers are;
 * `strategy`: `MultiWorkerMirroredStrategy.extended.reduce_to` of a per-replica value to
@@ -29,7 +32,7 @@ import numpy as np
 
 __all__ = ["run_multi_worker"]
 
-_IMPLS = ("torch", "comm", "strategy")
+_IMPLS = ("torch", "torch+copy", "comm", "strategy")
 
 
 def run_multi_worker(args: argparse.Namespace) -> int:
@@ -56,7 +59,7 @@ def run_multi_worker(args: argparse.Namespace) -> int:
         )
         print(f"# torch {torch.__version__}, crossdevice {crossdevice.__version__}")
         print(
-            f"# {'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'impl':>8} "
+            f"# {'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'impl':>10} "
             f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overhead':>9}"
         )
     rows: list[dict[str, Any]] = []
@@ -89,8 +92,16 @@ def _measure(
     baseline = torch.from_numpy(mine.copy())
     value = PerReplica([mine], devices=[extended.worker_devices[0]])
     donated = mine.copy()
+    scratch = torch.empty_like(baseline)
+    source = torch.from_numpy(mine)
+
+    def copy_then_reduce() -> Any:
+        scratch.copy_(source)
+        return dist.all_reduce(scratch, group=group)
+
     calls: dict[str, Callable[[], Any]] = {
         "torch": lambda: dist.all_reduce(baseline, group=group),
+        "torch+copy": copy_then_reduce,
         "comm": lambda: comm.all_reduce([donated], op, donate=True)[0],
         "strategy": lambda: extended.reduce_to(op, value, destinations=value),
     }
@@ -109,8 +120,9 @@ def _measure(
         baseline.copy_(torch.from_numpy(mine))
         donated[...] = mine
         result = np.asarray(calls[name]())
-        if name == "torch":
-            result = baseline.numpy() / (world if op.name == "MEAN" else 1)
+        if name in ("torch", "torch+copy"):
+            reduced = baseline if name == "torch" else scratch
+            result = reduced.numpy() / (world if op.name == "MEAN" else 1)
         median = statistics.median(times[name])
         ratios = [t / b for t, b in zip(times[name], times["torch"], strict=True)]
         algbw = size / median / 1e9
@@ -135,14 +147,14 @@ def _measure(
 def _print_row(row: dict[str, Any]) -> None:
     print(
         f"  {row['size']:>12} {row['count']:>10} {row['type']:>7} {row['redop']:>5} "
-        f"{row['impl']:>8} {row['time_us']:>10.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
+        f"{row['impl']:>10} {row['time_us']:>10.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
         f"{row['wrong']:>6} {row['overhead_vs_torch'] * 100:>8.1f}%",
         flush=True,
     )
 
 
 def _print_summary(rows: list[dict[str, Any]], json_path: str | None) -> None:
-    for name in ("comm", "strategy"):
+    for name in ("torch+copy", "comm", "strategy"):
         big = [r["overhead_vs_torch"] for r in rows if r["impl"] == name and r["size"] >= 1 << 20]
         if big:
             print(

@@ -3,16 +3,19 @@
 Every numbered cross-worker collective starts with one all-gather of a fixed-size int64
 header (`HEADER_LEN` values, 672 bytes) from every worker. The header says what this
 worker is about to do: sequence number, kind, reduce op, local replica count, number of
-buffers, byte count, digests of the dtypes, shapes and value structure, and (for
-all_gather and broadcast) the one value's rank, dtype and shape. Because the header has
-the same size on every worker, Gloo never sees buffers of different sizes; the data
-moves only after every worker has checked every other worker's header, so a mismatch
-is an error on every worker alike (`CollectiveMismatchError`), never a SIGABRT in Gloo
-or a silently wrong sum.
+buffers, byte count, digests of the dtypes, shapes, value structure and buffer layout,
+and (for all_gather and broadcast) the one value's rank, dtype and shape. Because the
+header has the same size on every worker, Gloo never sees buffers of different sizes;
+the result is used only after every worker has checked every other worker's header, so
+a mismatch is an error on every worker alike (`CollectiveMismatchError`), never a
+SIGABRT in Gloo or a silently wrong sum.
 
-All_gather and broadcast need this exchange anyway (to size their buffers), so their
-fingerprint costs nothing extra; for all_reduce it is one small extra message (measured
-in `crossdevice bench --multi-worker`).
+All_gather and broadcast need this exchange anyway (to size their buffers). An
+all_reduce whose buffer layout every worker can predict from the collectives they
+already agreed on sends its data in the same round trip as the header
+(`speculation.py`): Gloo still sees identical sizes on every worker, because each
+worker sends the *predicted* layout (zeros when its own call differs), and the result
+is kept only when every header matches. Otherwise the data follows the header.
 
 Peer headers are untrusted input: `decode` checks the magic number, every code against
 its table and every size against a bound before anything is allocated from it.
@@ -21,6 +24,7 @@ its table and every size against a bound before anything is allocated from it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Final
@@ -35,6 +39,7 @@ __all__ = [
     "Fingerprint",
     "abort_print",
     "abort_reason",
+    "cached_digest",
     "digest",
     "mismatched_fields",
 ]
@@ -53,13 +58,19 @@ OPS: Final = ("none", "sum", "mean")
 _ALWAYS: Final = ("seq", "kind", "op", "local_replicas", "structure")
 #: Fields that must also agree for reductions (all_gather and broadcast sizes may differ
 #: by design; their own checks compare rank, dtype, axis, root and shapes).
-_REDUCTION: Final = ("buffers", "nbytes", "dtypes", "shapes", "cuda")
+_REDUCTION: Final = ("buffers", "nbytes", "dtypes", "shapes", "layout", "cuda")
 
 
 def digest(value: object) -> int:
     """A 56-bit digest of `repr(value)`: equal on every worker for equal values."""
     data = hashlib.blake2b(repr(value).encode(), digest_size=7).digest()
     return int.from_bytes(data, "little")
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_digest(value: tuple[object, ...]) -> int:
+    """`digest` of a hashable tuple, remembered: a training step's shapes repeat."""
+    return digest(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +92,8 @@ class Fingerprint:
         ndim: the one value's rank for all_gather/broadcast (-1: no value).
         dtype_code: the one value's dtype code (-1: no value).
         shape: the one value's shape.
+        layout: digest of the host buffers' wire dtypes and element counts, in order
+            (what Gloo will see; 0: none).
         detail: readable dtypes and shapes, for error messages only (not sent).
     """
 
@@ -98,12 +111,13 @@ class Fingerprint:
     ndim: int = -1
     dtype_code: int = -1
     shape: tuple[int, ...] = ()
+    layout: int = 0
     detail: str = dataclasses.field(default="", compare=False)
 
     def encode(self) -> np.ndarray:
         """The header: `HEADER_LEN` int64 values."""
         header = np.zeros(HEADER_LEN, np.int64)
-        header[:15] = (
+        header[:16] = (
             _MAGIC,
             self.seq,
             KINDS.index(self.kind) + 1,
@@ -119,6 +133,7 @@ class Fingerprint:
             self.ndim,
             self.dtype_code,
             len(self.shape),
+            self.layout,
         )
         header[_FIXED : _FIXED + len(self.shape)] = self.shape
         return header
@@ -128,7 +143,7 @@ class Fingerprint:
         """A peer's header, checked: ValueError naming `rank` for anything out of range."""
         values = [int(v) for v in header[:_FIXED]]
         (magic, seq, kind, op, local, buffers, nbytes, dtypes, shapes, structure, arg) = values[:11]
-        cuda, ndim, dtype_code, shape_len = values[11:15]
+        cuda, ndim, dtype_code, shape_len, layout = values[11:16]
         problems = []
         if magic != _MAGIC:
             problems.append(f"magic {magic:#x} (expected {_MAGIC:#x})")
@@ -164,6 +179,7 @@ class Fingerprint:
             ndim=ndim,
             dtype_code=dtype_code,
             shape=shape,
+            layout=layout,
         )
 
     def describe(self) -> str:
@@ -171,7 +187,7 @@ class Fingerprint:
         text = (
             f"{self.kind} #{self.seq} op={self.op} local_replicas={self.local_replicas} "
             f"buffers={self.buffers} nbytes={self.nbytes} dtypes={self.dtypes:014x} "
-            f"shapes={self.shapes:014x} structure={self.structure:014x}"
+            f"shapes={self.shapes:014x} structure={self.structure:014x} layout={self.layout:014x}"
         )
         if self.kind in ("all_gather", "broadcast"):
             text += f" arg={self.arg} ndim={self.ndim} shape={self.shape}"

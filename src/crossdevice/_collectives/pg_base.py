@@ -24,10 +24,16 @@ import torch.distributed as dist
 
 from crossdevice._arrays import NUMPY, is_torch
 from crossdevice._collectives import fingerprint as fp
+from crossdevice._collectives.speculation import (
+    MAX_INLINE_WORKERS,
+    Layout,
+    Predictor,
+    inline_agrees,
+    speculative_ops,
+)
 from crossdevice._collectives.wire import (
     DTYPE_CODES,
     Wire,
-    dtype_name,
     needs_view,
     wire_dtype,
 )
@@ -108,6 +114,7 @@ class _Call:
     seq: int
     timeout: float
     started: float
+    speculated: bool = False  # its data went with the fingerprints (speculation.py)
 
     @property
     def label(self) -> str:
@@ -121,7 +128,7 @@ class CommunicatorBase:
     """Numbering, fingerprints, health-watching waits and diagnosis for a communicator.
 
     Subclasses set `_rank`, `_world_size`, `_host_group`, `_cuda_group`, `_health`,
-    `_options`, `_replicas`, `_seq`, `_lock`, `_broken` and `_closed`.
+    `_options`, `_replicas`, `_seq`, `_lock`, `_broken`, `_closed` and `_predictor`.
     """
 
     _rank: int
@@ -135,6 +142,7 @@ class CommunicatorBase:
     _lock: threading.Lock
     _broken: str | None
     _closed: bool
+    _predictor: Predictor
 
     @property
     def timeout(self) -> float:
@@ -191,9 +199,20 @@ class CommunicatorBase:
         if self._host_group is not None and self._lock.acquire(blocking=False):
             try:
                 self._seq += 1
-                header = torch.from_numpy(
-                    fp.abort_print(self._seq, type(error).__name__, self._local_count()).encode()
-                )
+                header_np = fp.abort_print(
+                    self._seq, type(error).__name__, self._local_count()
+                ).encode()
+                predicted = self._predictor.predict()
+                if predicted and self._world_size <= MAX_INLINE_WORKERS:
+                    # The peers start with the predicted all-reduce: pair it, with an
+                    # inline header that fails their check, then the abort header.
+                    ops, _, _ = speculative_ops(
+                        predicted, self._predictor.zeros(predicted), header_np
+                    )
+                    for t, _ in ops:
+                        work = dist.all_reduce(t, group=self._host_group, async_op=True)
+                        _FAILED_GROUPS.append((work, t))
+                header = torch.from_numpy(header_np)
                 outs = [torch.empty_like(header) for _ in range(self._world_size)]
                 # Fire and forget: the peers may never come; the group is never freed.
                 work = dist.all_gather(outs, header, group=self._host_group, async_op=True)
@@ -232,14 +251,35 @@ class CommunicatorBase:
         mine: fp.Fingerprint,
         detail: Callable[[], str] | None = None,
         overlap: Callable[[], None] | None = None,
+        fit: Callable[[Layout], list[torch.Tensor] | None] | None = None,
+        layout: Layout | None = None,
+        fill: Callable[[int, int, int], None] | None = None,
     ) -> list[fp.Fingerprint]:
-        """All-gather every worker's fingerprint; CollectiveMismatchError unless they match.
+        """Check every worker's fingerprint; CollectiveMismatchError unless they match.
 
-        `overlap` (e.g. the API's copy of the inputs) runs while the headers travel, so
-        the fingerprint's round trip hides behind local work.
+        When every worker predicts an all-reduce layout (`speculation.py`), the check
+        rides inline in that all-reduce: `fit(predicted)` returns this worker's buffers
+        (the first with room for the inline header unless `header_apart`) when its call
+        has that layout, else
+        None (zeros are sent). `call.speculated` then says whether the data is reduced.
+        Otherwise, or when the inline check fails, the headers are all-gathered (and
+        `overlap`, e.g. the API's copy of the inputs, runs while they travel). `layout`
+        is this call's own host layout (all_reduce only), recorded for the next guess;
+        `fill` writes the data chunk by chunk as it leaves (see `_inline`).
         """
-        header = torch.from_numpy(mine.encode())
-        table = torch.empty((self._world_size, fp.HEADER_LEN), dtype=torch.int64)
+        header_np = mine.encode()
+        n = self._world_size
+        predicted = self._predictor.predict() if n <= MAX_INLINE_WORKERS else None
+        fitted = False
+        if predicted:
+            fitted, agrees = self._inline(call, header_np, predicted, fit, overlap, fill)
+            if agrees:
+                call.speculated = fitted
+                self._predictor.learn([header_np] * n, layout)
+                return [mine] * n
+            overlap = None  # ran already, by `fit` or during the inline all-reduce
+        header = torch.from_numpy(header_np)
+        table = torch.empty((n, fp.HEADER_LEN), dtype=torch.int64)
         outs = list(table.unbind(0))
         self._run(
             call,
@@ -247,6 +287,78 @@ class CommunicatorBase:
             overlap,
         )
         rows = table.numpy()
+        fields: list[str] = []
+        if (rows == header_np).all():
+            prints = [mine] * n  # every row is ours: valid by construction
+        else:
+            prints = self._decode(call, rows)
+            fields = fp.mismatched_fields(prints)
+        if fields:
+            # Every worker saw the same table, so every worker is here: one more fixed-size
+            # exchange, on the error path only, brings each worker's readable detail.
+            text = detail() if detail is not None else ""
+            mine_detail = torch.from_numpy(fp.encode_detail(text))
+            got = torch.empty((n, fp.DETAIL_BYTES), dtype=torch.uint8)
+            gouts = list(got.unbind(0))
+            self._run(
+                call,
+                lambda: [
+                    dist.all_gather(gouts, mine_detail, group=self._host_group, async_op=True)
+                ],
+            )
+            details = [fp.decode_detail(row) for row in got.numpy()]
+            if "seq" in fields:
+                # The workers' counts went apart: nothing later can pair up again.
+                self._broken = f"{call.label}: collective sequence numbers differ"
+            raise CollectiveMismatchError(
+                f"{call.label} on rank {self._rank}: "
+                + fp.mismatch_message(prints, details, fields)
+            )
+        if fitted:
+            # This worker's buffers were summed with other data: never hand them out.
+            self._broken = f"{call.label}: the inline fingerprints disagreed, the headers not"
+            raise CollectiveMismatchError(
+                f"{call.label} on rank {self._rank}: the fingerprints inside the data "
+                "disagreed but the exchanged headers agree; expected both to agree. This is a "
+                "crossdevice bug (or a peer running another version): report it, and build a "
+                "new strategy on every worker"
+            )
+        self._predictor.learn(list(rows), layout)
+        return prints
+
+    def _inline(
+        self,
+        call: _Call,
+        header_np: np.ndarray,
+        predicted: Layout,
+        fit: Callable[[Layout], list[torch.Tensor] | None] | None,
+        overlap: Callable[[], None] | None,
+        fill: Callable[[int, int, int], None] | None,
+    ) -> tuple[bool, bool]:
+        """The predicted all-reduce with the inline header: (this call fit, all agree).
+
+        `fill(buffer, start, stop)`, when given, writes this worker's data of that range
+        just before the op that sends it (`speculation.PIPELINE_MIN_BYTES`).
+        """
+        tensors = fit(predicted) if fit is not None else None
+        fitted = tensors is not None
+        if tensors is None:
+            tensors = self._predictor.zeros(predicted)
+        ops, slots, mine = speculative_ops(predicted, tensors, header_np)
+
+        def launch() -> list[Any]:
+            works = []
+            for tensor, span in ops:
+                if fitted and fill is not None and span is not None:
+                    fill(*span)
+                works.append(dist.all_reduce(tensor, group=self._host_group, async_op=True))
+            return works
+
+        self._run(call, launch, None if fitted else overlap)
+        return fitted, inline_agrees(slots, mine, self._world_size)
+
+    def _decode(self, call: _Call, rows: np.ndarray) -> list[fp.Fingerprint]:
+        """Every worker's header, checked; WorkerFailedError if a peer sent an abort."""
         try:
             prints = [
                 fp.Fingerprint.decode(rows[r], rank=r, num_dtypes=len(DTYPE_CODES))
@@ -266,28 +378,6 @@ class CommunicatorBase:
                 f"{call.label} on rank {self._rank} of {self._world_size}: a peer failed: "
                 f"{named}. Fix that worker's failure (see its log); every worker must then "
                 "build a new strategy (or communicator)."
-            )
-        fields = fp.mismatched_fields(prints)
-        if fields:
-            # Every worker saw the same table, so every worker is here: one more fixed-size
-            # exchange, on the error path only, brings each worker's readable detail.
-            text = detail() if detail is not None else ""
-            mine_detail = torch.from_numpy(fp.encode_detail(text))
-            got = torch.empty((self._world_size, fp.DETAIL_BYTES), dtype=torch.uint8)
-            gouts = list(got.unbind(0))
-            self._run(
-                call,
-                lambda: [
-                    dist.all_gather(gouts, mine_detail, group=self._host_group, async_op=True)
-                ],
-            )
-            details = [fp.decode_detail(row) for row in got.numpy()]
-            if "seq" in fields:
-                # The workers' counts went apart: nothing later can pair up again.
-                self._broken = f"{call.label}: collective sequence numbers differ"
-            raise CollectiveMismatchError(
-                f"{call.label} on rank {self._rank}: "
-                + fp.mismatch_message(prints, details, fields)
             )
         return prints
 
@@ -507,69 +597,3 @@ def _numel(shape: Sequence[int]) -> int:
     for d in shape:
         out *= int(d)
     return out
-
-
-def _describe_wires(wires: Sequence[Wire]) -> str:
-    items = [f"{dtype_name(w.dtype)}{list(w.shape)}" for w in wires[:12]]
-    more = f" +{len(wires) - 12} more" if len(wires) > 12 else ""
-    return "buffers: " + ", ".join(items) + more
-
-
-def _describe(prints: Sequence[fp.Fingerprint]) -> str:
-    def one(p: fp.Fingerprint) -> str:
-        if p.ndim < 0:
-            return "None"
-        return f"{p.shape} {dtype_name(DTYPE_CODES[p.dtype_code])}"
-
-    return ", ".join(f"rank {rank}: {one(p)}" for rank, p in enumerate(prints))
-
-
-def _check_gather(call: _Call, prints: Sequence[fp.Fingerprint], axis: int) -> int:
-    """The normalised gather axis; ValueError (alike on every worker) for bad inputs."""
-    ndim = prints[0].ndim
-    axes = sorted({p.arg for p in prints})
-    problem = None
-    if len({(p.ndim, p.dtype_code) for p in prints}) > 1:
-        problem = "arrays of different ranks or dtypes"
-    elif len(axes) > 1:
-        problem = f"different axes {axes}"
-    elif not -ndim <= axis < ndim:
-        problem = f"axis {axis}, out of range for arrays of rank {ndim}"
-    else:
-        axis %= ndim
-        if len({p.shape[:axis] + p.shape[axis + 1 :] for p in prints}) > 1:
-            problem = f"shapes that differ on an axis other than {axis}"
-    if problem is not None:
-        raise ValueError(
-            f"{call.label}: every worker must pass an array of the same rank and dtype whose "
-            f"shape differs only along the gather axis, with the same axis; received "
-            f"{problem} ({_describe(prints)}); reshape or pad the values so that only the "
-            f"gather axis differs"
-        )
-    return axis
-
-
-def _check_broadcast(
-    call: _Call, prints: Sequence[fp.Fingerprint], root: int, world_size: int
-) -> None:
-    """ValueError (alike on every worker) when the workers' broadcast calls disagree."""
-    roots = sorted({p.arg for p in prints})
-    problem = None
-    if len(roots) > 1:
-        problem = f"different roots {roots}"
-    elif not 0 <= root < world_size:
-        problem = f"root {root}, out of range for {world_size} workers"
-    elif prints[root].ndim < 0:
-        problem = f"no value on root {root}"
-    elif any(
-        p.ndim >= 0 and (p.ndim, p.dtype_code, p.shape) != (r.ndim, r.dtype_code, r.shape)
-        for p in prints
-        for r in [prints[root]]
-    ):
-        problem = "values whose shape or dtype differ from root's"
-    if problem is not None:
-        raise ValueError(
-            f"{call.label}: every worker must name the same root, the root must pass a value "
-            f"and the others None or an array of the root's shape and dtype; received "
-            f"{problem} ({_describe(prints)})"
-        )

@@ -24,12 +24,14 @@ import struct
 from typing import Any, Final
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from crossdevice._collectives.pg_base import _DIAGNOSIS_STORE_TIMEOUT_SECONDS
 from crossdevice._core.cluster import Cluster
 
 __all__ = [
     "STORE_BIND_ENV",
+    "health_store",
     "interface_of",
     "serves_store",
     "start_default_group",
@@ -135,3 +137,23 @@ def start_default_group(
         timeout=delta,
         **kwargs,
     )
+
+
+def health_store(namespace: str) -> Any:
+    """A store for health marks, with its own connection and a short read timeout."""
+    # torch keeps no public handle on the default group's store; this private getter
+    # has existed since torch 1.x.
+    store = dist.distributed_c10d._get_default_store()
+    base = store
+    while isinstance(base, PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, TCPStore):
+        # A connection of our own: its timeout bounds our reads without changing the
+        # default store's, and a dead server fails our reads at once.
+        store = TCPStore(
+            base.host,
+            base.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=_DIAGNOSIS_STORE_TIMEOUT_SECONDS),
+        )
+    return PrefixStore(f"crossdevice/{namespace}/health/", store)

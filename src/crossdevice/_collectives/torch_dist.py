@@ -3,12 +3,10 @@
 `ProcessGroupCommunicator` is the cross-worker half of `MultiWorkerMirroredStrategy`.
 The strategy combines it with the in-process collectives in three phases:
 
-    # local reduce: each worker sums its own replicas' gradients, packed into flat
-    #   buffers (one per dtype, about bytes_per_pack each)
+    # local reduce: each worker sums its replicas' values into flat packs (per dtype)
     local_sums = [pack(sum_n(replica_grads)) for each pack]
     # cross-worker all-reduce: one numbered collective over all packs
-    totals = communicator.all_reduce(local_sums, "mean", divisor=num_replicas_in_sync,
-                                     donate=True)
+    totals = communicator.all_reduce(local_sums, "mean", divisor=n_replicas, donate=True)
     # local broadcast: every local replica gets its slice of the result
     per_replica = unpack(totals)
 
@@ -24,11 +22,11 @@ MEAN is SUM then a division by `divisor` (the caller knows the global replica co
 Every public method is one *numbered collective*, and every worker must call the same
 collectives in the same order with matching values. Nothing is taken on trust:
 
-* **Fingerprints** (`fingerprint.py`): each collective starts with an all-gather of a
-  fixed-size header saying what every worker is about to do (number, kind, op, dtypes,
-  bytes, shapes, structure, local replica count); any difference raises
-  `CollectiveMismatchError` on every worker before data moves, so Gloo never sees
-  buffers of different sizes (it aborts the process when it does).
+* **Fingerprints** (`fingerprint.py`, `speculation.py`): a fixed-size header says what
+  each worker is about to do (number, kind, op, dtypes, bytes, shapes, structure, layout,
+  local replica count); any difference raises `CollectiveMismatchError` on every worker
+  and Gloo never sees buffers of different sizes (it aborts the process when it does). A
+  repeated all-reduce carries it inside its data, in one round trip.
 * **Health** (`worker_health.py`): heartbeats, arrival marks and abort marks in the c10d
   store. A waiting worker looks at them every `_POLL_SECONDS`: a peer whose step raised
   (`abort`) or whose heartbeat stopped (dead) raises `WorkerFailedError` naming it within
@@ -51,7 +49,6 @@ import numpy as np
 try:
     import torch
     import torch.distributed as dist
-    from torch._C._distributed_c10d import PrefixStore, TCPStore
 except ImportError:  # pragma: no cover - exercised only without torch
     raise ImportError(
         "multi-worker collectives need PyTorch, which is not installed; install it with "
@@ -61,24 +58,36 @@ except ImportError:  # pragma: no cover - exercised only without torch
 from crossdevice._collectives import fingerprint as fp
 from crossdevice._collectives.pg_base import (
     _BACKSTOP_SLACK_SECONDS,
-    _DIAGNOSIS_STORE_TIMEOUT_SECONDS,
     DEFAULT_INIT_TIMEOUT_SECONDS,
     DEFAULT_TIMEOUT_SECONDS,
     MAX_PEER_BYTES,
     CommunicatorBase,
     Signature,
-    _check_broadcast,
-    _check_gather,
-    _describe_wires,
     _numel,
 )
-from crossdevice._collectives.process_group_start import start_default_group, store_host
+from crossdevice._collectives.process_group_start import (
+    health_store,
+    start_default_group,
+    store_host,
+)
+from crossdevice._collectives.speculation import (
+    Filler,
+    Layout,
+    Predictor,
+    RoomPool,
+    header_apart,
+    host_layout,
+    layout_digest,
+)
+from crossdevice._collectives.value_checks import check_broadcast, check_gather
 from crossdevice._collectives.wire import (
     DTYPE_CODES,
     Wire,
+    describe_wires,
     divide,
-    dtype_name,
+    group_by_size,
     is_single_array,
+    mean_count,
     own_all,
     replace_wires,
     wire_dtype,
@@ -96,32 +105,6 @@ __all__ = [
     "Signature",
     "group_by_size",
 ]
-
-
-def group_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
-    """Split value indices into packs of about `bytes_per_pack` bytes, in order.
-
-    TF's `cross_device_utils.group_by_size`: a new pack starts once the current one holds
-    more than `bytes_per_pack` bytes, so every pack but the last has at least that many
-    and a value is never split. `bytes_per_pack=0` puts everything in one pack.
-
-    Example:
-        >>> group_by_size([4, 4, 4, 4, 4], 6)
-        [[0, 1], [2, 3], [4]]
-    """
-    if bytes_per_pack < 0:
-        raise ValueError(f"Argument bytes_per_pack must be >=0, Received {bytes_per_pack}.")
-    if bytes_per_pack == 0:
-        return [list(range(len(nbytes)))] if nbytes else []
-    packs: list[list[int]] = []
-    last_size = 0
-    for index, size in enumerate(nbytes):
-        if not packs or last_size > bytes_per_pack:
-            packs.append([])
-            last_size = 0
-        packs[-1].append(index)
-        last_size += size
-    return packs
 
 
 class ProcessGroupCommunicator(CommunicatorBase):
@@ -170,6 +153,8 @@ class ProcessGroupCommunicator(CommunicatorBase):
         self._closed = False
         self._owns_default_group = False
         self._replicas: list[int] | None = None
+        self._predictor = Predictor()
+        self._rooms = RoomPool()
         if dist.is_initialized():
             self._join_default_group(cluster)
         else:
@@ -199,7 +184,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
             self._cuda_group = dist.new_group(backend="nccl", timeout=group_timeout)
         namespace = self._host_group.group_name
         self._health = HealthBoard(
-            lambda: self._health_store(namespace), self._rank, self._world_size, store_host()
+            lambda: health_store(namespace), self._rank, self._world_size, store_host()
         )
 
     # -- construction ------------------------------------------------------------------
@@ -237,26 +222,6 @@ class ProcessGroupCommunicator(CommunicatorBase):
         )
         self._owns_default_group = True
         return cluster
-
-    @staticmethod
-    def _health_store(namespace: str) -> Any:
-        """A store for health marks, with its own connection and a short read timeout."""
-        # torch keeps no public handle on the default group's store; this private getter
-        # has existed since torch 1.x.
-        store = dist.distributed_c10d._get_default_store()
-        base = store
-        while isinstance(base, PrefixStore):
-            base = base.underlying_store
-        if isinstance(base, TCPStore):
-            # A connection of our own: its timeout bounds our reads without changing the
-            # default store's, and a dead server fails our reads at once.
-            store = TCPStore(
-                base.host,
-                base.port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=_DIAGNOSIS_STORE_TIMEOUT_SECONDS),
-            )
-        return PrefixStore(f"crossdevice/{namespace}/health/", store)
 
     # -- properties ----------------------------------------------------------------------
 
@@ -302,6 +267,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         options: CommunicationOptions | None = None,
         signature: Signature | None = None,
         produce: Callable[[], Sequence[Any]] | None = None,
+        fill: Callable[[int, int, int], None] | None = None,
     ) -> list[Any]:
         """Reduce each buffer element-wise across workers; every worker gets the result.
 
@@ -324,6 +290,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
                 added to the fingerprint; default the buffers' own.
             produce: makes the buffers to reduce (donated), while the fingerprints travel;
                 `buffers` are then only templates of the same kinds, shapes and dtypes.
+            fill: `fill(i, start, stop)` writes elements `start:stop` of flat buffer `i`
+                (donated `pack_buffer` views), chunk by chunk just before each leaves, or
+                all while the fingerprints travel.
 
         Returns:
             One array per buffer, of the buffer's kind, dtype (MEAN of integers gives
@@ -336,7 +305,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
             TypeError: a dtype no process group can carry.
         """
         op = as_reduce_op(reduce_op)
-        count = self._mean_count(op, divisor)
+        count = mean_count(op, divisor, self._world_size)
         if is_single_array(buffers):
             raise TypeError(
                 "all_reduce takes a list of buffers, got a single array; wrap it: "
@@ -345,8 +314,40 @@ class ProcessGroupCommunicator(CommunicatorBase):
         # The copy that keeps inputs unmodified is made while the fingerprints travel.
         wires = [self._to_wire(b, copy=False) for b in buffers]
         if signature is None:
-            shapes = [(tuple(w.tensor.shape), dtype_name(w.dtype)) for w in wires]
-            signature = Signature(op.name.lower(), fp.digest(shapes))
+            shapes = tuple((tuple(w.tensor.shape), w.dtype) for w in wires)
+            signature = Signature(op.name.lower(), fp.cached_digest(shapes))
+        layout = host_layout([w.tensor for w in wires])
+        if fill is not None and (not donate or produce is not None):
+            raise ValueError(
+                f"all_reduce: fill= needs donate=True and no produce=, got donate={donate} "
+                f"and produce={produce is not None}; pass donate=True without produce"
+            )
+        filler = Filler(fill, [w.tensor.numel() for w in wires])
+
+        def fit(predicted: Layout) -> list[torch.Tensor] | None:
+            # This worker's buffers when they are what every worker sends, the first in a
+            # buffer with room for the inline header (speculation.py): the API's copy of
+            # the input is made into it, and a buffer from `pack_buffer` has room already.
+            if layout != predicted:
+                return None
+            if produce is not None:
+                replace_wires(wires, [self._to_wire(b, copy=False) for b in produce()])
+            live = [w for w in wires if w.tensor.numel()]
+            if header_apart(predicted):
+                if not donate and produce is None:
+                    own_all(live)
+                return [w.tensor for w in live]
+            first = live[0]
+            room = self._rooms.room_of(first.tensor) if donate or produce is not None else None
+            if room is None:
+                filler.all()
+                room = self._rooms.buffer(first.tensor.dtype, first.tensor.numel())
+                room[: first.tensor.numel()].copy_(first.tensor.reshape(-1))
+            first.tensor, first.owned = room[: first.tensor.numel()].view(first.tensor.shape), True
+            if not donate and produce is None:
+                own_all(live[1:])
+            return [room, *(w.tensor for w in live[1:])]
+
         with self._collective("all_reduce", options) as call:
             self._agree(
                 call,
@@ -357,30 +358,43 @@ class ProcessGroupCommunicator(CommunicatorBase):
                     local_replicas=self._local_count(),
                     buffers=len(wires),
                     nbytes=sum(w.tensor.numel() * w.tensor.element_size() for w in wires),
-                    dtypes=fp.digest([dtype_name(w.tensor.dtype) for w in wires]),
+                    dtypes=fp.cached_digest(tuple(w.tensor.dtype for w in wires)),
                     shapes=signature.shapes,
                     structure=signature.structure,
                     cuda=any(w.tensor.is_cuda for w in wires),
+                    layout=layout_digest(layout),
                 ),
-                lambda: _describe_wires(wires),
+                lambda: describe_wires(wires),
                 (lambda: replace_wires(wires, [self._to_wire(b, copy=False) for b in produce()]))
                 if produce is not None
-                else None
+                else filler.all
                 if donate
                 else functools.partial(own_all, wires),
+                fit,
+                layout,
+                filler.live,
             )
-            self._run(
-                call,
-                lambda: [
-                    dist.all_reduce(w.tensor, group=self._group_for(w.tensor), async_op=True)
-                    for w in wires
-                    if w.tensor.numel()
-                ],
-            )
+            if not call.speculated:
+                self._run(
+                    call,
+                    lambda: [
+                        dist.all_reduce(w.tensor, group=self._group_for(w.tensor), async_op=True)
+                        for w in wires
+                        if w.tensor.numel()
+                    ],
+                )
         results = [w.result(w.tensor) for w in wires]
         if count is not None:
             results = [divide(r, count) for r in results]
         return results
+
+    def pack_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
+        """A recycled flat host buffer to fill and then `all_reduce(..., donate=True)`.
+
+        It has room behind it for the inline fingerprint (`speculation.py`), so reducing
+        it copies nothing. Contents undefined.
+        """
+        return self._rooms.take(dtype, numel)
 
     def batch_all_reduce(
         self,
@@ -411,13 +425,13 @@ class ProcessGroupCommunicator(CommunicatorBase):
             The reduced values, in the order and of the kinds of `values`.
         """
         op = as_reduce_op(reduce_op)
-        count = self._mean_count(op, divisor)
+        count = mean_count(op, divisor, self._world_size)
         merged = self._options.merge(options)
         pack_bytes = merged.bytes_per_pack if bytes_per_pack is None else bytes_per_pack
         wires = [self._to_wire(v, copy=False) for v in values]
         if signature is None:
-            shapes = [(w.shape, dtype_name(w.dtype)) for w in wires]
-            signature = Signature(op.name.lower(), fp.digest(shapes))
+            shapes = tuple((w.shape, w.dtype) for w in wires)
+            signature = Signature(op.name.lower(), fp.cached_digest(shapes))
         groups: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
         for index, w in enumerate(wires):
             groups.setdefault((w.kind, w.tensor.device, w.tensor.dtype), []).append(index)
@@ -427,8 +441,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
             packs.extend([members[j] for j in pack] for pack in group_by_size(sizes, pack_bytes))
         if not packs:
             return []
-        # Packing copies, so the packs are ours to reduce in place.
-        flats = [torch.cat([wires[i].tensor.reshape(-1) for i in pack]) for pack in packs]
+        # Packing copies, so the packs are ours to reduce in place; recycled host buffers
+        # with room for the inline fingerprint (fresh pages cost as much as the copy).
+        flats = [self._rooms.pack([wires[i].tensor.reshape(-1) for i in pack]) for pack in packs]
         flats = self.all_reduce(
             flats, ReduceOp.SUM, donate=True, options=options, signature=signature
         )
@@ -472,7 +487,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         wire = self._to_wire(value, copy=False)
         with self._collective("all_gather", options) as call:
             prints = self._agree(call, self._value_print(call, "all_gather", wire, int(axis)))
-            axis = _check_gather(call, prints, int(axis))
+            axis = check_gather(call, prints, int(axis))
             sizes = [p.shape[axis] for p in prints]
             largest = max(sizes)
             self._check_allocation(call, wire.tensor, largest * self._world_size, axis)
@@ -518,7 +533,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         wire = None if value is None else self._to_wire(value, copy=False)
         with self._collective("broadcast", options) as call:
             prints = self._agree(call, self._value_print(call, "broadcast", wire, root))
-            _check_broadcast(call, prints, root, self._world_size)
+            check_broadcast(call, prints, root, self._world_size)
             dtype = DTYPE_CODES[prints[root].dtype_code]
             if wire is None:
                 wire = Wire(torch.empty(0), dtype, "numpy", torch.device("cpu"))
@@ -555,19 +570,6 @@ class ProcessGroupCommunicator(CommunicatorBase):
             self._agree(
                 call, fp.Fingerprint(call.seq, "barrier", local_replicas=self._local_count())
             )
-
-    def _mean_count(self, op: ReduceOp, divisor: float | None) -> float | None:
-        """What a reduction divides by: None for SUM, `divisor` or the worker count for MEAN."""
-        if divisor is not None:
-            if op is not ReduceOp.MEAN:
-                raise ValueError(
-                    f"divisor applies to ReduceOp.MEAN only, got divisor={divisor!r} with {op}"
-                    "; pass reduce_op='mean' or drop the divisor"
-                )
-            if isinstance(divisor, bool) or not isinstance(divisor, int | float) or divisor <= 0:
-                raise ValueError(f"divisor must be a positive number, got {divisor!r}")
-            return divisor
-        return self._world_size if op is ReduceOp.MEAN else None
 
     # -- lifecycle -----------------------------------------------------------------------
 

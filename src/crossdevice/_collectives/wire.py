@@ -17,9 +17,12 @@ from crossdevice._arrays import backend_for, is_torch
 __all__ = [
     "DTYPE_CODES",
     "Wire",
+    "describe_wires",
     "divide",
     "dtype_name",
+    "group_by_size",
     "is_single_array",
+    "mean_count",
     "own_all",
     "replace_wires",
     "wire_dtype",
@@ -144,3 +147,51 @@ def replace_wires(wires: list[Wire], fresh: Sequence[Wire]) -> None:
                 f"{dtype_name(wire.tensor.dtype)}{tuple(wire.tensor.shape)}"
             )
     wires[:] = fresh
+
+
+def group_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
+    """Split value indices into packs of about `bytes_per_pack` bytes, in order.
+
+    TF's `cross_device_utils.group_by_size`: a new pack starts once the current one holds
+    more than `bytes_per_pack` bytes, so every pack but the last has at least that many
+    and a value is never split. `bytes_per_pack=0` puts everything in one pack.
+
+    Example:
+        >>> group_by_size([4, 4, 4, 4, 4], 6)
+        [[0, 1], [2, 3], [4]]
+    """
+    if bytes_per_pack < 0:
+        raise ValueError(f"Argument bytes_per_pack must be >=0, Received {bytes_per_pack}.")
+    if bytes_per_pack == 0:
+        return [list(range(len(nbytes)))] if nbytes else []
+    packs: list[list[int]] = []
+    last_size = 0
+    for index, size in enumerate(nbytes):
+        if not packs or last_size > bytes_per_pack:
+            packs.append([])
+            last_size = 0
+        packs[-1].append(index)
+        last_size += size
+    return packs
+
+
+def mean_count(op: Any, divisor: float | None, world_size: int) -> float | None:
+    """What a reduction divides by: None for SUM, `divisor` or `world_size` for MEAN."""
+    mean = op.name == "MEAN"
+    if divisor is not None:
+        if not mean:
+            raise ValueError(
+                f"divisor applies to ReduceOp.MEAN only, got divisor={divisor!r} with {op}"
+                "; pass reduce_op='mean' or drop the divisor"
+            )
+        if isinstance(divisor, bool) or not isinstance(divisor, int | float) or divisor <= 0:
+            raise ValueError(f"divisor must be a positive number, got {divisor!r}")
+        return divisor
+    return world_size if mean else None
+
+
+def describe_wires(wires: Sequence[Wire]) -> str:
+    """`buffers: float32[2, 3], ...` (the first 12), for mismatch messages."""
+    items = [f"{dtype_name(w.dtype)}{list(w.shape)}" for w in wires[:12]]
+    more = f" +{len(wires) - 12} more" if len(wires) > 12 else ""
+    return "buffers: " + ", ".join(items) + more

@@ -1,0 +1,130 @@
+"""The inline fingerprint's arithmetic and the layout predictor (no process group)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from crossdevice._collectives.speculation import (  # noqa: E402
+    INLINE_SLOTS,
+    MAX_INLINE_WORKERS,
+    Predictor,
+    RoomPool,
+    inline_agrees,
+    inline_header,
+    speculative_ops,
+)
+
+
+def _header(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1 << 40, 84)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
+@pytest.mark.parametrize("world", [2, 3, MAX_INLINE_WORKERS])
+def test_inline_check_passes_only_when_every_digest_is_equal(dtype: object, world: int) -> None:
+    mine = inline_header(_header(0))
+    same = torch.tensor(mine, dtype=dtype) * world
+    assert inline_agrees(same, mine, world)
+    for other_seed in range(1, 30):
+        other = inline_header(_header(other_seed))
+        summed = torch.tensor(mine, dtype=dtype) * (world - 1) + torch.tensor(other, dtype=dtype)
+        assert not inline_agrees(summed, mine, world)
+        # The peer's view: its own digest against the same sums.
+        assert not inline_agrees(summed, other, world)
+
+
+def test_inline_sums_are_exact_in_float32() -> None:
+    # The largest sum the check can meet: 256 workers of 255**2.
+    assert float(np.float32(MAX_INLINE_WORKERS * 255**2)) == MAX_INLINE_WORKERS * 255**2
+    assert MAX_INLINE_WORKERS * 255**2 < 2**24
+    assert len(inline_header(_header(1))) == INLINE_SLOTS
+
+
+def test_predictor_learns_what_follows_each_agreed_collective() -> None:
+    p = Predictor()
+    a, b = [_header(1)] * 2, [_header(2)] * 2
+    layout = ((torch.float32, 6),)
+    assert p.predict() is None
+    p.learn(a, None)
+    p.learn(b, layout)  # after a came b, an all-reduce of layout
+    p.learn(a, None)  # after b came a (not predicted: its layout is None)
+    assert p.predict() == layout
+    b2 = [row.copy() for row in b]
+    for row in b2:
+        row[1] += 7  # another sequence number is the same history
+    p.learn(b2, layout)
+    assert p.predict() is None
+    # Layouts that cannot carry an inline header are never predicted.
+    p.learn(a, ((torch.float16, 6),))
+    p.learn(b, None)
+    assert p.predict() is None
+
+
+def test_zeros_have_room_and_are_zero_again() -> None:
+    p = Predictor()
+    layout = ((torch.float32, 5), (torch.int64, 3))
+    first = p.zeros(layout)
+    assert [t.numel() for t in first] == [5 + INLINE_SLOTS, 3]
+    first[0].fill_(3)
+    again = p.zeros(layout)
+    assert again[0] is first[0]
+    assert not again[0].any()
+
+
+def test_room_pool_recognises_its_buffers() -> None:
+    rooms = RoomPool()
+    view = rooms.take(np.dtype(np.float32), 10)
+    room = rooms.room_of(torch.from_numpy(view))
+    assert room is not None
+    assert room.numel() == 10 + INLINE_SLOTS
+    assert room.data_ptr() == view.ctypes.data
+    assert rooms.room_of(torch.zeros(10)) is None
+    assert rooms.room_of(torch.from_numpy(view[1:])) is None
+
+
+def test_large_first_buffers_send_their_header_apart_and_first() -> None:
+    from crossdevice._collectives.speculation import APART_MIN_BYTES, header_apart
+
+    small = ((torch.float32, 1024),)
+    large = ((torch.float32, APART_MIN_BYTES // 4),)
+    assert not header_apart(small)
+    assert header_apart(large)
+    header = _header(3)
+    data = torch.ones(1024 + INLINE_SLOTS)
+    ops, slots, mine = speculative_ops(small, [data], header)
+    assert len(ops) == 1
+    assert ops[0][0].data_ptr() == data.data_ptr()
+    assert ops[0][0].numel() == data.numel()  # the header rides in the last op
+    assert ops[0][1] == (0, 0, 1024)
+    assert slots.data_ptr() == data[-INLINE_SLOTS:].data_ptr()
+    assert slots.tolist() == mine
+    big = torch.ones(APART_MIN_BYTES // 4)
+    ops, slots, mine = speculative_ops(large, [big], header)
+    assert ops[0] == (slots, None)  # the header's own op goes first
+    assert ops[1][0].data_ptr() == big.data_ptr()
+    assert slots.dtype == torch.float64
+    assert Predictor().zeros(large)[0].numel() == APART_MIN_BYTES // 4
+
+
+def test_very_large_buffers_leave_in_chunks_covering_every_element() -> None:
+    from crossdevice._collectives.speculation import CHUNK_BYTES, PIPELINE_MIN_BYTES, Filler
+
+    numel = PIPELINE_MIN_BYTES // 4 + 1000
+    layout = ((torch.float32, numel), (torch.float32, 10))
+    buffers = [torch.zeros(numel), torch.zeros(10)]
+    ops, _, _ = speculative_ops(layout, buffers, _header(4))
+    spans = [span for _, span in ops if span is not None]
+    assert spans[0] == (0, 0, CHUNK_BYTES // 4)
+    assert spans[-1] == (1, 0, 10)
+    covered = sum(stop - start for index, start, stop in spans if index == 0)
+    assert covered == numel
+    filled: list[tuple[int, int, int]] = []
+    filler = Filler(lambda *span: filled.append(span), [numel, 0, 10])
+    filler.live(1, 2, 5)  # the second non-empty buffer is buffer 2
+    filler.all()
+    filler.all()  # once only
+    filler.live(0, 0, 1)  # after all: nothing more
+    assert filled == [(2, 2, 5), (0, 0, numel), (2, 0, 10)]
