@@ -3,8 +3,9 @@
 A replica thread pays for every hand-off. A 4-replica step with one all-reduce wakes a
 thread at least 2N times, and on a multi-core machine each wake moves the GIL, the
 interpreter's hot cache lines and often an idle vCPU to another core: on the 2-core dev
-VM a 1 KiB all-reduce step took 170-240 µs on threads, 81-124 µs with the whole process
-pinned to one core, and most of that is hand-offs (benchmarks/run_overhead.py).
+VM a 1 KiB all-reduce step took 170-240 µs on threads before the hand-offs were cut to
+six per step (now 90-125 µs), 81-124 µs with the whole process pinned to one core, and
+most of that is hand-offs (benchmarks/run_overhead.py).
 
 Here each replica is a greenlet, a stack of its own on the caller's thread. A replica runs
 until it must wait in a rendezvous (`merge_call`, a collective); instead of blocking the
