@@ -9,13 +9,10 @@ GPUs making up 16; skipped without CUDA).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
 
-import tests.conftest as shared
-from crossdevice._core import devices
 from tests.conftest import Backend, require_torch
 from tests.cross_device import cases
 from tests.cross_device.test_contract import (
@@ -26,7 +23,7 @@ from tests.cross_device.test_contract import (
     test_reduce,
     test_results_do_not_leak_between_replicas,
 )
-from tests.gpu.conftest import REAL_CUDA_DEVICES
+from tests.gpu.conftest import on_gpus
 
 __all__ = [
     "test_batch_reduce",
@@ -46,26 +43,12 @@ NUM_GPUS = 16
 @pytest.fixture(autouse=True, params=["fake", "fake-logical", "cuda"])
 def _on_gpus(request: pytest.FixtureRequest) -> Iterator[None]:
     require_torch(request)
-    kind = request.param
-    if kind == "cuda" and REAL_CUDA_DEVICES == 0:
-        pytest.skip("needs a CUDA GPU (torch sees none); the fake-CUDA runs cover CI")
-    logical = kind == "fake-logical" or (kind == "cuda" and REAL_CUDA_DEVICES < NUM_GPUS)
-    context: Any = None
-    if kind != "cuda":
-        from tests.fake_cuda import fake_cuda
-
-        context = fake_cuda(1 if logical else NUM_GPUS)
-        context.__enter__()
-    if logical:
-        devices.set_logical_gpu_devices(NUM_GPUS)
-    cases.DEVICE_TYPE, shared.TORCH_DEVICE = "GPU", "cuda"
-    try:
-        yield
-    finally:
-        cases.DEVICE_TYPE, shared.TORCH_DEVICE = "CPU", "cpu"
-        devices.set_logical_gpu_devices(None)
-        if context is not None:
-            context.__exit__(None, None, None)
+    with on_gpus(request.param, NUM_GPUS, torch_values=True):
+        cases.DEVICE_TYPE = "GPU"
+        try:
+            yield
+        finally:
+            cases.DEVICE_TYPE = "CPU"
 
 
 @pytest.fixture

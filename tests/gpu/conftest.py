@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Iterator
 from typing import Any
@@ -63,30 +64,37 @@ class Gpus:
         return self.kind
 
 
+@contextlib.contextmanager
+def on_gpus(kind: str, n: int = NUM_GPUS, *, torch_values: bool = False) -> Iterator[Gpus]:
+    """`n` GPUs of `kind` for the enclosed block: "fake" (n fake cards), "fake-logical"
+    (n logical GPUs on one fake card) or "cuda" (real CUDA, logical GPUs making up n;
+    skipped without CUDA). `torch_values`: the shared `backend` fixture makes CUDA tensors.
+    """
+    import tests.conftest as shared
+
+    if kind == "cuda" and REAL_CUDA_DEVICES == 0:
+        pytest.skip("needs a CUDA GPU (torch sees none); the fake-CUDA runs cover CI")
+    logical = kind == "fake-logical" or (kind == "cuda" and n > REAL_CUDA_DEVICES)
+    with contextlib.ExitStack() as stack:
+        fake = None
+        if kind != "cuda":
+            from tests.fake_cuda import fake_cuda
+
+            fake = stack.enter_context(fake_cuda(1 if logical else n))
+        if logical:
+            devices.set_logical_gpu_devices(n)
+            stack.callback(devices.set_logical_gpu_devices, None)
+        if torch_values:
+            shared.TORCH_DEVICE = "cuda"
+            stack.callback(setattr, shared, "TORCH_DEVICE", "cpu")
+        yield Gpus(kind, fake, logical)
+
+
 @pytest.fixture(params=["fake", "fake-logical", "cuda"])
 def gpus(request: pytest.FixtureRequest) -> Iterator[Gpus]:
     """Each GPU test once on fake CUDA, once on fake logical GPUs, once on real CUDA."""
     from tests.conftest import require_torch
 
     require_torch(request)
-    if request.param == "cuda":
-        if REAL_CUDA_DEVICES == 0:
-            pytest.skip("needs a CUDA GPU (torch sees none); the fake-CUDA runs cover CI")
-        logical = REAL_CUDA_DEVICES < NUM_GPUS
-        if logical:
-            devices.set_logical_gpu_devices(NUM_GPUS)
-        try:
-            yield Gpus("cuda", None, logical)
-        finally:
-            devices.set_logical_gpu_devices(None)
-        return
-    from tests.fake_cuda import fake_cuda
-
-    logical = request.param == "fake-logical"
-    with fake_cuda(1 if logical else NUM_GPUS) as fake:
-        if logical:
-            devices.set_logical_gpu_devices(NUM_GPUS)
-        try:
-            yield Gpus(request.param, fake, logical)
-        finally:
-            devices.set_logical_gpu_devices(None)
+    with on_gpus(request.param) as gpus:
+        yield gpus

@@ -2,35 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.frameworks.helpers import load_example
 from tests.gpu.conftest import NUM_GPUS, Gpus
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_training_loop.py"
-
-
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("custom_training_loop_gpu", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_the_training_example_runs_on_gpus_and_matches_one_gpu(gpus: Gpus) -> None:
     import torch
 
-    example = _example()
+    example = load_example("custom_training_loop")
     default_dtype = torch.get_default_dtype()
     if gpus.fake is not None:
         gpus.fake.counts.clear()

@@ -46,33 +46,6 @@ STRATEGIES: list[tuple[str, Callable[[], Any], str]] = [
 
 
 @contextlib.contextmanager
-def _gpus(kind: str) -> Iterator[None]:
-    """Fake or real CUDA with 4 GPUs (logical where fewer), torch values made on CUDA."""
-    import tests.conftest as shared
-    from crossdevice._core import devices
-    from tests.gpu.conftest import NUM_GPUS, REAL_CUDA_DEVICES
-
-    pytest.importorskip("torch")
-    context: Any = contextlib.nullcontext()
-    logical = kind == "fake-logical" or (kind == "cuda" and REAL_CUDA_DEVICES < NUM_GPUS)
-    if kind == "cuda" and REAL_CUDA_DEVICES == 0:
-        pytest.skip("needs a CUDA GPU (torch sees none); the fake-CUDA runs cover CI")
-    if kind != "cuda":
-        from tests.fake_cuda import fake_cuda
-
-        context = fake_cuda(1 if logical else NUM_GPUS)
-    with context:
-        if logical:
-            devices.set_logical_gpu_devices(NUM_GPUS)
-        shared.TORCH_DEVICE = "cuda"
-        try:
-            yield
-        finally:
-            shared.TORCH_DEVICE = "cpu"
-            devices.set_logical_gpu_devices(None)
-
-
-@contextlib.contextmanager
 def replica_execution(mode: str) -> Iterator[None]:
     """Run the enclosed test with replica execution `mode`, then restore the default."""
     previous = cd.config.get_replica_execution()
@@ -91,7 +64,10 @@ def strategy(request: pytest.FixtureRequest) -> Iterator[Any]:
     """Each strategy of the contract suite (with several replicas: in both modes)."""
     factory, mode = request.param
     if mode.startswith("gpu:"):
-        with _gpus(mode.removeprefix("gpu:")):
+        from tests.gpu.conftest import on_gpus
+
+        pytest.importorskip("torch")
+        with on_gpus(mode.removeprefix("gpu:"), torch_values=True):
             yield factory()
         return
     with replica_execution(mode):
