@@ -321,3 +321,15 @@ def test_results_used_on_another_logical_gpus_stream_are_recorded_there(gpus: Gp
     gpus.fake.counts.clear()
     strategy.run(lambda x: crossdevice.get_replica_context().all_reduce("sum", x), args=(value,))
     assert gpus.fake.counts["record_stream"] >= NUM_GPUS, dict(gpus.fake.counts)
+
+
+def test_host_values_of_different_array_libraries_are_refused_as_on_cpus(gpus: Gpus) -> None:
+    strategy = _strategy(gpus, "reduction_to_one_device")
+
+    def step() -> Any:
+        i = crossdevice.get_replica_context().replica_id_in_sync_group
+        x = np.float32([1.0, 2.0]) if i == 0 else torch.tensor([1.0, 2.0])
+        return crossdevice.get_replica_context().all_reduce("sum", x)
+
+    with pytest.raises(ValueError, match="one array library"):
+        strategy.run(step)

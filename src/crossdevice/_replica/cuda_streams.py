@@ -116,6 +116,7 @@ class CudaRun:
         self._ended: list[Any] = [None] * len(indices)
         self._arrived: list[Any] = [None] * len(indices)
         self._merged: dict[int, Any] = {}
+        self._devices = sorted({i for i in indices if i is not None})
 
     @contextlib.contextmanager
     def replica(self, replica_id: int) -> Iterator[None]:
@@ -177,7 +178,6 @@ class CudaRun:
         torch = self._torch
 
         def ordered(inputs: list[Any]) -> list[Any]:
-            devices = sorted({i for i in self._indices if i is not None})
             for replica_id, event in enumerate(self._arrived):
                 index = self._indices[replica_id]
                 if event is not None and index is not None:
@@ -185,7 +185,9 @@ class CudaRun:
             try:
                 return merge(inputs)
             finally:
-                self._merged = {i: torch.cuda.current_stream(i).record_event() for i in devices}
+                self._merged = {
+                    i: torch.cuda.current_stream(i).record_event() for i in self._devices
+                }
 
         return ordered
 

@@ -521,8 +521,12 @@ def _on_host(value: DistributedValues) -> bool:
 
 
 def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Mirrored:
-    """`value`'s host components reduced in replica order on the host, one per replica."""
-    arrays = [inputs.as_array(c) for c in value.values]
+    """`value`'s host components reduced in replica order on the host, one per replica.
+
+    The components are checked to agree first (one array library, dtype and shape), as
+    every cross-device op checks them.
+    """
+    arrays = inputs.component_arrays(value)
     total = algorithms.reduce_to_one(arrays, local_host_device(), op)
     if isinstance(total, np.ndarray | np.generic):
         shared = NUMPY.freeze(np.asarray(total))  # one read-only buffer for every replica
