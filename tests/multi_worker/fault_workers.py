@@ -113,7 +113,7 @@ def mismatches(rank: int, world_size: int, local: int) -> dict[str, Any]:
     import crossdevice as cd
 
     strategy = _strategy(local, timeout=20.0)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"shared_memory": _shared_rounds(strategy) is not None}
 
     def good() -> Any:
         results = strategy.run(lambda: cd.get_replica_context().all_reduce("sum", np.float32(1)))
@@ -139,6 +139,12 @@ def mismatches(rank: int, world_size: int, local: int) -> dict[str, Any]:
     return out
 
 
+def _shared_rounds(strategy: Any) -> int | None:
+    """Rounds run through shared memory so far; None when the workers do not share it."""
+    shared = strategy.extended._worker_communicator._shared
+    return None if shared is None else int(shared._round)
+
+
 def replica_counts(rank: int, world_size: int) -> dict[str, Any]:
     """The last worker runs two local replicas, the others one."""
     local = 2 if rank == world_size - 1 else 1
@@ -146,9 +152,15 @@ def replica_counts(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def lost_worker(
-    rank: int, world_size: int, local: int, culprit: int, how: str, timeout: float | None
+    rank: int,
+    world_size: int,
+    local: int,
+    culprit: int,
+    how: str,
+    timeout: float | None,
+    warmups: int = 1,
 ) -> dict[str, Any]:
-    """One good all-reduce, then `culprit` is killed (SIGKILL) or stalls; the others reduce."""
+    """Good all-reduces, then `culprit` is killed (SIGKILL) or stalls; the others reduce."""
     import crossdevice as cd
     from crossdevice._collectives import pg_base
 
@@ -159,12 +171,17 @@ def lost_worker(
     def step() -> Any:
         return cd.get_replica_context().all_reduce("sum", np.float32(1))
 
-    strategy.run(step)
+    for _ in range(warmups):
+        strategy.run(step)
+    before = _shared_rounds(strategy)
     if rank == culprit:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(120)  # the harness kills us once the others are done
-    return _outcome(lambda: strategy.run(step))
+    out = _outcome(lambda: strategy.run(step))
+    # Whether the failed all-reduce waited in a shared-memory round.
+    out["shared_rounds"] = before is not None and _shared_rounds(strategy) != before
+    return out
 
 
 def _own_listening_sockets() -> list[str]:

@@ -27,17 +27,32 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CONFIGS = [(2, 1), (2, 2), (3, 1), (3, 2)]
 _CLEAR_WITHIN = 10.0
 
+#: Every cell runs on both transports of a host all-reduce: Gloo (as across hosts) and
+#: shared memory (workers of one host), the latter for every size so that the small
+#: values of the cells take it too.
+TRANSPORTS = {
+    "gloo": {"CROSSDEVICE_SHARED_MEMORY": "0"},
+    "shm": {"CROSSDEVICE_SHARED_MEMORY_MIN_BYTES": "0"},
+}
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 def _ids(world_size: int, local: int, rank: int) -> list[int]:
     return list(range(rank * local, (rank + 1) * local))
 
 
 @pytest.mark.parametrize(("world_size", "local"), CONFIGS, ids=[f"{w}x{n}" for w, n in CONFIGS])
-def test_mismatches_raise_on_every_rank(world_size: int, local: int) -> None:
-    outs: list[dict[str, Any]] = [
-        r.unwrap() for r in run_workers(mismatches, world_size, args=(local,), timeout=120)
-    ]
+def test_mismatches_raise_on_every_rank(world_size: int, local: int, transport: str) -> None:
+    results = run_workers(
+        mismatches, world_size, args=(local,), timeout=120, env=TRANSPORTS[transport]
+    )
+    outs: list[dict[str, Any]] = [r.unwrap() for r in results]
     for rank, out in enumerate(outs):
+        assert out["shared_memory"] == (transport == "shm")
         for cell in MISMATCH_CELLS:
             got = out[cell]
             assert got["type"] == "CollectiveMismatchError", (rank, cell, got)
@@ -90,29 +105,35 @@ LOST = [
     ids=[f"{w}x{n}-rank{c}-{h}-timeout{t}" for w, n, c, h, t in LOST],
 )
 def test_lost_worker_is_named(
-    world_size: int, local: int, culprit: int, how: str, timeout: float | None
+    world_size: int, local: int, culprit: int, how: str, timeout: float | None, transport: str
 ) -> None:
     survivors = [r for r in range(world_size) if r != culprit]
+    # On shared memory, warm up so that the survivors wait in the predicted all-reduce's
+    # shared round (the first all-reduces after a new one go through Gloo).
+    warmups = 3 if transport == "shm" else 1
     results = run_workers(
         lost_worker,
         world_size,
-        args=(local, culprit, how, timeout),
+        args=(local, culprit, how, timeout, warmups),
         timeout=90,
         required=survivors,
+        env=TRANSPORTS[transport],
     )
     bound = _CLEAR_WITHIN if how == "kill" else (timeout or 3.0) + 5.0
     for rank in survivors:
         got = results[rank].unwrap()
         expected = "WorkerFailedError" if how == "kill" else "CollectiveTimeoutError"
         assert got["type"] == expected, (rank, got)
+        assert got["shared_rounds"] == (transport == "shm"), (rank, got)
         assert got["elapsed"] < bound, (rank, got)
         assert f"rank {culprit}" in got["message"] or f"rank(s) [{culprit}]" in got["message"]
         assert f"global replicas {_ids(world_size, local, culprit)}" in got["message"], got
 
 
 @pytest.mark.parametrize("local", [1, 2])
-def test_uneven_shards_end_at_the_same_step(local: int) -> None:
-    outs = [r.unwrap() for r in run_workers(uneven_shards, 2, args=(local,), timeout=90)]
+def test_uneven_shards_end_at_the_same_step(local: int, transport: str) -> None:
+    results = run_workers(uneven_shards, 2, args=(local,), timeout=90, env=TRANSPORTS[transport])
+    outs = [r.unwrap() for r in results]
     # Worker 0 yields 5 batches, worker 1 only 3: both run 5 steps (TF's rule).
     expected = []
     for s in range(5):

@@ -12,18 +12,18 @@ torch = pytest.importorskip("torch")
 
 
 def test_nccl_binds_each_process_to_its_local_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from crossdevice._collectives import torch_dist
+    from crossdevice._collectives import process_group_start, torch_dist
 
     calls: dict[str, Any] = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
-    monkeypatch.setattr(torch_dist.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(process_group_start.dist, "is_nccl_available", lambda: True)
 
     def fake_start(cluster: Cluster, backend: str, timeout: float, **kwargs: Any) -> None:
         calls["start"] = (backend, kwargs)
 
-    monkeypatch.setattr(torch_dist, "start_default_group", fake_start)
+    monkeypatch.setattr(process_group_start, "start_default_group", fake_start)
     cluster = Cluster(
         "worker", 3, 3, 4, "127.0.0.1", 29500, local_rank=1, local_world_size=2, source="torchrun"
     )

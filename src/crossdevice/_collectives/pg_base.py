@@ -24,10 +24,16 @@ import torch.distributed as dist
 
 from crossdevice._arrays import NUMPY, is_torch
 from crossdevice._collectives import fingerprint as fp
+from crossdevice._collectives.calls import MIN_WAIT_SECONDS as _MIN_WAIT_SECONDS
+from crossdevice._collectives.calls import POLL_SECONDS as _POLL_SECONDS
+from crossdevice._collectives.calls import Call as _Call
+from crossdevice._collectives.calls import PeersFailedError as _PeersFailedError
+from crossdevice._collectives.shared_rounds import SharedRounds
 from crossdevice._collectives.speculation import (
     MAX_INLINE_WORKERS,
     Layout,
     Predictor,
+    RoomPool,
     inline_agrees,
     speculative_ops,
 )
@@ -37,7 +43,7 @@ from crossdevice._collectives.wire import (
     needs_view,
     wire_dtype,
 )
-from crossdevice._collectives.worker_health import HealthBoard, PeerFailure
+from crossdevice._collectives.worker_health import HealthBoard
 from crossdevice._core.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -75,14 +81,6 @@ DEFAULT_TIMEOUT_SECONDS: Final = 600.0
 #: ranks; Gloo's timeout then clears its pending work.
 _BACKSTOP_SLACK_SECONDS: Final = 1.0
 
-#: How long one wait on a process group's work lasts before the store is consulted
-#: about failed and dead peers. Work that completes in time pays nothing extra.
-_POLL_SECONDS: Final = 0.25
-
-#: Shortest wait asked of a work: c10d counts whole milliseconds, and 0 ms means "the
-#: group's own timeout" (measured: a 0.27 ms wait blocked until Gloo's timeout).
-_MIN_WAIT_SECONDS: Final = 0.005
-
 #: Bound on each store read while diagnosing.
 _DIAGNOSIS_STORE_TIMEOUT_SECONDS: Final = 2.0
 
@@ -106,29 +104,12 @@ class Signature:
     structure: int = 0
 
 
-@dataclasses.dataclass
-class _Call:
-    """One numbered collective in flight."""
-
-    name: str
-    seq: int
-    timeout: float
-    started: float
-    speculated: bool = False  # its data went with the fingerprints (speculation.py)
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} #{self.seq}"
-
-    def remaining(self) -> float:
-        return self.started + self.timeout - time.monotonic()
-
-
-class CommunicatorBase:
+class CommunicatorBase(SharedRounds):
     """Numbering, fingerprints, health-watching waits and diagnosis for a communicator.
 
     Subclasses set `_rank`, `_world_size`, `_host_group`, `_cuda_group`, `_health`,
-    `_options`, `_replicas`, `_seq`, `_lock`, `_broken`, `_closed` and `_predictor`.
+    `_options`, `_replicas`, `_seq`, `_lock`, `_broken`, `_closed`, `_predictor` and
+    `_rooms`; `SharedRounds` adds the shared-memory transport.
     """
 
     _rank: int
@@ -143,6 +124,7 @@ class CommunicatorBase:
     _broken: str | None
     _closed: bool
     _predictor: Predictor
+    _rooms: RoomPool
 
     @property
     def timeout(self) -> float:
@@ -206,9 +188,16 @@ class CommunicatorBase:
                 if predicted and self._world_size <= MAX_INLINE_WORKERS:
                     # The peers start with the predicted all-reduce: pair it, with an
                     # inline header that fails their check, then the abort header.
-                    ops, _, _ = speculative_ops(
-                        predicted, self._predictor.zeros(predicted), header_np
-                    )
+                    ops: list[Any] = []
+                    if self._shares(predicted):
+                        # The peers wait in shared memory: an abort header there sends
+                        # them to the header exchange below.
+                        assert self._shared is not None
+                        number, parity = self._shared.next_round()
+                        self._shared.arrive(number, parity, header_np)
+                    else:
+                        zeros = self._predictor.zeros(predicted)
+                        ops, _, _ = speculative_ops(predicted, zeros, header_np)
                     for t, _ in ops:
                         work = dist.all_reduce(t, group=self._host_group, async_op=True)
                         _FAILED_GROUPS.append((work, t))
@@ -253,7 +242,7 @@ class CommunicatorBase:
         overlap: Callable[[], None] | None = None,
         fit: Callable[[Layout], list[torch.Tensor] | None] | None = None,
         layout: Layout | None = None,
-        fill: Callable[[int, int, int], None] | None = None,
+        fill: Callable[..., bool] | None = None,
     ) -> list[fp.Fingerprint]:
         """Check every worker's fingerprint; CollectiveMismatchError unless they match.
 
@@ -333,7 +322,7 @@ class CommunicatorBase:
         predicted: Layout,
         fit: Callable[[Layout], list[torch.Tensor] | None] | None,
         overlap: Callable[[], None] | None,
-        fill: Callable[[int, int, int], None] | None,
+        fill: Callable[..., bool] | None,
     ) -> tuple[bool, bool]:
         """The predicted all-reduce with the inline header: (this call fit, all agree).
 
@@ -342,6 +331,8 @@ class CommunicatorBase:
         """
         tensors = fit(predicted) if fit is not None else None
         fitted = tensors is not None
+        if self._shares(predicted):
+            return self._inline_shared(call, header_np, predicted, tensors, overlap, fill)
         if tensors is None:
             tensors = self._predictor.zeros(predicted)
         ops, slots, mine = speculative_ops(predicted, tensors, header_np)
@@ -582,14 +573,6 @@ class CommunicatorBase:
                     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
                 with contextlib.suppress(Exception):  # best effort: it may be gone already
                     dist.destroy_process_group(group)
-
-
-class _PeersFailedError(Exception):
-    """Internal: the store says peers failed while we waited."""
-
-    def __init__(self, failures: list[PeerFailure]) -> None:
-        super().__init__(", ".join(f.reason for f in failures))
-        self.failures = failures
 
 
 def _numel(shape: Sequence[int]) -> int:

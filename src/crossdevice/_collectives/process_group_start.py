@@ -31,9 +31,11 @@ from crossdevice._core.cluster import Cluster
 
 __all__ = [
     "STORE_BIND_ENV",
+    "check_joined_group",
     "health_store",
     "interface_of",
     "serves_store",
+    "start_cluster_group",
     "start_default_group",
     "store_host",
 ]
@@ -103,6 +105,17 @@ def _bound_listener(cluster: Cluster) -> int:
     return sock.detach()  # the store owns the descriptor from here on
 
 
+def check_joined_group(cluster: Cluster | None) -> None:
+    """ValueError unless `cluster` (when given) matches the process group that exists."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if cluster is not None and (cluster.rank, cluster.world_size) != (rank, world_size):
+        raise ValueError(
+            f"the cluster makes this worker rank {cluster.rank} of {cluster.world_size}, "
+            f"but the torch.distributed process group that already exists has it as rank "
+            f"{rank} of {world_size}; pass a matching cluster, or none to join the group"
+        )
+
+
 def start_default_group(
     cluster: Cluster, backend: str, timeout: float, *, device_id: Any = None
 ) -> None:
@@ -137,6 +150,21 @@ def start_default_group(
         timeout=delta,
         **kwargs,
     )
+
+
+def start_cluster_group(cluster: Cluster, init_timeout: float) -> None:
+    """The default group for `cluster`: Gloo, plus NCCL on this process's GPU when CUDA is up."""
+    import torch
+
+    cuda = torch.cuda.is_available() and dist.is_nccl_available()
+    device = None
+    if cuda:
+        # One GPU per process (torchrun's LOCAL_RANK): NCCL then binds each rank to its
+        # own device instead of every rank to GPU 0.
+        device = torch.device("cuda", cluster.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    start_default_group(cluster, backend, init_timeout, device_id=device)
 
 
 def health_store(namespace: str) -> Any:

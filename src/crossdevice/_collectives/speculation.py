@@ -269,12 +269,13 @@ class Filler:
     """Runs a caller's `fill(i, start, stop)` once per range: by chunks, or all at once.
 
     Args:
-        fill: writes elements `start:stop` of buffer `i`; None: nothing to write.
+        fill: writes elements `start:stop` of buffer `i` (or, given `out=`, into that
+            flat array of `stop - start` elements instead); None: nothing to write.
         sizes: every buffer's element count (empty buffers are not sent, so the ops'
             buffer numbers count the non-empty ones only).
     """
 
-    def __init__(self, fill: Callable[[int, int, int], None] | None, sizes: list[int]) -> None:
+    def __init__(self, fill: Callable[..., None] | None, sizes: list[int]) -> None:
         self._fill = fill
         self._done = fill is None
         self._sizes = sizes
@@ -287,7 +288,16 @@ class Filler:
             for k in self._live:
                 self._fill(k, 0, self._sizes[k])
 
-    def live(self, j: int, start: int, stop: int) -> None:
-        """Fill a range of the `j`-th non-empty buffer (one op's data), unless all done."""
-        if self._fill is not None and not self._done:
+    def live(self, j: int, start: int, stop: int, out: np.ndarray | None = None) -> bool:
+        """Fill a range of the `j`-th non-empty buffer (one op's data), unless all done.
+
+        With `out`, the range is written there instead of into the buffer (shared
+        memory's slots). Returns whether anything was written.
+        """
+        if self._fill is None or self._done:
+            return False
+        if out is None:
             self._fill(self._live[j], start, stop)
+        else:
+            self._fill(self._live[j], start, stop, out=out)
+        return True

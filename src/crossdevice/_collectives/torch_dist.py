@@ -28,12 +28,15 @@ collectives in the same order with matching values. Nothing is taken on trust:
   and Gloo never sees buffers of different sizes (it aborts the process when it does). A
   repeated all-reduce carries it inside its data, in one round trip.
 * **Health** (`worker_health.py`): heartbeats, arrival marks and abort marks in the c10d
-  store. A waiting worker looks at them every `_POLL_SECONDS`: a peer whose step raised
+  store. A waiting worker looks at them every `calls.POLL_SECONDS`: a peer whose step raised
   (`abort`) or whose heartbeat stopped (dead) raises `WorkerFailedError` naming it within
   seconds; a live peer that does not arrive raises `CollectiveTimeoutError` naming the
   missing ranks when `timeout_seconds` (default `DEFAULT_TIMEOUT_SECONDS`) expires.
 * A failed communicator refuses further collectives: every worker must build a new one
   (TF's collectives poison the context too).
+
+When every worker runs on one host, a repeated host all-reduce of 256 KiB or more skips
+Gloo: its data and fingerprint go through shared memory (`shared_memory.py`).
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ from crossdevice._collectives.pg_base import (
     _numel,
 )
 from crossdevice._collectives.process_group_start import (
+    check_joined_group,
     health_store,
-    start_default_group,
+    start_cluster_group,
     store_host,
 )
 from crossdevice._collectives.speculation import (
@@ -156,7 +160,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         self._predictor = Predictor()
         self._rooms = RoomPool()
         if dist.is_initialized():
-            self._join_default_group(cluster)
+            check_joined_group(cluster)
         else:
             cluster = self._start_default_group(cluster, init_timeout_seconds)
         self._rank = dist.get_rank()
@@ -164,8 +168,10 @@ class ProcessGroupCommunicator(CommunicatorBase):
         self._cluster = cluster
         self._host_group: Any = None
         self._cuda_group: Any = None
+        self._shared = None
         try:
             self._create_groups()
+            self._connect_shared()  # every worker on this host: through /dev/shm
         except BaseException:
             self._destroy_groups()
             if self._owns_default_group:
@@ -189,16 +195,6 @@ class ProcessGroupCommunicator(CommunicatorBase):
 
     # -- construction ------------------------------------------------------------------
 
-    @staticmethod
-    def _join_default_group(cluster: Cluster | None) -> None:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        if cluster is not None and (cluster.rank, cluster.world_size) != (rank, world_size):
-            raise ValueError(
-                f"the cluster makes this worker rank {cluster.rank} of {cluster.world_size}, "
-                f"but the torch.distributed process group that already exists has it as rank "
-                f"{rank} of {world_size}; pass a matching cluster, or none to join the group"
-            )
-
     def _start_default_group(self, cluster: Cluster | None, init_timeout: float) -> Cluster:
         if cluster is None:
             cluster = resolve_cluster()
@@ -208,18 +204,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
                 "WORLD_SIZE/MASTER_ADDR/MASTER_PORT are unset and torch.distributed is not "
                 "initialised; launch with `torchrun`, set TF_CONFIG, or pass a Cluster"
             )
-        cuda = torch.cuda.is_available() and dist.is_nccl_available()
-        if cuda:
-            # One GPU per process (torchrun's LOCAL_RANK): NCCL then binds each rank to
-            # its own device instead of every rank to GPU 0.
-            device = torch.device("cuda", cluster.local_rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        start_default_group(
-            cluster,
-            "cpu:gloo,cuda:nccl" if cuda else "gloo",
-            init_timeout,
-            device_id=device if cuda else None,
-        )
+        start_cluster_group(cluster, init_timeout)
         self._owns_default_group = True
         return cluster
 
@@ -267,7 +252,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         options: CommunicationOptions | None = None,
         signature: Signature | None = None,
         produce: Callable[[], Sequence[Any]] | None = None,
-        fill: Callable[[int, int, int], None] | None = None,
+        fill: Callable[..., None] | None = None,
     ) -> list[Any]:
         """Reduce each buffer element-wise across workers; every worker gets the result.
 
@@ -292,7 +277,8 @@ class ProcessGroupCommunicator(CommunicatorBase):
                 `buffers` are then only templates of the same kinds, shapes and dtypes.
             fill: `fill(i, start, stop)` writes elements `start:stop` of flat buffer `i`
                 (donated `pack_buffer` views), chunk by chunk just before each leaves, or
-                all while the fingerprints travel.
+                all while the fingerprints travel; with `out=` (a flat array of
+                `stop - start` elements) it writes there instead (shared memory's slots).
 
         Returns:
             One array per buffer, of the buffer's kind, dtype (MEAN of integers gives
@@ -333,6 +319,10 @@ class ProcessGroupCommunicator(CommunicatorBase):
             if produce is not None:
                 replace_wires(wires, [self._to_wire(b, copy=False) for b in produce()])
             live = [w for w in wires if w.tensor.numel()]
+            if self._shares(predicted):
+                # Written into the shared slots round by round (by `fill` when given);
+                # the results are fresh buffers.
+                return [w.tensor for w in live]
             if header_apart(predicted):
                 if not donate and produce is None:
                     own_all(live)
@@ -383,6 +373,10 @@ class ProcessGroupCommunicator(CommunicatorBase):
                         if w.tensor.numel()
                     ],
                 )
+        if call.outputs is not None:
+            live = [w for w in wires if w.tensor.numel()]
+            for w, out in zip(live, call.outputs, strict=True):
+                w.tensor, w.owned = out.view(w.tensor.shape), True
         results = [w.result(w.tensor) for w in wires]
         if count is not None:
             results = [divide(r, count) for r in results]
@@ -582,6 +576,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
             return
         self._closed = True
         self._health.stop()
+        self._close_shared()
         self._destroy_groups()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -194,16 +194,18 @@ class CollectiveAllReduce(CrossDeviceOps):
             comm.pack_buffer(components[p[0]][0].dtype, _total(components, p)) for p in packs
         ]
 
-        def fill(k: int, start: int, stop: int) -> None:
+        def fill(k: int, start: int, stop: int, out: np.ndarray | None = None) -> None:
             # Elements start:stop of pack k: the local sums of the values they cover,
-            # written as the communicator sends them (large packs leave in chunks).
+            # written as the communicator sends them (large packs leave in chunks), into
+            # the pack or into `out` (a shared-memory slot).
+            dest = buffers[k][start:stop] if out is None else out
             offset = 0
             for i in packs[k]:
                 size = components[i][0].size
                 a, b = max(start, offset), min(stop, offset + size)
                 if a < b:
                     flats = [c.reshape(-1)[a - offset : b - offset] for c in components[i]]
-                    NUMPY.sum_n(flats, out=buffers[k][a:b])
+                    NUMPY.sum_n(flats, out=dest[a - start : b - start])
                 offset += size
 
         firsts = [arrays[0] for arrays in components]

@@ -1,0 +1,94 @@
+"""Worker side of the shared-memory tests (module level, so the children can import them)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from tests.multi_worker.workers import value_of
+
+#: 3.2 M float32 (12.8 MB): two rounds of the 8 MiB slots, with an int64 and a float64
+#: buffer sharing the second.
+SHAPES = (((3_200_000,), "float32"), ((1000,), "int64"), ((257, 3), "float64"))
+
+
+def _leftovers() -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("crossdevice-"))
+
+
+def all_reduces(rank: int, world_size: int, disable_on: int | None) -> dict[str, Any]:
+    """The same all-reduce of three buffers, five times, NumPy then torch, SUM and MEAN.
+
+    `disable_on`: this rank sets `CROSSDEVICE_SHARED_MEMORY=0` (every worker must then
+    keep to Gloo).
+    """
+    import torch
+
+    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+
+    if rank == disable_on:
+        os.environ["CROSSDEVICE_SHARED_MEMORY"] = "0"
+    out: dict[str, Any] = {}
+    with ProcessGroupCommunicator() as comm:
+        shared = comm._shared
+        out["shared"] = shared is not None
+        out["pid"] = os.getpid()
+        values = [value_of(rank, shape, dtype, seed=3) for shape, dtype in SHAPES]
+        for kind, make in (("numpy", np.asarray), ("torch", torch.from_numpy)):
+            inputs = [make(v.copy()) for v in values]
+            for i in range(5):
+                rounds = None if shared is None else shared._round
+                got = comm.all_reduce(inputs, "sum")
+                out[f"{kind}/sum/{i}"] = [np.asarray(g).copy() for g in got]
+                out[f"{kind}/sum/{i}/rounds"] = None if shared is None else shared._round - rounds
+            out[f"{kind}/type"] = type(got[0]).__name__
+            got = comm.all_reduce(inputs, "mean")
+            out[f"{kind}/mean"] = [np.asarray(g).copy() for g in got]
+            out[f"{kind}/unchanged"] = all(
+                np.array_equal(np.asarray(a), v) for a, v in zip(inputs, values, strict=True)
+            )
+        # Donated buffers: reduced too (the result need not be the same array).
+        for _ in range(3):
+            donated = [v.copy() for v in values]
+            got = comm.all_reduce(donated, "sum", donate=True)
+        out["donated"] = [np.asarray(g).copy() for g in got]
+        # A result handed out is the caller's: later collectives do not touch it.
+        kept = comm.all_reduce([values[0]], "sum")[0]
+        snapshot = kept.copy()
+        for _ in range(4):
+            comm.all_reduce([values[0]], "sum")
+        out["kept_intact"] = bool(np.array_equal(kept, snapshot))
+        out["leftovers"] = _leftovers()  # every worker is past its set-up by now
+    return out
+
+
+def strategy_reduces(rank: int, world_size: int) -> dict[str, Any]:
+    """`MultiWorkerMirroredStrategy` with 2 local replicas: replica all-reduces and reduce_to."""
+    import crossdevice as cd
+
+    cd.config.set_logical_cpu_devices(2)
+    strategy = cd.MultiWorkerMirroredStrategy(devices=["CPU:0", "CPU:1"])
+    shared = strategy.extended._worker_communicator._shared
+
+    def step() -> Any:
+        ctx = cd.get_replica_context()
+        replica = ctx.replica_id_in_sync_group
+        x = np.full(300_000, float(replica + 1), np.float32)
+        return ctx.all_reduce("sum", {"x": x, "n": np.arange(70_000, dtype=np.int64)})
+
+    results = [strategy.run(step) for _ in range(4)]
+    last = results[-1]
+    locals_ = [strategy.experimental_local_results(last[k]) for k in ("x", "n")]
+    per_replica = strategy.run(
+        lambda: np.full(400_000, float(cd.get_replica_context().replica_id_in_sync_group), "f8")
+    )
+    reduced = [strategy.reduce("mean", per_replica, axis=None) for _ in range(3)]
+    return {
+        "shared": shared is not None,
+        "rounds": None if shared is None else shared._round,
+        "x": [np.asarray(v).copy() for v in locals_[0]],
+        "n": [np.asarray(v).copy() for v in locals_[1]],
+        "mean": np.asarray(reduced[-1]).copy(),
+    }
