@@ -49,6 +49,12 @@ def all_reduces(rank: int, world_size: int, disable_on: int | None) -> dict[str,
             out[f"{kind}/unchanged"] = all(
                 np.array_equal(np.asarray(a), v) for a, v in zip(inputs, values, strict=True)
             )
+        # batch_all_reduce: packed per dtype, the packs filled straight into the slots.
+        for i in range(4):
+            rounds = None if shared is None else shared._round
+            got = comm.batch_all_reduce(values, "sum", bytes_per_pack=4 << 20)
+            out[f"batch/{i}"] = [np.asarray(g).copy() for g in got]
+            out[f"batch/{i}/rounds"] = None if shared is None else shared._round - rounds
         # Donated buffers: reduced too (the result need not be the same array).
         for _ in range(3):
             donated = [v.copy() for v in values]

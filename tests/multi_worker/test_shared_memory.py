@@ -103,12 +103,18 @@ def test_all_reduce_through_shared_memory_is_exact_and_leaves_nothing(world_size
                     np.testing.assert_array_equal(got, want)
             for got, want in zip(out[f"{kind}/mean"], expected, strict=True):
                 np.testing.assert_allclose(got, want / world_size, rtol=1e-6, atol=1e-6)
+        # (The packs' layout may equal the all-reduces' before: then even the first
+        # batch call is predicted.)
+        for i in range(1, 4):
+            assert out[f"batch/{i}/rounds"] == 2, out[f"batch/{i}/rounds"]
+            for got, want in zip(out[f"batch/{i}"], expected, strict=True):
+                np.testing.assert_array_equal(got, want)
         for got, want in zip(out["donated"], expected, strict=True):
             np.testing.assert_array_equal(got, want)
         assert out["kept_intact"]
     # Every worker holds the same bits.
     for other in outs[1:]:
-        for key in ("numpy/sum/4", "torch/sum/4", "numpy/mean"):
+        for key in ("numpy/sum/4", "torch/sum/4", "numpy/mean", "batch/3"):
             for a, b in zip(outs[0][key], other[key], strict=True):
                 assert a.tobytes() == b.tobytes()
 
@@ -121,8 +127,9 @@ def test_one_worker_without_shared_memory_keeps_every_worker_on_gloo(disable_on:
     for out in outs:
         assert not out["shared"]
         assert not [n for n in out["leftovers"] if n.startswith(f"crossdevice-{out['pid']}-")]
-        for got, want in zip(out["numpy/sum/4"], expected, strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # Gloo's order
+        for key in ("numpy/sum/4", "batch/3"):
+            for got, want in zip(out[key], expected, strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # Gloo's order
 
 
 @on_x86_linux

@@ -128,3 +128,25 @@ def test_very_large_buffers_leave_in_chunks_covering_every_element() -> None:
     filler.all()  # once only
     filler.live(0, 0, 1)  # after all: nothing more
     assert filled == [(2, 2, 5), (0, 0, numel), (2, 0, 10)]
+
+
+def test_lazy_packs_fill_the_pack_or_a_slot_with_the_same_bytes() -> None:
+    from crossdevice._collectives.speculation import LazyPacks
+
+    rooms = RoomPool()
+    host = [torch.arange(5, dtype=torch.float32), torch.arange(3, dtype=torch.float32) + 10]
+    odd = [torch.ones(4, dtype=torch.bfloat16)]  # no NumPy dtype: packed at once
+    packs = LazyPacks(rooms, [host, odd])
+    assert rooms.room_of(packs.flats[0]) is not None
+    assert packs.flats[1].tolist() == [1.0] * 4
+    whole = torch.cat(host)
+    for start, stop in [(0, 8), (2, 7), (4, 6), (5, 8)]:
+        out = np.full(stop - start, -1.0, np.float32)
+        packs.fill(0, start, stop, out=out)
+        assert out.tolist() == whole[start:stop].tolist()
+    packs.fill(0, 3, 8)  # into the pack itself, by ranges
+    packs.fill(0, 0, 3)
+    assert packs.flats[0].tolist() == whole.tolist()
+    out16 = torch.zeros(2, dtype=torch.int16).numpy()  # bfloat16 bits, as a view
+    packs.fill(1, 1, 3, out=out16)
+    assert out16.tolist() == packs.flats[1][1:3].view(torch.int16).tolist()

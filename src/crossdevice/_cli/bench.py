@@ -117,6 +117,13 @@ def register(subparsers: Any) -> None:
     add("-i", "--stepbytes", type=parse_size, default=parse_size("1M"), help="increment if -f 1")
     add("-n", "--iters", type=int, default=20, help="timed iterations per size (20)")
     add("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations per size (5)")
+    add(
+        "-m",
+        "--agg_iters",
+        type=int,
+        default=5,
+        help="--multi-worker: calls timed back to back per iteration, as in a training loop (5)",
+    )
     add("-o", "--op", choices=sorted(REDOPS), default="sum", help="reduce op (sum)")
     add("-d", "--datatype", choices=sorted(DTYPES), default="float", help="data type (float)")
     add(

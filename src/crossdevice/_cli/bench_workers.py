@@ -1,7 +1,7 @@
 """`crossdevice bench --multi-worker`: all-reduce across worker processes.
 
 Run one process per worker (`torchrun --standalone --nproc-per-node 2 -m crossdevice bench
---multi-worker`). For each size, every worker holds one float buffer and three ways of
+--multi-worker`). For each size, every worker holds one float buffer and these ways of
 all-reducing it are timed, interleaved call by call so drift on a shared machine hits all
 of them alike:
 
@@ -13,26 +13,36 @@ of them alike:
   in place (`donate=True`), as the strategy's own buffers are;
 * `strategy`: `MultiWorkerMirroredStrategy.extended.reduce_to` of a per-replica value to
   its own device, the path `ReplicaContext.all_reduce` takes (local sum, cross-worker
-  all-reduce, local broadcast).
+  all-reduce, local broadcast). Workers on one host reduce through shared memory
+  (`_collectives/shared_memory.py`);
+* `strategy-gloo`: the same on a strategy built with `CROSSDEVICE_SHARED_MEMORY=0`, as
+  workers on different hosts run it (every byte through Gloo, plus the API's copy).
 
-Rank 0 prints nccl-tests' columns (time, algbw = S/t, busbw = algbw * 2(n-1)/n) and each
+Each iteration times `-m` calls of one implementation back to back (nccl-tests'
+`--agg_iters`: what a training loop's consecutive collectives see, without the skew a
+barrier before every single call adds); the implementations take turns in a rotating
+order. Rank 0 prints nccl-tests' columns (time, algbw = S/t, busbw = algbw * 2(n-1)/n) and each
 implementation's overhead against `torch` as the median of the per-call time ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 __all__ = ["run_multi_worker"]
 
-_IMPLS = ("torch", "torch+copy", "comm", "strategy")
+SHARED_MEMORY_ENV = "CROSSDEVICE_SHARED_MEMORY"
+
+_IMPLS = ("torch", "torch+copy", "comm", "strategy", "strategy-gloo")
 
 
 def run_multi_worker(args: argparse.Namespace) -> int:
@@ -45,6 +55,10 @@ def run_multi_worker(args: argparse.Namespace) -> int:
     strategy = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
     extended: Any = strategy.extended
     comm = extended._worker_communicator
+    gloo: Any = None
+    if comm is not None:
+        with _env(SHARED_MEMORY_ENV, "0"):
+            gloo = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"]).extended
     if comm is None:
         raise SystemExit(
             "bench --multi-worker needs several workers: launch it with "
@@ -54,17 +68,19 @@ def run_multi_worker(args: argparse.Namespace) -> int:
     op = REDOPS[args.op]
     chief = comm.rank == 0
     if chief:
+        transport = "shared memory" if comm._shared is not None else "Gloo"
         print(
-            f"# crossdevice bench --multi-worker: {comm.world_size} workers (Gloo), 1 replica each"
+            f"# crossdevice bench --multi-worker: {comm.world_size} workers, 1 replica each; "
+            f"`strategy` all-reduces through {transport}, `strategy-gloo` through Gloo"
         )
         print(f"# torch {torch.__version__}, crossdevice {crossdevice.__version__}")
         print(
-            f"# {'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'impl':>10} "
+            f"# {'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'impl':>13} "
             f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overhead':>9}"
         )
     rows: list[dict[str, Any]] = []
     for size in sizes_between(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes):
-        for row in _measure(extended, size, dtype, op, args):
+        for row in _measure(extended, gloo, size, dtype, op, args):
             rows.append(row)
             if chief:
                 _print_row(row)
@@ -74,9 +90,9 @@ def run_multi_worker(args: argparse.Namespace) -> int:
 
 
 def _measure(
-    extended: Any, size: int, dtype: np.dtype, op: Any, args: argparse.Namespace
+    extended: Any, gloo: Any, size: int, dtype: np.dtype, op: Any, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """Time the three implementations on one size, interleaved call by call."""
+    """Time the implementations on one size, interleaved call by call."""
     import torch
     import torch.distributed as dist
 
@@ -104,17 +120,21 @@ def _measure(
         "torch+copy": copy_then_reduce,
         "comm": lambda: comm.all_reduce([donated], op, donate=True)[0],
         "strategy": lambda: extended.reduce_to(op, value, destinations=value),
+        "strategy-gloo": lambda: gloo.reduce_to(op, value, destinations=value),
     }
     times: dict[str, list[float]] = {name: [] for name in _IMPLS}
+    batch = max(1, args.agg_iters)
     for i in range(args.warmup_iters + args.iters):
-        for name in _IMPLS:
+        turn = i % len(_IMPLS)
+        for name in _IMPLS[turn:] + _IMPLS[:turn]:
             baseline.copy_(torch.from_numpy(mine))  # the in-place callers get fresh input
             donated[...] = mine
             dist.barrier(group=group)
             start = time.perf_counter()
-            calls[name]()
+            for _ in range(batch):
+                calls[name]()
             if i >= args.warmup_iters:
-                times[name].append(time.perf_counter() - start)
+                times[name].append((time.perf_counter() - start) / batch)
     rows = []
     for name in _IMPLS:
         baseline.copy_(torch.from_numpy(mine))
@@ -147,14 +167,14 @@ def _measure(
 def _print_row(row: dict[str, Any]) -> None:
     print(
         f"  {row['size']:>12} {row['count']:>10} {row['type']:>7} {row['redop']:>5} "
-        f"{row['impl']:>10} {row['time_us']:>10.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
+        f"{row['impl']:>13} {row['time_us']:>10.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
         f"{row['wrong']:>6} {row['overhead_vs_torch'] * 100:>8.1f}%",
         flush=True,
     )
 
 
 def _print_summary(rows: list[dict[str, Any]], json_path: str | None) -> None:
-    for name in ("torch+copy", "comm", "strategy"):
+    for name in _IMPLS[1:]:
         big = [r["overhead_vs_torch"] for r in rows if r["impl"] == name and r["size"] >= 1 << 20]
         if big:
             print(
@@ -164,3 +184,17 @@ def _print_summary(rows: list[dict[str, Any]], json_path: str | None) -> None:
     if json_path:
         with open(json_path, "w") as fh:
             json.dump({"rows": rows}, fh, indent=1)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """`os.environ[name] = value` for the block (what the strategy reads as it is built)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import platform
@@ -93,8 +94,12 @@ _SYS_FUTEX_X86_64: Final = 202
 Round = list[tuple[int, int, int, int]]
 
 
-def plan_rounds(layout: Sequence[tuple[torch.dtype, int]]) -> list[Round]:
-    """Cut `layout`'s buffers into rounds of at most `SLOT_BYTES` (a function of the layout)."""
+@functools.lru_cache(maxsize=64)
+def plan_rounds(layout: tuple[tuple[torch.dtype, int], ...]) -> list[Round]:
+    """Cut `layout`'s buffers into rounds of at most `SLOT_BYTES` (a function of the layout).
+
+    Cached: a training step repeats the same layouts. Do not modify the result.
+    """
     rounds: list[Round] = [[]]
     used = 0
     for index, (dtype, numel) in enumerate(layout):
@@ -270,10 +275,12 @@ class SharedSlots:
         if (seen - number) & 0x80000000:
             _futex(self._addresses[rank], _FUTEX_WAIT, seen, seconds)
 
-    def headers(self, parity: int, length: int) -> np.ndarray:
-        """Every worker's header of the round of `parity`: (world, length) int64."""
+    def headers_equal(self, parity: int, header: np.ndarray) -> bool:
+        """Whether every worker's header of the round of `parity` is `header`, byte for byte."""
         at = _HEADERS + parity * _HEADER_SLOT
-        return np.stack([b[at : at + 8 * length].view(np.int64) for b in self._bytes])
+        mine = header.tobytes()
+        end = at + len(mine)
+        return all(b[at:end].tobytes() == mine for b in self._bytes)
 
     def reduce(self, parity: int, spec: Round, outputs: Sequence[torch.Tensor]) -> None:
         """Sum every worker's slot of `parity` for round `spec`, in rank order, into `outputs`."""

@@ -60,6 +60,7 @@ __all__ = [
     "PIPELINE_MIN_BYTES",
     "Filler",
     "Layout",
+    "LazyPacks",
     "Op",
     "Predictor",
     "RoomPool",
@@ -263,6 +264,51 @@ class RoomPool:
             return torch.cat(tensors)
         total = sum(t.numel() for t in tensors)
         return torch.cat(tensors, out=self.buffer(tensors[0].dtype, total)[:total])
+
+
+class LazyPacks:
+    """Flat packs of tensors, each filled only as the communicator sends it.
+
+    Host packs of NumPy dtypes are recycled `RoomPool` buffers whose contents `fill`
+    copies from the tensors range by range: into the pack just before Gloo sends it,
+    or straight into a shared-memory slot (then the pack itself is never written: one
+    copy instead of two). Other packs (CUDA, bfloat16) are concatenated at once.
+
+    Args:
+        rooms: where the host packs come from.
+        groups: the tensors of each pack, flat, in order.
+    """
+
+    def __init__(self, rooms: RoomPool, groups: list[list[torch.Tensor]]) -> None:
+        self.flats: list[torch.Tensor] = []
+        self._parts: list[list[np.ndarray] | None] = []
+        for tensors in groups:
+            total = sum(t.numel() for t in tensors)
+            flat = None
+            if all(t.device.type == "cpu" for t in tensors):
+                flat = rooms.buffer(tensors[0].dtype, total)[:total]
+            if flat is not None and rooms.room_of(flat) is not None:
+                self.flats.append(flat)
+                self._parts.append([t.reshape(-1).numpy() for t in tensors])
+            else:
+                self.flats.append(rooms.pack(tensors))
+                self._parts.append(None)
+
+    def fill(self, k: int, start: int, stop: int, out: np.ndarray | None = None) -> None:
+        """Write elements `start:stop` of pack `k` into it (or into `out`)."""
+        parts = self._parts[k]
+        if parts is None:  # packed already
+            if out is not None:  # byte for byte: bfloat16 has no NumPy dtype
+                data = self.flats[k][start:stop].view(torch.uint8).numpy()
+                np.copyto(out.view(np.uint8), data)
+            return
+        dest = self.flats[k][start:stop].numpy() if out is None else out
+        offset = 0
+        for part in parts:
+            a, b = max(start, offset), min(stop, offset + part.size)
+            if a < b:
+                np.copyto(dest[a - start : b - start], part[a - offset : b - offset])
+            offset += part.size
 
 
 class Filler:

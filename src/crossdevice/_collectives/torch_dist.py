@@ -77,6 +77,7 @@ from crossdevice._collectives.process_group_start import (
 from crossdevice._collectives.speculation import (
     Filler,
     Layout,
+    LazyPacks,
     Predictor,
     RoomPool,
     header_apart,
@@ -319,9 +320,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
             if produce is not None:
                 replace_wires(wires, [self._to_wire(b, copy=False) for b in produce()])
             live = [w for w in wires if w.tensor.numel()]
-            if self._shares(predicted):
-                # Written into the shared slots round by round (by `fill` when given);
-                # the results are fresh buffers.
+            if self._shares(predicted):  # written into shared memory round by round
                 return [w.tensor for w in live]
             if header_apart(predicted):
                 if not donate and produce is None:
@@ -435,11 +434,16 @@ class ProcessGroupCommunicator(CommunicatorBase):
             packs.extend([members[j] for j in pack] for pack in group_by_size(sizes, pack_bytes))
         if not packs:
             return []
-        # Packing copies, so the packs are ours to reduce in place; recycled host buffers
-        # with room for the inline fingerprint (fresh pages cost as much as the copy).
-        flats = [self._rooms.pack([wires[i].tensor.reshape(-1) for i in pack]) for pack in packs]
+        # Packs are ours to reduce in place: recycled host buffers with room for the inline
+        # fingerprint, filled as they leave (or straight into shared memory's slots).
+        lazy = LazyPacks(self._rooms, [[wires[i].tensor.reshape(-1) for i in p] for p in packs])
         flats = self.all_reduce(
-            flats, ReduceOp.SUM, donate=True, options=options, signature=signature
+            lazy.flats,
+            ReduceOp.SUM,
+            donate=True,
+            options=options,
+            signature=signature,
+            fill=lazy.fill,
         )
         results: list[Any] = [None] * len(wires)
         for pack, flat in zip(packs, flats, strict=True):
