@@ -98,3 +98,63 @@ def strategy_reduces(rank: int, world_size: int) -> dict[str, Any]:
         "n": [np.asarray(v).copy() for v in locals_[1]],
         "mean": np.asarray(reduced[-1]).copy(),
     }
+
+
+def leaves_midway(rank: int, world_size: int, culprit: int) -> dict[str, Any]:
+    """A 3-round all-reduce in which `culprit`'s write of round 2 raises; the others wait.
+
+    The peers must raise naming it, not sum its stale slots; the culprit gets its own
+    error, then refuses further collectives.
+    """
+    import time
+
+    import torch
+
+    from crossdevice._collectives import shared_memory
+    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+
+    x = np.full(5_000_000, float(rank + 1), np.float32)  # 20 MB: three 8 MiB rounds
+    out: dict[str, Any] = {}
+    with ProcessGroupCommunicator() as comm:
+        for _ in range(3):
+            comm.all_reduce([x], "sum")
+        out["rounds"] = len(shared_memory.plan_rounds(((torch.float32, x.size),)))
+        if rank == culprit:
+            writes = {"n": 0}
+            original = shared_memory.SharedSlots.write
+
+            def failing_write(self: Any, *args: Any, **kwargs: Any) -> None:
+                writes["n"] += 1
+                if writes["n"] == 3:
+                    raise RuntimeError("injected failure in round 2")
+                original(self, *args, **kwargs)
+
+            shared_memory.SharedSlots.write = failing_write  # type: ignore[method-assign]
+        start = time.monotonic()
+        try:
+            result = comm.all_reduce([x], "sum")[0]
+            out["outcome"] = ("returned", float(result[0]))
+        except Exception as err:
+            out["outcome"] = (type(err).__name__, str(err))
+        out["elapsed"] = time.monotonic() - start
+        try:
+            comm.all_reduce([x], "sum")
+            out["after"] = ("returned", "")
+        except Exception as err:
+            out["after"] = (type(err).__name__, str(err))
+        if rank == 0:
+            time.sleep(1.0)  # rank 0 serves the store: let the others read the marks
+    return out
+
+
+def min_bytes_settings(rank: int, world_size: int, values: list[str | None]) -> Any:
+    """Build a communicator with this rank's `CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`."""
+    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+
+    if values[rank] is not None:
+        os.environ["CROSSDEVICE_SHARED_MEMORY_MIN_BYTES"] = str(values[rank])
+    try:
+        with ProcessGroupCommunicator() as comm:
+            return ("built", comm._shared is not None)
+    except ValueError as err:
+        return ("ValueError", str(err))

@@ -8,6 +8,7 @@ transports.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -144,3 +145,52 @@ def test_strategy_with_local_replicas_reduces_through_shared_memory() -> None:
         for n in out["n"]:
             np.testing.assert_array_equal(n, 4 * np.arange(70_000, dtype=np.int64))
         np.testing.assert_array_equal(out["mean"], np.full(400_000, 1.5))
+
+
+@on_x86_linux
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("culprit", [0, 2])
+def test_a_worker_leaving_midway_is_named_and_no_peer_returns(culprit: int) -> None:
+    outs = [
+        r.unwrap() for r in run_workers(shm_workers.leaves_midway, 3, args=(culprit,), timeout=90)
+    ]
+    for rank, out in enumerate(outs):
+        assert out["rounds"] == 3
+        kind, message = out["outcome"]
+        if rank == culprit:
+            assert (kind, message) == ("RuntimeError", "injected failure in round 2")
+            assert out["after"][0] == "RuntimeError"
+            assert "broken" in out["after"][1]
+            continue
+        # Never a sum that read the culprit's stale slots: an error naming it, quickly.
+        assert kind == "WorkerFailedError", (rank, out["outcome"])
+        assert f"rank {culprit}" in message
+        assert "injected failure in round 2" in message
+        assert out["elapsed"] < 10.0
+        assert out["after"][0] == "RuntimeError"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        (["0", "1024"], "differs between the workers (rank 0: 0, rank 1: 1024)"),
+        ([None, "lots"], "invalid CROSSDEVICE_SHARED_MEMORY_MIN_BYTES"),
+    ],
+)
+def test_workers_must_agree_on_the_threshold(values: list[str | None], expected: str) -> None:
+    outs = [r.unwrap() for r in run_workers(shm_workers.min_bytes_settings, 2, args=(values,))]
+    for rank, (kind, message) in enumerate(outs):
+        assert kind == "ValueError", (rank, message)
+        if values[rank] != "lots":  # that rank reports its own value's error
+            assert expected in message, message
+        else:
+            assert "CROSSDEVICE_SHARED_MEMORY_MIN_BYTES must be a byte count" in message
+
+
+@on_x86_linux
+def test_a_failing_futex_call_raises_instead_of_spinning() -> None:
+    assert shm._futex_ok()
+    word = ctypes.c_uint32(0)
+    with pytest.raises(OSError, match="futex"):
+        shm._futex(ctypes.addressof(word), 999, 0, None)  # no such operation

@@ -168,16 +168,19 @@ class CommunicatorBase(SharedRounds):
 
         `MultiWorkerMirroredStrategy` calls this when a step raises on this worker, so
         its peers raise `WorkerFailedError` naming it at once instead of waiting for it.
-        Two channels: an *abort header* sent as this worker's part of the next
+        Three channels: an *abort header* sent as this worker's part of the next
         collective's fingerprint exchange (peers waiting in it, or arriving later, read
-        it there, even when the store is gone), and a mark in the c10d store with the
-        whole message (peers waiting elsewhere see it within a poll interval).
+        it there, even when the store is gone), a mark in the c10d store with the
+        whole message (peers waiting elsewhere see it within a poll interval), and, on
+        shared memory, a mark in this worker's segment that wakes peers waiting there.
         """
         if self._closed or self._broken is not None:
             return
         reason = f"{type(error).__name__}: {error}"
         self._broken = f"this worker's step raised {reason}"
         self._health.post_abort(reason)
+        if self._shared is not None:
+            self._shared.poison()  # peers waiting in (or reaching) a shared round raise
         if self._host_group is not None and self._lock.acquire(blocking=False):
             try:
                 self._seq += 1
@@ -189,13 +192,7 @@ class CommunicatorBase(SharedRounds):
                     # The peers start with the predicted all-reduce: pair it, with an
                     # inline header that fails their check, then the abort header.
                     ops: list[Any] = []
-                    if self._shares(predicted):
-                        # The peers wait in shared memory: an abort header there sends
-                        # them to the header exchange below.
-                        assert self._shared is not None
-                        number, parity = self._shared.next_round()
-                        self._shared.arrive(number, parity, header_np)
-                    else:
+                    if not self._shares(predicted):  # (in shared memory: the mark above)
                         zeros = self._predictor.zeros(predicted)
                         ops, _, _ = speculative_ops(predicted, zeros, header_np)
                     for t, _ in ops:

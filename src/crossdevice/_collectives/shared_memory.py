@@ -20,8 +20,11 @@ every worker. Two parity sets make one barrier per round enough: a worker writes
 of parity p again only after the next round's barrier, which no worker passes before
 every worker has finished reading that slot. The waits are futex waits on the peers'
 counters, bounded by the collective's timeout and interrupted every
-`pg_base._POLL_SECONDS` to consult the health board, so a dead or failed peer is
-reported as for Gloo. Only x86-64 Linux: its stores become visible in program order
+`calls.POLL_SECONDS` to consult the health board, so a dead or failed peer is
+reported as for Gloo. A worker that leaves the rounds midway (its fill raised, an
+interrupt, a failed wait, its step's abort) sets a poison mark in its segment and wakes
+its peers, who raise `WorkerFailedError` naming it instead of summing slots it never
+wrote. Only x86-64 Linux: its stores become visible in program order
 (the summing kernel fences its non-temporal stores), so a counter seen set means the
 data before it is there.
 
@@ -29,8 +32,11 @@ Set-up (`SharedSlots.connect`) happens once per communicator: each worker create
 segment (mode 0600, space reserved with `posix_fallocate`, so a full `/dev/shm` fails
 here and not later with SIGBUS), the workers exchange the names and a random nonce over
 Gloo, each maps every peer's segment and checks the nonce, and a second exchange says
-whether all of them could. Then each worker unlinks its own file (the mappings stay):
-nothing is left in `/dev/shm`, even when a worker is killed. If any worker cannot (other
+whether all of them could; it also carries every worker's
+`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`, which must be equal (workers must choose the same
+transport for every layout). Then, or when the set-up fails, each worker unlinks its own
+file (the mappings stay): nothing is left in `/dev/shm`, even when a worker is killed
+later (only a kill within the set-up's two exchanges can leave one). If any worker cannot (other
 hosts or containers, no `/dev/shm`, no space, another platform,
 `CROSSDEVICE_SHARED_MEMORY=0`), every worker keeps to Gloo. Only processes of the same
 user can open the files: the trust model is the one of `/dev/shm`, inside that of the
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -80,8 +87,9 @@ _SUMMED_DTYPES: Final = frozenset({torch.float32, torch.float64, torch.int32, to
 _ALIGN: Final = 64
 _NAME_BYTES: Final = 96
 _DIR: Final = "/dev/shm"
-#: Segment layout: nonce | counter | two headers | two data slots.
+#: Segment layout: nonce | counter | poison mark | two headers | two data slots.
 _COUNTER: Final = 64
+_POISON: Final = 68
 _HEADERS: Final = 128
 _HEADER_SLOT: Final = 8192
 _DATA: Final = _HEADERS + 2 * _HEADER_SLOT
@@ -161,6 +169,7 @@ class SharedSlots:
         self._maps = maps
         self._bytes = [np.frombuffer(m, dtype=np.uint8) for m in maps]
         self._counters = [b[_COUNTER : _COUNTER + 4].view(np.uint32) for b in self._bytes]
+        self._poison = [b[_POISON : _POISON + 4].view(np.uint32) for b in self._bytes]
         self._addresses = [b.ctypes.data + _COUNTER for b in self._bytes]
         self._round = 0
 
@@ -173,53 +182,71 @@ class SharedSlots:
         """Set up shared slots with every worker, or None on every worker.
 
         `exchange(tensor)` all-gathers a small tensor into a (world_size, ...) array;
-        every worker must call this at the same point (two exchanges).
+        every worker must call this at the same point (two exchanges). Raises ValueError
+        on every worker when a worker's `CROSSDEVICE_SHARED_MEMORY_MIN_BYTES` is invalid
+        or the workers' values differ (they would choose different transports).
         """
         try:
             min_bytes, bad = min_bytes_from_env(), None
         except ValueError as err:  # still take part in the exchanges, then raise
-            min_bytes, bad = MIN_BYTES, err
+            min_bytes, bad = -1, err
         own: tuple[str, mmap.mmap] | None = None
         nonce = secrets.token_bytes(16)
         wanted = os.environ.get(ENV_VAR, "1") != "0" and bad is None
         if wanted and world_size > 1 and _futex_ok():
             own = _create(_SIZE, nonce)
-        entry = np.zeros(_NAME_BYTES + 16, dtype=np.uint8)
-        if own is not None:
-            name = own[0].encode()
-            entry[: len(name)] = np.frombuffer(name, dtype=np.uint8)
-            entry[_NAME_BYTES:] = np.frombuffer(nonce, dtype=np.uint8)
-        table = exchange(torch.from_numpy(entry))
         maps: list[mmap.mmap] = []
-        ok = own is not None
-        for r in range(world_size):
-            if not ok:
-                break
-            if r == rank:
-                assert own is not None
-                maps.append(own[1])
-                continue
-            peer = _open_peer(table[r])
-            if peer is None:
-                ok = False
-            else:
-                maps.append(peer)
-        flags = exchange(torch.tensor([1 if ok else 0], dtype=torch.uint8))
-        if own is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(_DIR, own[0]))  # every peer has it mapped (or gave up)
-        if not flags.all():
-            for m in maps if ok else [*maps, *([own[1]] if own is not None else [])]:
-                with contextlib.suppress(Exception):
-                    m.close()
-            if bad is not None:
-                raise bad
+        try:
+            entry = np.zeros(_NAME_BYTES + 16, dtype=np.uint8)
+            if own is not None:
+                name = own[0].encode()
+                entry[: len(name)] = np.frombuffer(name, dtype=np.uint8)
+                entry[_NAME_BYTES:] = np.frombuffer(nonce, dtype=np.uint8)
+            table = exchange(torch.from_numpy(entry))
+            ok = own is not None
+            for r in range(world_size):
+                if own is None or not ok:
+                    break
+                segment = own[1] if r == rank else _open_peer(table[r])
+                if segment is None:
+                    ok = False
+                else:
+                    maps.append(segment)
+            flags = exchange(torch.tensor([int(ok), min_bytes], dtype=torch.int64))
+        except BaseException:
+            _close_all(maps, own)
+            raise
+        finally:
+            if own is not None:  # every peer has it mapped now, or gave up
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(_DIR, own[0]))
+        settings = [int(v) for v in flags[:, 1]]
+        if bad is not None:
+            _close_all(maps, own)
+            raise bad
+        invalid = [r for r, v in enumerate(settings) if v < 0]
+        if invalid:
+            _close_all(maps, own)
+            raise ValueError(
+                f"rank(s) {invalid} have an invalid {MIN_BYTES_ENV_VAR} (see their error); "
+                "expected a byte count >= 0 on every worker: fix it there or unset it"
+            )
+        if not flags[:, 0].all():
+            _close_all(maps, own)
             return None
+        if len(set(settings)) > 1:
+            _close_all(maps, own)
+            listed = ", ".join(f"rank {r}: {v}" for r, v in enumerate(settings))
+            raise ValueError(
+                f"{MIN_BYTES_ENV_VAR} differs between the workers ({listed}); expected the "
+                "same value on every worker (they must choose the same transport): set it "
+                "alike everywhere or unset it"
+            )
         return cls(rank, maps, min_bytes)
 
     def close(self) -> None:
         """Unmap every segment (results handed out are private buffers)."""
-        self._bytes, self._counters = [], []
+        self._bytes, self._counters, self._poison = [], [], []
         for m in self._maps:
             with contextlib.suppress(Exception):  # BufferError while a view lives on
                 m.close()
@@ -260,6 +287,21 @@ class SharedSlots:
             self._bytes[self._rank][at : at + header.nbytes] = header.view(np.uint8)
         self._counters[self._rank][0] = number  # x86-64: after the data, in order
         _futex(self._addresses[self._rank], _FUTEX_WAKE, 0x7FFFFFFF, None)
+
+    def poison(self) -> None:
+        """Mark this worker as gone from the shared rounds (its step failed) and wake the peers.
+
+        A worker that leaves midway must not let its peers go on summing its slots: its
+        counter says nothing more, so they would wait until the timeout, or (had it moved
+        the counter) read data it never wrote. Peers check the mark at every wait.
+        """
+        if self._poison:
+            self._poison[self._rank][0] = 1
+            _futex(self._addresses[self._rank], _FUTEX_WAKE, 0x7FFFFFFF, None)
+
+    def poisoned(self) -> list[int]:
+        """The peers that marked themselves gone (`poison`)."""
+        return [r for r, word in enumerate(self._poison) if r != self._rank and word[0]]
 
     def waiting_for(self, number: int) -> list[int]:
         """The ranks whose counter has not reached round `number` yet."""
@@ -359,7 +401,7 @@ class _Timespec(ctypes.Structure):
 
 
 def _futex_ok() -> bool:
-    """Whether futexes on shared mappings are available (x86-64 Linux)."""
+    """Whether futexes work here (x86-64 Linux): a real wake on a word of our own."""
     global _LIBC
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
@@ -370,17 +412,26 @@ def _futex_ok() -> bool:
         except (OSError, AttributeError):
             return False
         _LIBC = libc
+    word = ctypes.c_uint32(0)
+    try:
+        _futex(ctypes.addressof(word), _FUTEX_WAKE, 1, None)
+    except OSError:
+        return False
     return True
 
 
 def _futex(address: int, op: int, value: int, seconds: float | None) -> None:
-    """One futex call (GIL released): WAIT returns early on a wake, a change or a signal."""
+    """One futex call (GIL released): WAIT returns early on a wake, a change or a signal.
+
+    Raises OSError for anything but those (and a timeout): a wait that returned at once
+    for ever would spin instead of sleeping.
+    """
     assert _LIBC is not None
     timeout = None
     if seconds is not None:
         whole = int(seconds)
         timeout = ctypes.byref(_Timespec(whole, int((seconds - whole) * 1e9)))
-    _LIBC.syscall(
+    result = _LIBC.syscall(
         ctypes.c_long(_SYS_FUTEX_X86_64),
         ctypes.c_void_p(address),
         ctypes.c_int(op),
@@ -389,3 +440,15 @@ def _futex(address: int, op: int, value: int, seconds: float | None) -> None:
         None,
         ctypes.c_int(0),
     )
+    if result == -1:
+        code = ctypes.get_errno()
+        if code not in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT):
+            raise OSError(code, f"futex: {os.strerror(code)}")
+
+
+def _close_all(maps: list[mmap.mmap], own: tuple[str, mmap.mmap] | None) -> None:
+    """Unmap the segments mapped so far (our own included)."""
+    segments = {id(m): m for m in [*maps, *([own[1]] if own is not None else [])]}
+    for segment in segments.values():
+        with contextlib.suppress(Exception):
+            segment.close()

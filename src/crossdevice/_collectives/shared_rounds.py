@@ -24,7 +24,7 @@ from crossdevice._collectives.calls import (
 )
 from crossdevice._collectives.shared_memory import SharedSlots, plan_rounds, uses_shared_memory
 from crossdevice._collectives.speculation import Layout, RoomPool
-from crossdevice._collectives.worker_health import HealthBoard
+from crossdevice._collectives.worker_health import HealthBoard, PeerFailure
 
 __all__ = ["SharedRounds"]
 
@@ -44,9 +44,11 @@ class SharedRounds:
     _rooms: RoomPool
     _shared: SharedSlots | None = None
 
+    _broken: str | None
     timeout: Any
     _run: Callable[..., None]
     _fail: Callable[[Call, Exception], None]
+    abort: Callable[[BaseException], None]
 
     def _connect_shared(self) -> None:
         """Map every worker's slots when they all share this host (else stay on Gloo)."""
@@ -92,24 +94,33 @@ class SharedRounds:
         shared = self._shared
         assert shared is not None
         rounds = plan_rounds(predicted)
-        number, parity = shared.next_round()
-        if sources is not None:
-            shared.write(parity, rounds[0], sources, fill)
-        shared.arrive(number, parity, header_np)
-        if sources is None and overlap is not None:
-            overlap()  # the copy the Gloo all-reduce after the check will need
-        self._wait_round(call, number)
-        agrees = shared.headers_equal(parity, header_np)
-        if sources is None or not agrees:
-            return sources is not None, agrees
-        outputs = [self._rooms.buffer(t.dtype, t.numel())[: t.numel()] for t in sources]
-        shared.reduce(parity, rounds[0], outputs)
-        for spec in rounds[1:]:
+        try:
             number, parity = shared.next_round()
-            shared.write(parity, spec, sources, fill)
-            shared.arrive(number, parity)
+            if sources is not None:
+                shared.write(parity, rounds[0], sources, fill)
+            shared.arrive(number, parity, header_np)
+            if sources is None and overlap is not None:
+                overlap()  # the copy the Gloo all-reduce after the check will need
             self._wait_round(call, number)
-            shared.reduce(parity, spec, outputs)
+            agrees = shared.headers_equal(parity, header_np)
+            if sources is None or not agrees:
+                return sources is not None, agrees
+            outputs = [self._rooms.buffer(t.dtype, t.numel())[: t.numel()] for t in sources]
+            shared.reduce(parity, rounds[0], outputs)
+            for spec in rounds[1:]:
+                number, parity = shared.next_round()
+                shared.write(parity, spec, sources, fill)
+                shared.arrive(number, parity)
+                self._wait_round(call, number)
+                shared.reduce(parity, spec, outputs)
+        except BaseException as err:
+            # Leaving the rounds midway (a failed fill, an interrupt, a failed wait): the
+            # peers must not go on with this worker's slots. Mark it gone, refuse further
+            # collectives, and tell the peers why (the store), before re-raising.
+            if self._broken is None:
+                self.abort(err)  # `_fail` did not name the failure: tell the peers why
+            shared.poison()
+            raise
         call.outputs = outputs
         return True, True
 
@@ -118,19 +129,25 @@ class SharedRounds:
         shared = self._shared
         assert shared is not None
         try:
+            next_check = time.monotonic() + POLL_SECONDS
             while behind := shared.waiting_for(number):
+                gone = shared.poisoned()
+                if gone:
+                    # Its abort reason is in the store (posted before the mark), if any.
+                    failures = self._health.check() or [
+                        PeerFailure(r, "left a shared-memory all-reduce midway", False)
+                        for r in gone
+                    ]
+                    raise PeersFailedError(failures)
+                now = time.monotonic()
                 remaining = call.remaining()
                 if remaining < MIN_WAIT_SECONDS:
                     raise TimeoutError(f"no reply within {call.timeout:g} s")
-                until = time.monotonic() + min(POLL_SECONDS, remaining)
-                for rank in behind:
-                    left = until - time.monotonic()
-                    if left <= 0:
-                        break
-                    shared.wait(number, rank, left)
-                if time.monotonic() >= until:
+                if now >= next_check:  # however often the waits return early
+                    next_check = now + POLL_SECONDS
                     failures = self._health.check()
                     if failures:
                         raise PeersFailedError(failures)
+                shared.wait(number, behind[0], min(next_check - now, remaining))
         except Exception as err:
             self._fail(call, err)
