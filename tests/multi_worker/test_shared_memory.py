@@ -52,10 +52,11 @@ def test_rounds_cover_every_element_once_within_a_slot() -> None:
 
 
 def test_which_layouts_go_through_shared_memory() -> None:
-    big = shm.MIN_BYTES // 4
-    assert shm.uses_shared_memory(((torch.float32, big),), shm.MIN_BYTES)
-    assert not shm.uses_shared_memory(((torch.float32, big - 1),), shm.MIN_BYTES)
-    assert shm.uses_shared_memory(((torch.float32, 1),), 0)
+    assert shm.MIN_BYTES == 0  # every size by default
+    assert shm.uses_shared_memory(((torch.float32, 1),), shm.MIN_BYTES)
+    assert shm.uses_shared_memory(((torch.float32, 256), (torch.int64, 1)), 1032)
+    assert not shm.uses_shared_memory(((torch.float32, 256), (torch.int64, 1)), 1033)
+    big = 1 << 20
     # Dtypes whose sums NumPy and Gloo might compute differently stay on Gloo.
     for dtype in (torch.float16, torch.bfloat16, torch.bool, torch.complex64, torch.uint8):
         assert not shm.uses_shared_memory(((torch.float32, big), (dtype, 8)), 0)
@@ -64,8 +65,8 @@ def test_which_layouts_go_through_shared_memory() -> None:
 def test_min_bytes_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(shm.MIN_BYTES_ENV_VAR, raising=False)
     assert shm.min_bytes_from_env() == shm.MIN_BYTES
-    monkeypatch.setenv(shm.MIN_BYTES_ENV_VAR, "0")
-    assert shm.min_bytes_from_env() == 0
+    monkeypatch.setenv(shm.MIN_BYTES_ENV_VAR, "65536")
+    assert shm.min_bytes_from_env() == 65536
     for bad in ("-1", "1e6", "lots"):
         monkeypatch.setenv(shm.MIN_BYTES_ENV_VAR, bad)
         with pytest.raises(ValueError, match="CROSSDEVICE_SHARED_MEMORY_MIN_BYTES must be"):

@@ -35,8 +35,8 @@ collectives in the same order with matching values. Nothing is taken on trust:
 * A failed communicator refuses further collectives: every worker must build a new one
   (TF's collectives poison the context too).
 
-When every worker runs on one host, a repeated host all-reduce of 256 KiB or more skips
-Gloo: its data and fingerprint go through shared memory (`shared_memory.py`).
+When every worker runs on one host, a repeated host all-reduce skips Gloo: its data and
+fingerprint go through shared memory (`shared_memory.py`).
 """
 
 from __future__ import annotations
