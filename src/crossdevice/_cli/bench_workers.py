@@ -28,13 +28,13 @@ implementation's overhead against `torch` as the median of the per-call time rat
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -57,7 +57,7 @@ def run_multi_worker(args: argparse.Namespace) -> int:
     comm = extended._worker_communicator
     gloo: Any = None
     if comm is not None:
-        with _env(SHARED_MEMORY_ENV, "0"):
+        with mock.patch.dict(os.environ, {SHARED_MEMORY_ENV: "0"}):
             gloo = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"]).extended
     if comm is None:
         raise SystemExit(
@@ -184,17 +184,3 @@ def _print_summary(rows: list[dict[str, Any]], json_path: str | None) -> None:
     if json_path:
         with open(json_path, "w") as fh:
             json.dump({"rows": rows}, fh, indent=1)
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    """`os.environ[name] = value` for the block (what the strategy reads as it is built)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old

@@ -148,12 +148,8 @@ class CommunicatorBase(SharedRounds):
         divisor need the same count on every worker.
         """
         with self._collective("replica_count", None) as call:
-            mine = torch.tensor([count], dtype=torch.int64)
-            outs = [torch.empty_like(mine) for _ in range(self._world_size)]
-            self._run(
-                call, lambda: [dist.all_gather(outs, mine, group=self._host_group, async_op=True)]
-            )
-        counts = [int(o) for o in outs]
+            table = self._gather_small(call, torch.tensor([count], dtype=torch.int64))
+        counts = [int(row[0]) for row in table]
         if len(set(counts)) > 1:
             raise CollectiveMismatchError(
                 f"every worker must run the same number of local replicas, got "

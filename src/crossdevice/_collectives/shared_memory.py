@@ -161,8 +161,8 @@ class SharedSlots:
     """This worker's slots and its peers', mapped from `/dev/shm`.
 
     Built by `connect` (None when any worker cannot use shared memory). Each segment:
-    a nonce, the worker's round counter (a futex word), one fingerprint header per
-    parity, then one data slot per parity.
+    a nonce, the worker's round counter (a futex word), its poison mark, one
+    fingerprint header per parity, then one data slot per parity.
     """
 
     def __init__(self, rank: int, maps: list[mmap.mmap], min_bytes: int = MIN_BYTES) -> None:
@@ -223,27 +223,26 @@ class SharedSlots:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(_DIR, own[0]))
         settings = [int(v) for v in flags[:, 1]]
-        if bad is not None:
-            _close_all(maps, own)
-            raise bad
         invalid = [r for r, v in enumerate(settings) if v < 0]
-        if invalid:
-            _close_all(maps, own)
-            raise ValueError(
+        usable = bool(flags[:, 0].all())
+        problem = bad
+        if problem is None and invalid:
+            problem = ValueError(
                 f"rank(s) {invalid} have an invalid {MIN_BYTES_ENV_VAR} (see their error); "
                 "expected a byte count >= 0 on every worker: fix it there or unset it"
             )
-        if not flags[:, 0].all():
-            _close_all(maps, own)
-            return None
-        if len(set(settings)) > 1:
-            _close_all(maps, own)
+        elif problem is None and usable and len(set(settings)) > 1:
             listed = ", ".join(f"rank {r}: {v}" for r, v in enumerate(settings))
-            raise ValueError(
+            problem = ValueError(
                 f"{MIN_BYTES_ENV_VAR} differs between the workers ({listed}); expected the "
                 "same value on every worker (they must choose the same transport): set it "
                 "alike everywhere or unset it"
             )
+        if problem is not None or not usable:
+            _close_all(maps, own)
+            if problem is not None:
+                raise problem
+            return None
         return cls(rank, maps, min_bytes)
 
     def close(self) -> None:

@@ -59,14 +59,18 @@ class SharedRounds:
             self._shared.close()
             self._shared = None
 
-    def _exchange(self, mine: torch.Tensor) -> np.ndarray:
-        """All-gather a small host tensor at set-up (watched as any collective, unnumbered)."""
+    def _gather_small(self, call: Call, mine: torch.Tensor) -> np.ndarray:
+        """Every worker's small host tensor `mine`, in rank order, waited on as `call`."""
         outs = [torch.empty_like(mine) for _ in range(self._world_size)]
-        call = Call("set-up exchange", self._seq, float(self.timeout), time.monotonic())
         self._run(
             call, lambda: [dist.all_gather(outs, mine, group=self._host_group, async_op=True)]
         )
         return torch.stack(outs).numpy()
+
+    def _exchange(self, mine: torch.Tensor) -> np.ndarray:
+        """All-gather a small host tensor at set-up (watched as any collective, unnumbered)."""
+        call = Call("set-up exchange", self._seq, float(self.timeout), time.monotonic())
+        return self._gather_small(call, mine)
 
     def _shares(self, layout: Layout) -> bool:
         """Whether an all-reduce of `layout` goes through shared memory (same host)."""

@@ -169,7 +169,6 @@ class ProcessGroupCommunicator(CommunicatorBase):
         self._cluster = cluster
         self._host_group: Any = None
         self._cuda_group: Any = None
-        self._shared = None
         try:
             self._create_groups()
             self._connect_shared()  # every worker on this host: through /dev/shm
