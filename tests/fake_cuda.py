@@ -628,11 +628,12 @@ class FakeCuda:
         setattr(owner, name, value)
 
     def install(self) -> None:
-        # crossdevice wraps torch's drawing functions once per process; wrap after it, so
-        # that uninstalling puts its wrappers back, not torch's bare functions.
-        from crossdevice._arrays import torch_random
+        # crossdevice replaces some of torch's functions while a strategy is in use
+        # (torch_patches); hold them in force while the fake is, and patch over them, so
+        # that uninstalling the fake puts crossdevice's replacements back, not torch's.
+        from crossdevice._arrays import torch_guard, torch_patches, torch_random  # noqa: F401
 
-        torch_random.install()
+        torch_patches.require(self)
         cuda = torch.cuda
         state = self
 
@@ -880,6 +881,9 @@ class FakeCuda:
                 setattr(owner, name, old)
         self._patches.clear()
         _clear_caches()
+        from crossdevice._arrays import torch_patches
+
+        torch_patches.release(self)
 
 
 _MISSING = object()

@@ -9,19 +9,29 @@ torch's global generator (so `torch.manual_seed` governs everything), and replic
 generator is seeded from it and `r`'s global replica id. Replicas thus draw different
 masks, and two runs seeded alike give bitwise the same draws whatever the thread timing.
 
+Inside a replica, torch's random *state* is the replica's too: `torch.get_rng_state` /
+`set_rng_state` (and `torch.cuda`'s, per device) read and set the running replica's
+generator, and `torch.manual_seed` seeds it, so `torch.random.fork_rng` and activation
+checkpointing (which saves the state at forward and restores it to recompute) replay the
+replica's own draws, and no replica thread touches another's state or the global one.
+
 torch has no thread-local generator, so the module-level functions and `Tensor`
-methods that draw are wrapped once, process-wide, by the first `strategy.run` after
-torch is imported (outside replicas, and with one replica, they call torch unchanged):
-`torch.rand`, `randn`, `randint`, `randperm`, `rand_like`, `randn_like`,
+methods that draw are replaced process-wide while a strategy with several replicas is
+in use (`torch_patches`; outside replicas, and with one replica, they call torch
+unchanged): `torch.rand`, `randn`, `randint`, `randperm`, `rand_like`, `randn_like`,
 `randint_like`, `bernoulli`, `multinomial`, `normal`, `poisson`; the in-place
 `Tensor.uniform_`, `normal_`, `bernoulli_`, `random_`, `exponential_`, `geometric_`,
-`log_normal_`, `cauchy_`; and `torch.nn.functional.dropout`, `dropout1d/2d/3d`, which
-take no generator and are computed here from a replica-drawn mask. Other random
-operators (`alpha_dropout`, `rrelu`, attention dropout) still use the global generator.
+`log_normal_`, `cauchy_`; `torch.nn.functional.dropout`, `dropout1d/2d/3d`, which
+take no generator and are computed here from a replica-drawn mask; and the state
+functions above. Other random operators (`alpha_dropout`, `rrelu`, attention dropout)
+still use the global generator. Code that `torch.compile` compiled draws from torch's
+own generator (the replacements step aside while dynamo traces): replicas still draw
+different values, but on replica threads which replica gets which depends on timing.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -30,9 +40,10 @@ from typing import Any, Final
 import torch
 from torch.nn import functional
 
+from crossdevice._arrays import torch_patches
 from crossdevice._core import context
 
-__all__ = ["install", "replica_generator"]
+__all__ = ["replica_generator"]
 
 _FUNCTIONS: Final = (
     "rand",
@@ -57,7 +68,14 @@ _METHODS: Final = (
     "log_normal_",
     "cauchy_",
 )
+_DROPOUTS: Final = (
+    ("dropout", False),
+    ("dropout1d", True),
+    ("dropout2d", True),
+    ("dropout3d", True),
+)
 _MIX: Final = 0x9E3779B97F4A7C15
+_is_compiling: Final = torch.compiler.is_compiling
 
 
 class _ReplicaStreams:
@@ -73,7 +91,6 @@ class _ReplicaStreams:
 
 _STREAMS: weakref.WeakKeyDictionary[Any, _ReplicaStreams] = weakref.WeakKeyDictionary()
 _STREAMS_LOCK = threading.Lock()
-_INSTALLED: dict[str, Any] = {}
 
 
 def replica_generator(device: Any = None) -> torch.Generator | None:
@@ -136,23 +153,20 @@ def _draw_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _with_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     def draw(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("generator") is None:
+        if kwargs.get("generator") is None and not _is_compiling():
             generator = replica_generator(_draw_device(args, kwargs))
             if generator is not None:
                 kwargs["generator"] = generator
         return original(*args, **kwargs)
 
-    draw.__doc__ = original.__doc__
-    draw.__name__ = getattr(original, "__name__", "draw")
-    draw.__wrapped__ = original  # type: ignore[attr-defined]
-    return draw
+    return _named(draw, original)
 
 
 def _dropout_like(original: Callable[..., Any], feature: bool) -> Callable[..., Any]:
     def dropout(
         input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
     ) -> torch.Tensor:
-        generator = replica_generator(input.device) if training else None
+        generator = replica_generator(input.device) if training and not _is_compiling() else None
         if generator is None or p == 0.0:
             return original(input, p, training, inplace)
         if p < 0.0 or p > 1.0:
@@ -173,33 +187,109 @@ def _dropout_like(original: Callable[..., Any], feature: bool) -> Callable[..., 
             return input.mul_(mask)
         return input * mask
 
-    dropout.__doc__ = original.__doc__
-    dropout.__name__ = original.__name__
-    dropout.__wrapped__ = original  # type: ignore[attr-defined]
-    return dropout
+    return _named(dropout, original)
 
 
-def install() -> None:
-    """Wrap torch's drawing functions once per process (see the module doc)."""
-    if _INSTALLED:
-        return
-    with _STREAMS_LOCK:
-        if _INSTALLED:
-            return
-        for name in _FUNCTIONS:
-            original = getattr(torch, name)
-            _INSTALLED[f"torch.{name}"] = original
-            setattr(torch, name, _with_generator(original))
-        for name in _METHODS:
-            original = getattr(torch.Tensor, name)
-            _INSTALLED[f"Tensor.{name}"] = original
-            setattr(torch.Tensor, name, _with_generator(original))
-        for name, feature in (
-            ("dropout", False),
-            ("dropout1d", True),
-            ("dropout2d", True),
-            ("dropout3d", True),
-        ):
-            original = getattr(functional, name)
-            _INSTALLED[f"F.{name}"] = original
-            setattr(functional, name, _dropout_like(original, feature))
+def _state_getter(original: Callable[..., Any], cuda: bool) -> Callable[..., Any]:
+    def get_rng_state(*args: Any, **kwargs: Any) -> Any:
+        generator = _state_generator(args, kwargs, cuda)
+        if generator is not None:
+            return generator.get_state()
+        return original(*args, **kwargs)
+
+    return _named(get_rng_state, original)
+
+
+def _state_setter(original: Callable[..., Any], cuda: bool) -> Callable[..., Any]:
+    def set_rng_state(new_state: Any, *args: Any, **kwargs: Any) -> Any:
+        generator = _state_generator(args, kwargs, cuda)
+        if generator is not None:
+            generator.set_state(new_state)
+            return None
+        return original(new_state, *args, **kwargs)
+
+    return _named(set_rng_state, original)
+
+
+def _seeder(original: Callable[..., Any]) -> Callable[..., Any]:
+    def manual_seed(seed: Any) -> Any:
+        generator = _state_generator((), {}, False)
+        if generator is not None:
+            # The replica's streams (CPU and any device it drew on) restart from `seed`.
+            return _reseed_replica(int(seed))
+        return original(seed)
+
+    return _named(manual_seed, original)
+
+
+def _state_generator(args: tuple[Any, ...], kwargs: dict[str, Any], cuda: bool) -> Any:
+    if _is_compiling():
+        return None
+    if not cuda:
+        return replica_generator(None)
+    device = kwargs.get("device", args[0] if args else "cuda")
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    return replica_generator(device)
+
+
+def _reseed_replica(seed: int) -> torch.Generator:
+    frame = context.current_frame()
+    assert frame is not None
+    assert frame.replica_context is not None
+    streams = _STREAMS[frame.strategy]
+    replica = frame.replica_context.replica_id_in_sync_group
+    cpu = None
+    for (owner, _), (_, generator) in list(streams.generators.items()):
+        if owner == replica:
+            generator.manual_seed(seed)
+            if generator.device.type == "cpu":
+                cpu = generator
+    assert cpu is not None  # _state_generator made the CPU one
+    return cpu
+
+
+def _named(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    wrapper.__doc__ = original.__doc__
+    wrapper.__name__ = getattr(original, "__name__", wrapper.__name__)
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _patches() -> list[torch_patches.Patch]:
+    patches = [torch_patches.Patch(lambda: torch, name, _with_generator) for name in _FUNCTIONS]
+    patches += [
+        torch_patches.Patch(lambda: torch.Tensor, name, _with_generator) for name in _METHODS
+    ]
+    for name, feature in _DROPOUTS:
+        patches.append(
+            torch_patches.Patch(
+                lambda: functional, name, functools.partial(_dropout_like, feature=feature)
+            )
+        )
+    for owner in (lambda: torch, lambda: torch.random):
+        patches.append(
+            torch_patches.Patch(
+                owner, "get_rng_state", functools.partial(_state_getter, cuda=False)
+            )
+        )
+        patches.append(
+            torch_patches.Patch(
+                owner, "set_rng_state", functools.partial(_state_setter, cuda=False)
+            )
+        )
+        patches.append(torch_patches.Patch(owner, "manual_seed", _seeder))
+    patches.append(
+        torch_patches.Patch(
+            lambda: torch.cuda, "get_rng_state", functools.partial(_state_getter, cuda=True)
+        )
+    )
+    patches.append(
+        torch_patches.Patch(
+            lambda: torch.cuda, "set_rng_state", functools.partial(_state_setter, cuda=True)
+        )
+    )
+    return patches
+
+
+torch_patches.register(*_patches())

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from crossdevice._arrays import backend_for, torch_guard
+from crossdevice._arrays import backend_for, torch_patches
 from crossdevice._core import context, nest, validate
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -81,6 +81,8 @@ class Strategy:
         self._run_frame: context.Frame | None = None
         #: `run` calls so far (per-replica random streams are reseeded once per run).
         self._runs = 0
+        #: Whether this strategy holds torch's replica patches in force (`torch_patches`).
+        self._torch_patched = False
 
     @property
     def extended(self) -> StrategyExtended:
@@ -99,6 +101,8 @@ class Strategy:
             ...     _ = strategy.run(lambda: 1)
         """
         self._extended._close()
+        if self._torch_patched:
+            torch_patches.release(self)
 
     def __enter__(self) -> Strategy:
         return self
@@ -186,18 +190,33 @@ class Strategy:
         if cross is None:
             cross = self._run_frame = context.Frame(self)
         self._runs += 1
-        if "torch" in sys.modules:
-            # Refuse torch modules and optimizers shared by every replica (at first use),
-            # and give each replica its own random stream (torch has one, process-wide).
-            from crossdevice._arrays import torch_random  # imports torch: loaded already
-
-            torch_guard.install()
-            torch_random.install()
+        if not self._torch_patched and "torch" in sys.modules:
+            self._patch_torch()
+        sections = self._extended._sections
         context.push_frame(cross)
         try:
-            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            if sections:
+                sections.leave()  # replicas start from replica 0's state (`sections`)
+            try:
+                return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            finally:
+                if sections:
+                    sections.enter()
         finally:
             context.pop_frame(cross)
+
+    def _patch_torch(self) -> None:
+        """Put torch's replica patches in force while this strategy lives (`torch_patches`).
+
+        With several replicas in sync: refuse modules and optimizers the replicas would
+        share, and give each replica its own random stream (torch has one per process).
+        """
+        if self._extended._num_replicas_in_sync <= 1:
+            return
+        from crossdevice._arrays import torch_guard, torch_random  # noqa: F401 - registers
+
+        torch_patches.require(self)
+        self._torch_patched = True
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
         """Reduce `value` across replicas to this worker's host (cross-replica context).

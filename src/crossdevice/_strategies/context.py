@@ -126,7 +126,10 @@ class ReplicaContext:
                 f"merge_call args must be a list or tuple, got {type(args).__name__}: {args!r}"
             )
         self._check_current()
-        return self._strategy.extended._merge_call(
+        extended = self._strategy.extended
+        if extended._sections:
+            merge_fn = _in_section(merge_fn, extended._sections)
+        return extended._merge_call(
             self._replica_id, merge_fn, tuple(args), dict(kwargs or {}), always_wrap=False
         )
 
@@ -358,3 +361,22 @@ def require_cross_replica(strategy: Any) -> None:
             f"Mixing different crossdevice.Strategy objects: {frame.strategy!r} is not "
             f"{strategy!r}; use each strategy's API inside its own scope"
         )
+
+
+def _in_section(merge_fn: Callable[..., Any], sections: Any) -> Callable[..., Any]:
+    """`merge_fn` as a cross-replica section (`sections`): listeners see it start and end."""
+
+    def section(strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        sections.enter()
+        try:
+            result = merge_fn(strategy, *args, **kwargs)
+        except BaseException as error:
+            try:
+                sections.leave()
+            except Exception as also:  # merge_fn's own error is the one to raise
+                error.add_note(f"bringing every replica to replica 0's state failed too: {also!r}")
+            raise
+        sections.leave()
+        return result
+
+    return section

@@ -28,6 +28,7 @@ from crossdevice._cross_device import inputs
 from crossdevice._input.input_context import ValueContext
 from crossdevice._replica.cuda_streams import cuda_device
 from crossdevice._strategies.context import get_replica_context, require_cross_replica
+from crossdevice._strategies.sections import CrossReplicaSections
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
@@ -49,6 +50,8 @@ class StrategyExtended:
 
     def __init__(self, container_strategy: Strategy) -> None:
         self._container_strategy_ref = container_strategy
+        #: Told where cross-replica code runs (`sections`), for mirrored torch modules.
+        self._sections = CrossReplicaSections()
 
     def _check_destinations_are_local(self, destinations: Any) -> None:
         """A device string must name a device of this worker: results land here."""
