@@ -22,7 +22,9 @@ worker) and its optimizer (one copy per replica, per-replica state). Inside
 `strategy.run` the mirrored objects use the running replica's copy; gradients are
 all-reduced during backward, so the copies stay bitwise identical. Using an unprepared
 module with trainable parameters, or an unprepared optimizer, inside `strategy.run` of
-several replicas is an error naming `prepare`. Importing this module needs torch.
+several replicas is an error naming `prepare` (`mark_replica_copy` declares copies you
+made yourself). Shared objects that change when called (LR schedulers, averaged models,
+`call_once` for your own) change once per step. Importing this module needs torch.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ from crossdevice._frameworks.torch.gradients import (
 )
 from crossdevice._frameworks.torch.losses import compute_average_loss as compute_average_loss
 from crossdevice._frameworks.torch.module import MirroredModule as MirroredModule
+from crossdevice._frameworks.torch.once import call_once as call_once
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer as MirroredOptimizer
+from crossdevice._frameworks.torch.prepare import mark_replica_copy as mark_replica_copy
 from crossdevice._frameworks.torch.prepare import prepare as prepare
 from crossdevice._frameworks.torch.threads import (
     default_threads_per_replica as default_threads_per_replica,
@@ -57,9 +61,11 @@ __all__ = [
     "MirroredModule",
     "MirroredOptimizer",
     "SyncBatchNorm",
+    "call_once",
     "compute_average_loss",
     "convert_sync_batchnorm",
     "default_threads_per_replica",
+    "mark_replica_copy",
     "prepare",
     "replica_generator",
 ]

@@ -42,3 +42,56 @@ def bn_dropout_model(torch: Any) -> Any:
         torch.nn.Flatten(),
         torch.nn.Linear(4 * 8 * 8, 10),
     )
+
+
+# --- training against plain torch on the same global batches ------------------------------
+GLOBAL_BATCH = 16
+
+
+def global_batches(torch: Any, steps: int, features: int = 6, classes: int = 3) -> list[Any]:
+    """`steps` seeded global batches `(x, y)` of GLOBAL_BATCH examples (default dtype)."""
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(GLOBAL_BATCH, features, generator=generator),
+            torch.randint(0, classes, (GLOBAL_BATCH,), generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def mlp(torch: Any) -> Any:
+    """A small seeded MLP (6 -> 8 -> 3)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def global_loss(torch: Any, model: Any, x: Any, y: Any) -> Any:
+    """Cross entropy summed over `x` divided by the global batch: the replica's share of
+    the global mean under the SUM rule, and the global mean itself on one device."""
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="sum") / GLOBAL_BATCH
+
+
+def run_on_replicas(strategy: Any, step: Any, batches: list[Any]) -> list[Any]:
+    """`strategy.run(step, (x, y, i))` on each distributed global batch; the results."""
+    out = []
+    for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(batches)):
+        out.append(strategy.run(step, args=(x, y, i)))
+    return out
+
+
+def assert_trains_like(
+    torch: Any, plain: Any, mirrored_model: Any, start: list[Any], tol: float = 1e-12
+) -> None:
+    """Replicas equal each other bitwise and plain torch's parameters within `tol`, and
+    training moved them away from `start` (so the comparison says something)."""
+    reference = [p.detach() for p in plain.parameters()]
+    first = [p.detach() for p in mirrored_model.replicas[0].parameters()]
+    for replica in mirrored_model.replicas[1:]:
+        for a, b in zip(first, replica.parameters(), strict=True):
+            assert torch.equal(a, b.detach()), "replicas differ"
+    assert len(first) == len(reference)
+    worst = max(float((a - b).abs().max()) for a, b in zip(first, reference, strict=True))
+    assert worst <= tol, f"{worst} off plain torch"
+    moved = max(float((a - b).abs().max()) for a, b in zip(reference, start, strict=True))
+    assert moved > 1e-6, "plain torch's model never moved: nothing was compared"

@@ -18,23 +18,6 @@ from tests.strategies.conftest import replica_execution
 MODES = ["threads", "cooperative"]
 
 
-@pytest.fixture
-def torch(torch_module: Any) -> Any:
-    """torch, with its intra-op thread count and default dtype restored after the test."""
-    threads = torch_module.get_num_threads()
-    dtype = torch_module.get_default_dtype()
-    yield torch_module
-    torch_module.set_num_threads(threads)
-    torch_module.set_default_dtype(dtype)
-
-
-@pytest.fixture
-def cdt(torch: Any) -> Any:
-    import crossdevice.torch
-
-    return crossdevice.torch
-
-
 # --- the example: N replicas train the same model as one ----------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize(

@@ -1,28 +1,38 @@
 """All-reduce a mirrored module's gradients as backward produces them.
 
-Each replica's parameters are split into buckets of about `bucket_cap_bytes`, in reverse
-registration order (roughly the order backward produces gradients, as in DDP's reducer).
-A hook on each parameter (`register_post_accumulate_grad_hook`) counts the gradients
-ready in its bucket; when the next bucket in order is complete the replica all-reduces
-it with `ReplicaContext.all_reduce`, one packed call per bucket, so the replicas' values
-are added in replica order and every replica gets bitwise the same gradients. Buckets
-are reduced strictly in order on every replica, so replicas whose backward passes visit
-parameters in different orders still meet in the same collectives. Whatever is left
-when backward ends (parameters that got no gradient this step) is reduced by a callback
-the autograd engine runs at the end of the pass; a parameter that no replica used keeps
-`grad = None`, as in a single-replica run.
+Each replica's trainable parameters are split into buckets of about `bucket_cap_bytes`,
+in reverse registration order (roughly the order backward produces gradients, as in
+DDP's reducer). A hook on each parameter (`register_post_accumulate_grad_hook`) counts
+the gradients ready in its bucket; when the next bucket in order is complete the replica
+all-reduces it with `ReplicaContext.all_reduce`, one packed call per bucket, so the
+replicas' values are added in replica order and every replica gets bitwise the same
+gradients. Buckets are reduced strictly in order on every replica, so replicas whose
+backward passes visit parameters in different orders still meet in the same
+collectives. What is left when the outermost backward pass returns (parameters that got
+no gradient) is reduced then (`backward.py` tracks the passes); a parameter that no
+replica used keeps what it had, as in a single-replica run.
+
+What is reduced is the gradient not reduced yet, never the whole `.grad`: when a pass
+starts, a gradient that an earlier reduction produced (the agreed part) is taken out of
+`.grad` and added back to the reduced result. So any number of `backward()` calls per
+step, with or without `no_sync()`, gives plain torch's accumulated gradient under SUM
+and MEAN alike. (DDP reduces the accumulated `.grad`; under its MEAN rule an agreed part
+averages to itself, under TF's SUM rule it would be counted once per replica.)
+
+The buckets follow `requires_grad`: each pass uses the layout of the parameters that
+require grad when it starts, so freezing or unfreezing a layer between steps changes
+what is reduced on every replica alike (the torch layer gives every replica replica 0's
+flags before a step, `module.py`).
 
 Cooperative replicas take turns on one thread, and torch's autograd engine keeps
-per-thread state (its ready queue): a replica that waited inside backward would let
-another replica's backward run tasks of the first. There the hooks only count, and the
-buckets are reduced as soon as `backward()` returns (`torch.autograd.backward` is
-wrapped for that), with the same buckets, order and results.
+per-thread state: a replica that waited inside backward would let another replica's
+backward run tasks of the first. There the hooks only count, and the buckets are reduced
+when the outermost `backward()` returns, with the same buckets, order and results.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -40,37 +50,56 @@ __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "GradientSync"]
 DEFAULT_BUCKET_CAP_BYTES: Final = 25 << 20
 
 
-@dataclasses.dataclass(eq=False)
-class _Bucket:
-    indices: list[int]  # positions in the replica's parameter list
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layout:
+    """The buckets for one set of trainable parameters."""
+
+    buckets: list[list[int]]  # positions in the replica's parameter list, reduction order
+    bucket_of: list[int]  # bucket of each parameter, -1 for a frozen one
 
 
 class _ReplicaState:
-    """One replica's progress through the buckets of the current backward pass."""
+    """One replica's gradients: the pass in flight and what each `.grad` holds."""
 
-    __slots__ = ("callback_queued", "next_bucket", "ready", "seen", "task")
+    __slots__ = (
+        "base",
+        "deferred",
+        "hooked",
+        "in_pass",
+        "layout",
+        "next_bucket",
+        "produced",
+        "ready",
+        "seen",
+        "synced",
+        "touched",
+    )
 
-    def __init__(self, num_params: int, num_buckets: int) -> None:
-        self.ready = [0] * num_buckets
+    def __init__(self, num_params: int) -> None:
+        self.in_pass = False
+        self.deferred = False  # reduce only when the pass ends (cooperative replicas)
+        self.hooked = False  # a gradient arrived in this pass
+        self.layout: _Layout | None = None
+        self.ready: list[int] = []
         self.seen = [False] * num_params
         self.next_bucket = 0
-        self.callback_queued = False
-        self.task = -1  # the autograd graph task (backward pass) this state belongs to
-
-    def reset(self) -> None:
-        self.ready = [0] * len(self.ready)
-        self.seen = [False] * len(self.seen)
-        self.next_bucket = 0
-        self.callback_queued = False
-        self.task = -1
+        # The agreed part of .grad, taken out while a pass accumulates the local part.
+        self.base: list[torch.Tensor | None] = [None] * num_params
+        # .grad holds an agreed (reduced) value: the tensor in `produced`, maybe changed
+        # in place since (clipping, zero_grad(set_to_none=False)).
+        self.synced = [False] * num_params
+        self.produced: list[torch.Tensor | None] = [None] * num_params
+        # Autograd accumulated into the parameter since the last optimizer step.
+        self.touched = [False] * num_params
 
 
 class GradientSync:
     """Bucketed, in-order gradient all-reduce for the replicas of one mirrored module.
 
     Args:
-        params: `params[i]` is replica `i`'s list of trainable parameters (same order,
-            shapes and dtypes on every replica).
+        params: `params[i]` is replica `i`'s list of parameters (same order, shapes and
+            dtypes on every replica), trainable or not.
+        names: each parameter's name, for errors.
         op: how replicas' gradients combine: SUM (TF's rule: scale the loss by the global
             batch) or MEAN (DDP's rule: each replica's mean loss).
         bucket_cap_bytes: the largest bucket, in bytes (a parameter larger than that is
@@ -82,40 +111,111 @@ class GradientSync:
     def __init__(
         self,
         params: Sequence[Sequence[torch.nn.Parameter]],
+        names: Sequence[str],
         op: ReduceOp,
         bucket_cap_bytes: int,
         replica_index: Callable[[], int | None],
         num_replicas_in_sync: int,
     ) -> None:
         self._params = [list(p) for p in params]
+        self._names = list(names)
         self._op = op
+        self._cap = bucket_cap_bytes
         self._replica_index = replica_index
-        self._enabled = num_replicas_in_sync > 1
-        self._buckets = _make_buckets(self._params[0], bucket_cap_bytes)
-        self._bucket_of = [0] * len(self._params[0])
-        for b, bucket in enumerate(self._buckets):
-            for index in bucket.indices:
-                self._bucket_of[index] = b
-        self._states = [
-            _ReplicaState(len(self._params[0]), len(self._buckets)) for _ in self._params
-        ]
+        self.enabled = num_replicas_in_sync > 1
+        self._layouts: dict[tuple[bool, ...], _Layout] = {}
+        self._states = [_ReplicaState(len(self._params[0])) for _ in self._params]
         self._no_sync = [0] * len(self._params)
         self._handles: list[Any] = []
-        if self._enabled:
+        #: The one-time warning about a local mean loss under the SUM rule was given.
+        self.warned_mean_loss = False
+        if self.enabled:
             for replica, replica_params in enumerate(self._params):
                 for index, param in enumerate(replica_params):
                     self._handles.append(
                         param.register_post_accumulate_grad_hook(self._hook(replica, index))  # type: ignore[no-untyped-call]
                     )
-            _install_backward_wrapper()
+
+    @property
+    def op(self) -> ReduceOp:
+        """How the replicas' gradients combine."""
+        return self._op
+
+    def params(self, replica: int) -> list[torch.nn.Parameter]:
+        """Replica `replica`'s parameters, in the order every replica shares."""
+        return self._params[replica]
 
     def bucket_sizes(self) -> list[int]:
-        """The number of parameters in each bucket, in reduction order."""
-        return [len(b.indices) for b in self._buckets]
+        """The number of parameters in each bucket, in reduction order (replica 0's flags)."""
+        return [len(b) for b in self._layout(0).buckets]
 
     def no_sync(self, replica: int) -> _NoSync:
         """Context manager: backward passes inside only accumulate local gradients."""
         return _NoSync(self, replica)
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the module is being replaced)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # --- layouts --------------------------------------------------------------------------
+    def _layout(self, replica: int) -> _Layout:
+        params = self._params[replica]
+        mask = tuple(p.requires_grad for p in params)
+        layout = self._layouts.get(mask)
+        if layout is None:
+            layout = self._layouts[mask] = _make_layout(params, mask, self._cap)
+        return layout
+
+    # --- passes (called by backward.py on the replica's thread) ----------------------------
+    def begin_pass(self, replica: int) -> None:
+        """The replica's outermost backward pass starts: take agreed parts out of `.grad`."""
+        state = self._states[replica]
+        layout = self._layout(replica)
+        state.layout = layout
+        state.ready = [0] * len(layout.buckets)
+        state.seen = [False] * len(state.seen)
+        state.next_bucket = 0
+        state.hooked = False
+        state.deferred = cooperative.in_cooperative_replica()
+        state.in_pass = True
+        params = self._params[replica]
+        for index, synced in enumerate(state.synced):
+            if synced:
+                state.synced[index] = False
+                grad = params[index].grad
+                if grad is not None:
+                    state.base[index] = grad
+                    params[index].grad = None
+
+    def end_pass(self, replica: int) -> None:
+        """The outermost pass returned: reduce what is left, restore untouched parts."""
+        state = self._states[replica]
+        try:
+            if state.hooked and not self._no_sync[replica]:
+                self._reduce_ready(replica, final=True)
+        finally:
+            state.in_pass = False
+            self._restore_bases(replica)
+
+    def abort_pass(self, replica: int) -> None:
+        """The pass raised: leave the state clean for the next step."""
+        state = self._states[replica]
+        state.in_pass = False
+        self._restore_bases(replica)
+
+    def _restore_bases(self, replica: int) -> None:
+        state = self._states[replica]
+        if self._no_sync[replica]:
+            # Still accumulating locally: the agreed part is added by the next reduction.
+            return
+        params = self._params[replica]
+        for index, base in enumerate(state.base):
+            if base is not None and params[index].grad is None:
+                params[index].grad = base  # nothing new arrived: it stays as it was
+                state.base[index] = None
+                state.synced[index] = True
 
     # --- hooks ----------------------------------------------------------------------------
     def _hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
@@ -125,87 +225,149 @@ class GradientSync:
         return hook
 
     def _on_grad_ready(self, replica: int, index: int) -> None:
-        if self._no_sync[replica]:
-            return
+        state = self._states[replica]
         current = self._replica_index()
-        if current is None:
-            # backward outside `strategy.run`: there are no peers to meet. The gradients
-            # stay local, and MirroredOptimizer.step() refuses to run outside `run`.
-            return
-        if current != replica:
+        if current is not None and current != replica:
             raise RuntimeError(
                 f"replica {current} ran backward through replica {replica}'s copy of a "
                 "mirrored module; inside strategy.run call the mirrored module itself "
                 "(it picks the running replica's copy), not a copy taken from it"
             )
-        state = self._states[replica]
-        task = torch._C._current_graph_task_id()
-        if state.task != task:
-            # A new backward pass; a pass that raised half-way left its state behind.
-            state.reset()
-            state.task = task
-        if state.seen[index]:
+        state.touched[index] = True
+        if not state.in_pass:
+            if current is None:
+                # backward outside `strategy.run`: there are no peers to meet. The
+                # gradient stays local, and MirroredOptimizer.step() refuses it.
+                state.synced[index] = False
+                return
             raise RuntimeError(
-                "a mirrored module's parameter received a gradient twice in one backward "
-                "pass without the first being reduced; this happens with "
-                "retain_graph=True backward passes that overlap. Run one backward per "
-                "step, or accumulate inside `model.no_sync()`"
+                f"a backward pass reached parameter {self._names[index]!r} of a mirrored "
+                "module without going through torch.autograd.backward (loss.backward() "
+                "does), so its gradients cannot be reduced; call loss.backward() or "
+                "torch.autograd.backward inside strategy.run"
             )
-        state.seen[index] = True
-        state.ready[self._bucket_of[index]] += 1
-        coop = cooperative.in_cooperative_replica()
-        if not state.callback_queued:
-            state.callback_queued = True
-            if coop:
-                _PENDING.items.append((self, replica))
-            else:
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self._finish(replica)
-                )
-        if not coop:
+        if self._no_sync[replica]:
+            return  # accumulate only; the next backward outside no_sync reduces it
+        assert state.layout is not None
+        bucket = state.layout.bucket_of[index]
+        if bucket < 0:
+            raise RuntimeError(
+                f"parameter {self._names[index]!r} of a mirrored module got a gradient but "
+                "did not require grad when this backward pass started; change "
+                "requires_grad between steps, not between forward and backward"
+            )
+        if bucket < state.next_bucket:
+            raise RuntimeError(
+                f"parameter {self._names[index]!r} of a mirrored module received a second "
+                "gradient in one backward pass after its bucket was reduced (a parameter "
+                "used both inside and outside a reentrant checkpoint, or overlapping "
+                "retain_graph passes); use torch.utils.checkpoint(..., "
+                "use_reentrant=False), or accumulate inside model.no_sync()"
+            )
+        state.hooked = True
+        if not state.seen[index]:
+            state.seen[index] = True
+            state.ready[bucket] += 1
+        if not state.deferred and current == replica:
             self._reduce_ready(replica, final=False)
 
     def _reduce_ready(self, replica: int, final: bool) -> None:
         state = self._states[replica]
-        while state.next_bucket < len(self._buckets):
+        assert state.layout is not None
+        buckets = state.layout.buckets
+        while state.next_bucket < len(buckets):
             b = state.next_bucket
-            if not final and state.ready[b] < len(self._buckets[b].indices):
+            if not final and state.ready[b] < len(buckets[b]):
                 return
             state.next_bucket += 1
-            self._reduce_bucket(replica, self._buckets[b])
+            self._reduce_bucket(replica, buckets[b])
 
-    def _finish(self, replica: int) -> None:
-        try:
-            self._reduce_ready(replica, final=True)
-        finally:
-            self._states[replica].reset()
-
-    def _reduce_bucket(self, replica: int, bucket: _Bucket) -> None:
+    def _reduce_bucket(self, replica: int, bucket: list[int]) -> None:
         params = self._params[replica]
         state = self._states[replica]
-        grads = []
-        used = torch.zeros(len(bucket.indices), dtype=torch.float32)
-        for k, index in enumerate(bucket.indices):
-            param = params[index]
-            grad = param.grad
-            if grad is None or not state.seen[index]:
-                # No gradient from this replica's backward: it adds zeros, and the
-                # parameter takes the sum of the others'.
-                grads.append(torch.zeros_like(param))
+        local = []
+        used = torch.zeros(len(bucket), dtype=torch.float32)
+        for k, index in enumerate(bucket):
+            grad = params[index].grad  # only the part not reduced yet (begin_pass)
+            if grad is None:
+                # Nothing from this replica: it adds zeros, the others' sum stands.
+                local.append(torch.zeros_like(params[index]))
             else:
-                grads.append(grad)
+                local.append(grad)
                 used[k] = 1.0
         ctx = get_replica_context()
-        assert ctx is not None  # _on_grad_ready checked that a replica is running
-        reduced = ctx.all_reduce(self._op, [*grads, used])
+        assert ctx is not None  # passes only begin inside a replica
+        reduced = ctx.all_reduce(self._op, [*local, used])
         users = reduced[-1]
         with torch.no_grad():
-            for k, index in enumerate(bucket.indices):
+            for k, index in enumerate(bucket):
                 param = params[index]
+                base = state.base[index]
+                state.base[index] = None
                 if users[k] == 0:
-                    param.grad = None  # no replica used it: as in a single-replica run
-                else:
-                    param.grad = reduced[k]
+                    param.grad = base  # no replica had a gradient: as it was before
+                    state.synced[index] = base is not None
+                    continue
+                grad = reduced[k] if base is None else base.add_(reduced[k])
+                param.grad = grad
+                state.produced[index] = grad
+                state.synced[index] = True
+
+    # --- the optimizer step ---------------------------------------------------------------
+    def check_step(self, replica: int, indices: Sequence[int]) -> list[int]:
+        """Parameters among `indices` whose gradient must be reduced before a step.
+
+        Returns those whose `.grad` was set by hand (no backward accumulated into them
+        since the last step, e.g. from `torch.func`); the caller reduces them.
+
+        Raises:
+            RuntimeError: a gradient that autograd accumulated but nothing reduced
+                (`no_sync` without a last backward outside it, a backward outside
+                `strategy.run`), or a reduced gradient replaced by another tensor.
+        """
+        state = self._states[replica]
+        params = self._params[replica]
+        by_hand = []
+        for index in indices:
+            grad = params[index].grad
+            if grad is None or (state.synced[index] and grad is state.produced[index]):
+                continue
+            name = self._names[index]
+            if state.synced[index] and state.touched[index]:
+                raise RuntimeError(
+                    f"the gradient of {name!r} was replaced after backward reduced it "
+                    "(p.grad = ...): the optimizer cannot tell whether the new tensor is "
+                    "the same on every replica. Change gradients in place (clip_grad_norm_, "
+                    "p.grad.clamp_(...), p.grad.mul_(...))"
+                )
+            if state.touched[index]:
+                raise RuntimeError(
+                    f"the gradient of {name!r} was accumulated by a backward pass that "
+                    "never reduced it across replicas (inside model.no_sync() with no "
+                    "backward outside it, or a backward outside strategy.run): the step "
+                    "would apply this replica's gradient only. Run the step's last "
+                    "backward inside strategy.run, outside no_sync()"
+                )
+            by_hand.append(index)
+        return by_hand
+
+    def reduce_by_hand(self, replica: int, indices: Sequence[int]) -> None:
+        """All-reduce hand-set gradients (`check_step`) in place of `.grad`."""
+        params = self._params[replica]
+        state = self._states[replica]
+        ctx = get_replica_context()
+        assert ctx is not None
+        reduced = ctx.all_reduce(self._op, [params[i].grad for i in indices])
+        for index, grad in zip(indices, reduced, strict=True):
+            params[index].grad = grad
+            state.produced[index] = grad
+            state.synced[index] = True
+
+    def new_step(self, replica: int, indices: Sequence[int]) -> None:
+        """These parameters were stepped or their gradients cleared: a new step starts."""
+        touched = self._states[replica].touched
+        for index in indices:
+            touched[index] = False
 
 
 class _NoSync:
@@ -220,61 +382,21 @@ class _NoSync:
         self._sync._no_sync[self._replica] -= 1
 
 
-def _make_buckets(params: Sequence[torch.nn.Parameter], cap: int) -> list[_Bucket]:
-    buckets: list[_Bucket] = []
+def _make_layout(params: Sequence[torch.nn.Parameter], mask: Sequence[bool], cap: int) -> _Layout:
+    buckets: list[list[int]] = []
+    bucket_of = [-1] * len(params)
     size = 0
     current: list[int] = []
     for index in reversed(range(len(params))):
+        if not mask[index]:
+            continue
         nbytes = params[index].numel() * params[index].element_size()
         if current and size + nbytes > cap:
-            buckets.append(_Bucket(current))
+            buckets.append(current)
             current, size = [], 0
         current.append(index)
+        bucket_of[index] = len(buckets)
         size += nbytes
     if current:
-        buckets.append(_Bucket(current))
-    return buckets
-
-
-# --- cooperative replicas: reduce once backward has returned --------------------------------
-class _Pending(threading.local):
-    """Per thread: the (sync, replica) pairs whose buckets wait for backward to return.
-
-    Cooperative replicas share their thread, but one replica's backward always returns
-    before another's starts (a replica does not yield inside it), so one list serves.
-    """
-
-    def __init__(self) -> None:
-        self.items: list[tuple[GradientSync, int]] = []
-
-
-_PENDING = _Pending()
-_WRAPPED: dict[str, Any] = {}
-_WRAP_LOCK = threading.Lock()
-
-
-def _install_backward_wrapper() -> None:
-    with _WRAP_LOCK:
-        if "backward" in _WRAPPED:
-            return
-        original = torch.autograd.backward
-        _WRAPPED["backward"] = original
-
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                items, _PENDING.items = _PENDING.items, []
-                for sync, replica in items:
-                    sync._states[replica].reset()
-                raise
-            items = _PENDING.items
-            if items:
-                _PENDING.items = []
-                for sync, replica in items:
-                    sync._finish(replica)
-            return result
-
-        backward.__doc__ = original.__doc__
-        backward.__wrapped__ = original  # type: ignore[attr-defined]
-        torch.autograd.backward = backward
+        buckets.append(current)
+    return _Layout(buckets, bucket_of)

@@ -4,25 +4,38 @@ TF mirrors a Keras model built under `strategy.scope()`: each variable has one c
 per replica device, and the model used inside `strategy.run` reads the running replica's
 components. Here the module is copied once per local replica (replica 0 keeps the
 original object, moved to its device); every worker starts from the chief's values.
-Inside `strategy.run`, calling the mirrored module, or reading its parameters,
-buffers and submodules, uses the running replica's copy; in cross-replica context it
-reads replica 0's, like a `MirroredVariable`. Gradients are all-reduced during backward
-(`GradientSync`), floating buffers (BatchNorm statistics) are averaged across replicas
-after each training-mode forward (TF aggregates moving statistics with MEAN), and random
-draws use the replica's own generator (`random.py`).
+
+The mirrored module behaves as the running replica's module for the whole `nn.Module`
+surface: calling it, its parameters, buffers and submodules (`modules()`,
+`named_modules()`, `children()`, indexing, iteration, `len`, attribute access), its
+`state_dict`; in cross-replica context (outside `strategy.run`, in a `merge_fn`) it reads
+as replica 0's, like a `MirroredVariable`, and what cross-replica code changes there
+reaches every replica before they run again (`mirroring.py`). Gradients are all-reduced
+during backward (`gradients.py`), buffers combine after each forward as declared
+(`buffers.py`), and random draws use the replica's own generator (`torch_random`).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from crossdevice._arrays import torch_guard, torch_random
+from crossdevice._arrays import torch_guard, torch_patches
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+from crossdevice._frameworks.torch import backward, once  # noqa: F401 - torch patches
+from crossdevice._frameworks.torch.buffers import BufferSync, resolve_aggregations
 from crossdevice._frameworks.torch.gradients import DEFAULT_BUCKET_CAP_BYTES, GradientSync
+from crossdevice._frameworks.torch.mirroring import (
+    ReplicaMirror,
+    compile_replicas,
+    compiled_context,
+    make_replicas,
+    recompile_copy,
+)
 from crossdevice._frameworks.torch.replicas import (
     local_replica_index,
     strategy_or_current,
@@ -30,7 +43,6 @@ from crossdevice._frameworks.torch.replicas import (
 )
 from crossdevice._frameworks.torch.threads import apply_thread_policy
 from crossdevice._strategies.base import Strategy
-from crossdevice._strategies.context import get_replica_context
 
 __all__ = ["MirroredModule"]
 
@@ -41,23 +53,32 @@ class MirroredModule(torch.nn.Module):
     Inside `strategy.run`, calling it runs the running replica's copy; gradients are
     all-reduced across replicas (and workers) during backward, in replica order, so every
     replica gets bitwise the same gradients; a `MirroredOptimizer` then applies the same
-    update on every replica, and the copies stay identical.
+    update on every replica, and the copies stay identical. Everything else reads as
+    the running replica's module (replica 0's outside `run`); `module` is that copy.
 
     Args:
-        module: the module to mirror. It becomes replica 0's copy (moved to replica 0's
-            device); the others are deep copies. Every worker starts from the chief's
-            parameters and buffers.
+        module: the module to mirror (a `torch.compile`d one is compiled on every
+            replica). It becomes replica 0's copy (moved to replica 0's device); the
+            others are deep copies. Every worker starts from the chief's parameters and
+            buffers.
         strategy: the strategy; default: the current one (`strategy.scope()`).
         gradient_reduction: `"sum"` (TF's rule, the default: scale each replica's loss by
             the global batch size, e.g. with `compute_average_loss`) or `"mean"` (DDP's
             rule: each replica's mean loss).
         bucket_cap_bytes: gradients are reduced in buckets of about this many bytes, as
             backward produces them.
-        sync_buffers: average floating buffers (BatchNorm running statistics) across
-            replicas after every training-mode forward (TF's MEAN rule), so they stay
-            equal on every replica.
+        sync_buffers: combine buffers across replicas after every training-mode forward
+            (False: every buffer is `"none"`).
+        buffer_aggregation: `{buffer name or fnmatch pattern: "mean" | "sum" | "max" |
+            "first_replica" | "none"}` for buffers a forward pass changes; BatchNorm's
+            running statistics default to `"mean"` (see `crossdevice.torch.prepare`).
         threads_per_replica: torch intra-op threads while replicas run in parallel:
             None for cores // local replicas, 0 to leave torch's setting alone.
+
+    Raises:
+        TypeError: `module` is not a torch module, or is mirrored already.
+        ValueError: `module` is a replica copy of a mirrored module, or a bad
+            `bucket_cap_bytes` or `buffer_aggregation`.
 
     Example:
         >>> import crossdevice, crossdevice.torch, torch
@@ -78,46 +99,61 @@ class MirroredModule(torch.nn.Module):
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         sync_buffers: bool = True,
+        buffer_aggregation: Mapping[str, str] | None = None,
         threads_per_replica: int | None = None,
     ) -> None:
-        if isinstance(module, MirroredModule):
-            raise TypeError(f"the module is mirrored already: {module!r}")
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(
-                f"MirroredModule expects a torch.nn.Module, got {type(module).__name__}: {module!r}"
-            )
+        module, compiled = _unwrap_compiled(module)
+        _check_mirrorable(module)
         if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int):
             raise TypeError(f"bucket_cap_bytes must be an int, got {bucket_cap_bytes!r}")
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}")
         strategy = strategy_or_current(strategy, "MirroredModule")
         op = as_reduce_op(gradient_reduction)
+        aggregations = resolve_aggregations(module, buffer_aggregation, sync_buffers)
         super().__init__()
-        devices = torch_devices(strategy)
-        replicas = [module.to(devices[0])]
-        replicas += [copy.deepcopy(module).to(device) for device in devices[1:]]
+        replicas = make_replicas(module, torch_devices(strategy))
+        if compiled is not None:
+            compile_replicas(replicas, compiled)
         _broadcast_from_chief(strategy, replicas)
-        for index, replica in enumerate(replicas):
-            for submodule in replica.modules():
-                torch_guard.mark(submodule, strategy, index)
+        self._setup(strategy, replicas, op, bucket_cap_bytes, aggregations)
+        apply_thread_policy(len(replicas), threads_per_replica)
+
+    def _setup(
+        self,
+        strategy: Strategy,
+        replicas: list[torch.nn.Module],
+        op: ReduceOp,
+        bucket_cap_bytes: int,
+        aggregations: dict[str, str | None],
+    ) -> None:
         # Plain attributes, not submodules: nn.Module's own traversal would otherwise
         # list every replica's parameters.
-        self.__dict__["_strategy"] = strategy
-        self.__dict__["_replicas"] = replicas
-        self.__dict__["_sync_buffers"] = sync_buffers
-        self.__dict__["_gradients"] = GradientSync(
-            [[p for p in r.parameters() if p.requires_grad] for r in replicas],
+        state = self.__dict__
+        state["_strategy"] = strategy
+        state["_replicas"] = replicas
+        state["_options"] = (op, bucket_cap_bytes, aggregations)
+        names = [name for name, _ in replicas[0].named_parameters()]
+        sync = GradientSync(
+            [list(r.parameters()) for r in replicas],
+            names,
             op,
             bucket_cap_bytes,
             lambda: local_replica_index(strategy),
             strategy.num_replicas_in_sync,
         )
-        self.__dict__["_synced_buffers"] = [_averaged_buffers(r) for r in replicas]
-        self.training = module.training
+        state["_gradients"] = sync
+        buffers = BufferSync(replicas, aggregations)
+        state["_buffer_sync"] = buffers
+        mirror = ReplicaMirror(replicas, buffers)
+        state["_mirror"] = mirror
+        backward.register(strategy, sync)
+        strategy.extended._sections.add(mirror)
+        self.training = replicas[0].training
         torch_guard.mark(self, strategy, None)
-        torch_guard.install()
-        torch_random.install()
-        apply_thread_policy(len(replicas), threads_per_replica)
+        for index, replica in enumerate(replicas):
+            for submodule in replica.modules():
+                torch_guard.mark(submodule, strategy, index)
 
     # --- which copy -----------------------------------------------------------------------
     @property
@@ -132,7 +168,7 @@ class MirroredModule(torch.nn.Module):
 
     @property
     def module(self) -> torch.nn.Module:
-        """The running replica's copy (replica 0's in cross-replica context)."""
+        """The running replica's copy (replica 0's in cross-replica context), as DDP's."""
         return self._current()
 
     def _index(self) -> int:
@@ -144,36 +180,16 @@ class MirroredModule(torch.nn.Module):
 
     # --- use ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the running replica's copy (replica 0's in cross-replica context)."""
-        strategy: Strategy = self.__dict__["_strategy"]
-        index = local_replica_index(strategy)
-        replicas = self.__dict__["_replicas"]
-        if index is None:
-            stateful = bool(self.__dict__["_synced_buffers"][0])
-            if self.training and stateful and strategy.num_replicas_in_sync > 1:
-                raise RuntimeError(
-                    "a mirrored module with BatchNorm-style buffers was called in "
-                    "training mode outside strategy.run: only replica 0's statistics "
-                    "would change. Call model.eval() before evaluating outside "
-                    "strategy.run, or call the model inside strategy.run"
-                )
-            return replicas[0](*args, **kwargs)
-        output = replicas[index](*args, **kwargs)
-        if self.training and self.__dict__["_sync_buffers"]:
-            self._average_buffers(index)
-        return output
+        """Run the running replica's copy (replica 0's in cross-replica context).
 
-    def _average_buffers(self, index: int) -> None:
-        slots = self.__dict__["_synced_buffers"][index]
-        if not slots or self.__dict__["_strategy"].num_replicas_in_sync == 1:
-            return
-        ctx = get_replica_context()
-        assert ctx is not None
-        averaged = ctx.all_reduce(ReduceOp.MEAN, [m._buffers[name] for m, name in slots])
-        # New tensors rather than copy_: the forward just run saved the old ones for its
-        # backward, and an in-place write would fail that backward's version check.
-        for (module, name), value in zip(slots, averaged, strict=True):
-            module._buffers[name] = value
+        Under `torch.compile` this dispatch runs eagerly and the replica's module is
+        compiled (`_ready_for_dynamo`).
+        """
+        index, in_replica = _before(self)
+        output = self.__dict__["_replicas"][index](*args, **kwargs)
+        if in_replica:
+            _after(self, index)
+        return output
 
     def no_sync(self) -> Any:
         """Context manager: backward passes inside accumulate gradients without reducing.
@@ -195,7 +211,18 @@ class MirroredModule(torch.nn.Module):
         """The number of parameters in each gradient bucket, in reduction order."""
         return self.__dict__["_gradients"].bucket_sizes()
 
-    # --- nn.Module's traversal: the running replica's copy --------------------------------
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compile every replica's module in place (`torch.nn.Module.compile`'s arguments).
+
+        `torch.compile(model)` of a mirrored module compiles the same way: the replicas'
+        modules, never the dispatch to the running replica.
+        """
+        replicas = self.__dict__["_replicas"]
+        replicas[0].compile(*args, **kwargs)
+        context = compiled_context(replicas[0]._compiled_call_impl)
+        compile_replicas(replicas[1:], context)
+
+    # --- nn.Module's surface: the running replica's module ---------------------------------
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -216,13 +243,48 @@ class MirroredModule(torch.nn.Module):
         """The running replica's buffers."""
         return self._current().buffers(recurse)
 
-    def children(self) -> Iterator[torch.nn.Module]:
-        """The running replica's copy, the only child."""
-        yield self._current()
+    def named_modules(
+        self,
+        memo: set[torch.nn.Module] | None = None,
+        prefix: str = "",
+        remove_duplicate: bool = True,
+    ) -> Iterator[tuple[str, torch.nn.Module]]:
+        """The running replica's `named_modules`: its module first, then every submodule."""
+        return self._current().named_modules(memo, prefix, remove_duplicate)
 
     def named_children(self) -> Iterator[tuple[str, torch.nn.Module]]:
-        """`("module", running replica's copy)`."""
-        yield "module", self._current()
+        """The running replica's module's children (so `children()` is theirs too)."""
+        return self._current().named_children()
+
+    def get_submodule(self, target: str) -> torch.nn.Module:
+        """The running replica's submodule at `target` ("" for its module)."""
+        return self._current().get_submodule(target)
+
+    def get_parameter(self, target: str) -> torch.nn.Parameter:
+        """The running replica's parameter at `target`."""
+        return self._current().get_parameter(target)
+
+    def get_buffer(self, target: str) -> torch.Tensor:
+        """The running replica's buffer at `target`."""
+        return self._current().get_buffer(target)
+
+    def __getitem__(self, key: Any) -> Any:
+        current = self._current()
+        if not hasattr(type(current), "__getitem__"):
+            raise TypeError(f"'{type(current).__name__}' object is not subscriptable")
+        return current[key]  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return len(self._current())  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._current())  # type: ignore[call-overload]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._current()  # type: ignore[operator]
+
+    def __bool__(self) -> bool:
+        return True  # __len__ must not decide: most modules have no length
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The running replica's `state_dict` (keys as in the original module)."""
@@ -250,16 +312,22 @@ class MirroredModule(torch.nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: the running replica's, or every replica's in cross-replica context."""
         index = local_replica_index(self.__dict__["_strategy"])
-        replicas = self.__dict__["_replicas"] if index is None else [self._current()]
-        for replica in replicas:
-            replica.zero_grad(set_to_none)
+        replicas = self.__dict__["_replicas"]
+        sync: GradientSync = self.__dict__["_gradients"]
+        for r in range(len(replicas)) if index is None else [index]:
+            replicas[r].zero_grad(set_to_none)
+            sync.new_step(r, range(len(sync.params(r))))
 
     def requires_grad_(self, requires_grad: bool = True) -> MirroredModule:
-        """Not supported after mirroring: the gradient buckets are fixed."""
-        raise RuntimeError(
-            "freeze or unfreeze parameters before mirroring the module (the gradient "
-            "buckets are built from the parameters that require grad)"
-        )
+        """Set `requires_grad` on the running replica's copy (every copy outside `run`).
+
+        The gradient buckets follow from the next backward pass on.
+        """
+        index = local_replica_index(self.__dict__["_strategy"])
+        replicas = self.__dict__["_replicas"]
+        for replica in replicas if index is None else [replicas[index]]:
+            replica.requires_grad_(requires_grad)
+        return self
 
     def apply(self, fn: Any) -> MirroredModule:
         """Apply `fn` to every replica's modules (cross-replica context only)."""
@@ -295,6 +363,9 @@ class MirroredModule(torch.nn.Module):
         return self
 
     def __getattr__(self, name: str) -> Any:
+        # torch.compile(model) looks up attributes the wrapper lacks (forwarded here)
+        # before it traces anything: the dispatch must be ready for it by then.
+        torch_patches.check_dynamo()
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -303,11 +374,63 @@ class MirroredModule(torch.nn.Module):
                 raise
         return getattr(self._current(), name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        replicas = self.__dict__.get("_replicas")
+        if (
+            replicas is None
+            or name.startswith("_")
+            or name == "training"
+            or hasattr(type(self), name)
+        ):
+            super().__setattr__(name, value)
+            return
+        if isinstance(value, torch.nn.Module | torch.Tensor):
+            raise AttributeError(
+                f"cannot set {name!r} to a {type(value).__name__} on a mirrored module: the "
+                "replicas were copied at prepare and would not see it. Add or replace "
+                "layers, parameters and buffers before crossdevice.torch.prepare"
+            )
+        # A plain attribute (a flag, a temperature): every replica's copy gets it.
+        self._require_cross_replica(f"setting attribute {name!r}")
+        for replica in replicas:
+            setattr(replica, name, value)
+
+    def _refuse_registration(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "a mirrored module cannot take new parameters, buffers or submodules: the "
+            "replicas were copied at prepare. Register them on the module before "
+            "crossdevice.torch.prepare"
+        )
+
+    register_parameter = register_buffer = add_module = register_module = _refuse_registration
+
     def _require_cross_replica(self, what: str) -> None:
         if local_replica_index(self.__dict__["_strategy"]) is not None:
             raise RuntimeError(
                 f"MirroredModule.{what} changes every replica's copy: call it outside strategy.run"
             )
+
+    # --- copies ---------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> MirroredModule:
+        """A mirrored module on the same strategy over deep copies of every replica."""
+        self._require_cross_replica("deep copy")
+        replicas = self.__dict__["_replicas"]
+        copies = []
+        for replica in replicas:
+            duplicate = copy.deepcopy(replica, memo)
+            recompile_copy(replica, duplicate)
+            copies.append(duplicate)
+        new = MirroredModule.__new__(MirroredModule)
+        torch.nn.Module.__init__(new)
+        new._setup(self.__dict__["_strategy"], copies, *self.__dict__["_options"])
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A strategy (threads, a process group) cannot be pickled: a pickled mirrored
+        # module (torch.save(model)) loads as its replica 0's module, a plain torch module.
+        return _as_itself, (self._current(),)
 
     def __repr__(self) -> str:
         replicas = self.__dict__.get("_replicas", ())
@@ -318,21 +441,83 @@ class MirroredModule(torch.nn.Module):
         )
 
 
-def _averaged_buffers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
-    """`(module, name)` of each floating buffer averaged across replicas after a forward.
+def _as_itself(module: torch.nn.Module) -> torch.nn.Module:
+    """What a pickled `MirroredModule` loads as: the replica module it was pickled with."""
+    return module
 
-    Buffers of `SyncBatchNorm` are equal already (global statistics) and are skipped.
+
+# --- forward: the dispatch stays out of torch.compile, the replica's module goes in ---------
+def _before(self: MirroredModule) -> tuple[int, bool]:
+    """The replica to run (0 in cross-replica context) and whether a replica runs it."""
+    state = self.__dict__
+    strategy: Strategy = state["_strategy"]
+    index = local_replica_index(strategy)
+    if index is not None:
+        return index, True
+    buffers: BufferSync = state["_buffer_sync"]
+    if self.training and buffers.active and len(state["_replicas"]) > 1:
+        raise RuntimeError(
+            "a mirrored module with buffers that forward passes change was called in "
+            "training mode outside strategy.run: only replica 0's buffers would change. "
+            "Call model.eval() before evaluating outside strategy.run, or call the model "
+            "inside strategy.run"
+        )
+    return 0, False
+
+
+def _after(self: MirroredModule, index: int) -> None:
+    self.__dict__["_buffer_sync"].after_forward(index, self.training)
+
+
+def _ready_for_dynamo() -> None:
+    """Keep `MirroredModule.forward`'s dispatch out of torch.compile's graphs.
+
+    Dynamo skips `forward`'s own frame (it reads this thread's replica context) and runs
+    `_before` / `_after` (context, collectives) eagerly, but still compiles the replica's
+    module that `forward` calls. Run once torch's compiler is loaded (`on_dynamo`).
     """
-    from crossdevice._frameworks.torch.batchnorm import SyncBatchNorm
+    global _before, _after
+    import torch._dynamo
 
-    slots = []
-    for submodule in module.modules():
-        if isinstance(submodule, SyncBatchNorm):
-            continue
-        for name, buffer in submodule._buffers.items():
-            if buffer is not None and buffer.is_floating_point():
-                slots.append((submodule, name))
-    return slots
+    torch._dynamo.decorators.skip(MirroredModule.forward)
+    _before = torch._dynamo.disable(_before)  # type: ignore[no-untyped-call]
+    _after = torch._dynamo.disable(_after)  # type: ignore[no-untyped-call]
+
+
+torch_patches.on_dynamo(_ready_for_dynamo)
+
+
+def _unwrap_compiled(module: Any) -> tuple[Any, Any]:
+    """`(module, its torch.compile context)` for a compiled module, else `(module, None)`."""
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        if isinstance(module, OptimizedModule):
+            return module._orig_mod, module.dynamo_ctx
+    return module, None
+
+
+def _check_mirrorable(module: Any) -> None:
+    if isinstance(module, MirroredModule):
+        raise TypeError(
+            f"the module is mirrored already: {module!r}. Prepare a model once and use "
+            "the MirroredModule prepare returned"
+        )
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"MirroredModule expects a torch.nn.Module, got {type(module).__name__}: {module!r}"
+        )
+    for name, submodule in module.named_modules():
+        marked = torch_guard.mark_of(submodule)
+        if marked is not None:
+            strategy, index = marked
+            what = "the module" if not name else f"its submodule {name!r}"
+            raise ValueError(
+                f"{what} is replica {index}'s copy of a model mirrored by {strategy!r} "
+                f"already ({type(submodule).__name__}); prepare a model once and use the "
+                "MirroredModule that prepare returned (its .module is the running "
+                "replica's copy)"
+            )
 
 
 def _broadcast_from_chief(strategy: Strategy, replicas: list[torch.nn.Module]) -> None:

@@ -5,6 +5,15 @@ updates the mirrored variables once per step. Here the gradients are all-reduced
 backward (`MirroredModule`), so each replica's own optimizer copy applies the same
 update to its own parameters: state (Adam's moments) is per replica and never shared
 between threads, and the copies stay bitwise identical.
+
+The copies are deep copies of the optimizer with each parameter replaced by the
+replica's (its state, hyperparameters and hooks copied as they are), not new optimizers
+built from `defaults`: that works for every `torch.optim` class and for third-party
+optimizers that keep torch's protocol (AdamW's `defaults` hold arguments its constructor
+refuses). The step never applies a gradient that was not reduced across replicas:
+gradients set by hand (`torch.func`) are reduced at `step()`, and a gradient accumulated
+but never reduced is an error. A step closure's loss (LBFGS calls it several times) is
+reduced across replicas like the gradients, so every replica takes the same decisions.
 """
 
 from __future__ import annotations
@@ -16,11 +25,16 @@ from typing import Any
 import torch
 
 from crossdevice._arrays import torch_guard
+from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
 from crossdevice._frameworks.torch.replicas import local_replica_index
 from crossdevice._strategies.base import Strategy
+from crossdevice._strategies.context import get_replica_context
 
 __all__ = ["MirroredOptimizer"]
+
+# Where one parameter lives: (its module's gradient sync, its index there).
+_Where = tuple[GradientSync, int]
 
 
 class MirroredOptimizer(torch.optim.Optimizer):
@@ -49,6 +63,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 "MirroredOptimizer expects a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}: {optimizer!r}"
             )
+        marked = torch_guard.mark_of(optimizer)
+        if marked is not None:
+            raise ValueError(
+                f"the optimizer is replica {marked[1]}'s copy of an optimizer mirrored by "
+                f"{marked[0]!r} already; use the MirroredOptimizer that prepare returned"
+            )
         if not modules:
             raise ValueError("MirroredOptimizer needs the mirrored modules it optimizes")
         strategies = {id(m.strategy): m.strategy for m in modules}
@@ -58,43 +78,47 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 f"{list(strategies.values())!r}"
             )
         strategy: Strategy = modules[0].strategy
-        num = len(modules[0].replicas)
-        # replica 0's parameter -> every replica's
-        mapping: dict[int, list[torch.Tensor]] = {}
+        where: dict[int, _Where] = {}
         for module in modules:
-            per_replica = [list(r.parameters()) for r in module.replicas]
-            for k, param in enumerate(per_replica[0]):
-                mapping[id(param)] = [params[k] for params in per_replica]
+            sync: GradientSync = module.__dict__["_gradients"]
+            for k, param in enumerate(sync.params(0)):
+                where[id(param)] = (sync, k)
+        self.__dict__["_strategy"] = strategy
+        self.__dict__["_where"] = where
+        self.__dict__["_modules"] = list(modules)
         for group in optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) not in mapping:
-                    raise ValueError(
-                        f"the optimizer updates a parameter of shape {tuple(param.shape)} "
-                        "that belongs to no mirrored module; build the optimizer over the "
-                        "parameters of the modules you mirror (prepare them together)"
-                    )
-        optimizers = [optimizer]
-        state = optimizer.state_dict()
-        for i in range(1, num):
-            groups = [
-                {
-                    **{k: v for k, v in g.items() if k != "params"},
-                    "params": [mapping[id(p)][i] for p in g["params"]],
-                }
-                for g in optimizer.param_groups
-            ]
-            replica_optimizer = type(optimizer)(groups, **optimizer.defaults)
-            if state["state"]:
-                # Deep copy: load_state_dict keeps host tensors as they are, and replicas
-                # must never share state tensors.
-                replica_optimizer.load_state_dict(copy.deepcopy(state))
-            optimizers.append(replica_optimizer)
+            self._check_params(group["params"])
+        replicas = len(modules[0].replicas)
+        optimizers = [optimizer] + [self._replica_copy(optimizer, i) for i in range(1, replicas)]
         for i, replica_optimizer in enumerate(optimizers):
             torch_guard.mark(replica_optimizer, strategy, i)
-        self.__dict__["_strategy"] = strategy
         self.__dict__["_optimizers"] = optimizers
         self.defaults = optimizer.defaults
-        torch_guard.install()
+
+    def _check_params(self, params: Sequence[torch.Tensor]) -> None:
+        where = self.__dict__["_where"]
+        for param in params:
+            if id(param) not in where:
+                raise ValueError(
+                    f"the optimizer updates a parameter of shape {tuple(param.shape)} "
+                    "that belongs to no mirrored module; build the optimizer over the "
+                    "parameters of the modules you mirror (prepare them together)"
+                )
+
+    def _replica(self, param: torch.Tensor, replica: int) -> torch.Tensor:
+        sync, k = self.__dict__["_where"][id(param)]
+        return sync.params(replica)[k]
+
+    def _replica_copy(self, optimizer: torch.optim.Optimizer, replica: int) -> Any:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        memo: dict[int, Any] = {id(p): self._replica(p, replica) for p in params}
+        duplicate = copy.deepcopy(optimizer, memo)
+        # A scheduler wraps `optimizer.step` on the instance to count calls; the copy's
+        # would call the original's step.
+        duplicate.__dict__.pop("step", None)
+        # State tensors go where the replica's parameters are (load_state_dict's rules).
+        duplicate.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        return duplicate
 
     @property
     def replicas(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -126,12 +150,29 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         raise AttributeError("a MirroredOptimizer's state is its replicas'")
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:
+    def _by_sync(self) -> dict[GradientSync, list[int]]:
+        """The optimizer's parameters grouped by module: (gradient sync, indices there)."""
+        groups = self.__dict__.get("_groups")
+        if groups is None:
+            where = self.__dict__["_where"]
+            groups = {}
+            for group in self.__dict__["_optimizers"][0].param_groups:
+                for param in group["params"]:
+                    sync, k = where[id(param)]
+                    groups.setdefault(sync, []).append(k)
+            self.__dict__["_groups"] = groups
+        return groups
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update the running replica's parameters with its (all-reduced) gradients.
+
+        Gradients set by hand since the last step (`p.grad = ...` without a backward,
+        e.g. from `torch.func`) are all-reduced first, as backward would have.
 
         Raises:
             RuntimeError: called outside `strategy.run` while several replicas are in sync
-                (their gradients are reduced only inside `run`).
+                (their gradients are reduced only inside `run`), or a gradient was
+                accumulated but never reduced, or a reduced gradient was replaced.
         """
         index = self._index()
         optimizers = self.__dict__["_optimizers"]
@@ -153,14 +194,27 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 for key, value in source.items():
                     if key != "params":
                         target[key] = value
-        return optimizer.step(closure)
+        groups = self._by_sync()
+        for sync, indices in groups.items():
+            if sync.enabled:
+                by_hand = sync.check_step(index, indices)
+                if by_hand:
+                    sync.reduce_by_hand(index, by_hand)
+        if closure is not None and strategy.num_replicas_in_sync > 1:
+            closure = _reduced_closure(closure, next(iter(groups)).op)
+        result = optimizer.step(closure)
+        for sync, indices in groups.items():
+            sync.new_step(index, indices)
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: the running replica's, or every replica's outside `run`."""
         index = self._index()
-        optimizers = self.__dict__["_optimizers"] if index is None else [self._current()]
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none)
+        optimizers = self.__dict__["_optimizers"]
+        for r in range(len(optimizers)) if index is None else [index]:
+            optimizers[r].zero_grad(set_to_none)
+            for sync, indices in self._by_sync().items():
+                sync.new_step(r, indices)
 
     def state_dict(self) -> dict[str, Any]:
         """The running replica's `state_dict` (replica 0's in cross-replica context)."""
@@ -174,11 +228,21 @@ class MirroredOptimizer(torch.optim.Optimizer):
             optimizer.load_state_dict(copy.deepcopy(state_dict))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: mirror the parameters with their module, then build the optimizer."""
-        raise RuntimeError(
-            "add parameter groups before mirroring the optimizer: its replicas map each "
-            "parameter to its replica copies when they are made"
-        )
+        """Add a group of the mirrored modules' parameters to every replica's optimizer.
+
+        `param_group["params"]` are replica 0's parameters (what the mirrored modules'
+        `parameters()` give outside `strategy.run`). Call it outside `strategy.run`.
+        """
+        if self._index() is not None:
+            raise RuntimeError("add parameter groups outside strategy.run")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or ())
+        self._check_params(params)
+        for r, optimizer in enumerate(self.__dict__["_optimizers"]):
+            group = dict(param_group)
+            group["params"] = [self._replica(p, r) for p in params]
+            optimizer.add_param_group(group)
+        self.__dict__.pop("_groups", None)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a MirroredOptimizer cannot be pickled; save its state_dict()")
@@ -186,3 +250,18 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         optimizers = self.__dict__["_optimizers"]
         return f"MirroredOptimizer({len(optimizers)} replicas):\n{optimizers[0]!r}"
+
+
+def _reduced_closure(closure: Callable[[], Any], op: Any) -> Callable[[], Any]:
+    """`closure`, its loss reduced across replicas (the gradients are by backward)."""
+
+    def reduced() -> Any:
+        loss = closure()
+        if loss is None:
+            return None
+        ctx = get_replica_context()
+        assert ctx is not None
+        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.as_tensor(loss)
+        return ctx.all_reduce(op, value)
+
+    return reduced

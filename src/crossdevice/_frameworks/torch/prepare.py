@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from crossdevice._arrays import torch_guard
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._frameworks.torch.gradients import DEFAULT_BUCKET_CAP_BYTES
 from crossdevice._frameworks.torch.module import MirroredModule
@@ -13,7 +15,7 @@ from crossdevice._frameworks.torch.optimizer import MirroredOptimizer
 from crossdevice._frameworks.torch.replicas import strategy_or_current
 from crossdevice._strategies.base import Strategy
 
-__all__ = ["prepare"]
+__all__ = ["mark_replica_copy", "prepare"]
 
 
 def prepare(
@@ -22,6 +24,7 @@ def prepare(
     gradient_reduction: ReduceOp | str = ReduceOp.SUM,
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
     sync_buffers: bool = True,
+    buffer_aggregation: Mapping[str, str] | None = None,
     threads_per_replica: int | None = None,
 ) -> Any:
     """Mirror modules and optimizers on a strategy; returns them in the order given.
@@ -31,12 +34,20 @@ def prepare(
     `strategy`), then use the returned objects inside `strategy.run`.
 
     Args:
-        *objects: `torch.nn.Module`s and `torch.optim.Optimizer`s.
+        *objects: `torch.nn.Module`s (also `torch.compile`d ones: every replica is
+            compiled) and `torch.optim.Optimizer`s. A module prepared already may be
+            passed with a new optimizer over its parameters, to prepare that optimizer.
         strategy: the strategy; default: the current one.
         gradient_reduction: `"sum"` (TF: per-example loss / global batch size) or
             `"mean"` (DDP: each replica's mean loss).
         bucket_cap_bytes: gradient bucket size (see `MirroredModule`).
-        sync_buffers: average BatchNorm-style buffers across replicas each step.
+        sync_buffers: combine buffers across replicas after each training-mode forward
+            (False: leave every buffer per replica).
+        buffer_aggregation: how replicas combine buffers that a forward pass changes,
+            `{name or fnmatch pattern: "mean" | "sum" | "max" | "first_replica" |
+            "none"}` (TF's `VariableAggregation`; `"sum"` adds the replicas' changes, for
+            counters). BatchNorm's running statistics default to `"mean"`; any other
+            buffer a forward pass changes must be declared.
         threads_per_replica: torch intra-op threads per parallel replica (None: cores //
             replicas; 0: leave torch's setting).
 
@@ -44,7 +55,9 @@ def prepare(
         The mirrored object for one argument, else a tuple in argument order.
 
     Raises:
-        TypeError: an argument is neither a module nor an optimizer.
+        TypeError: an argument is neither a module nor an optimizer, or a prepared
+            module is passed without a new optimizer.
+        ValueError: a module is a replica copy of a prepared model.
 
     Example:
         >>> import crossdevice, crossdevice.torch, torch
@@ -57,6 +70,15 @@ def prepare(
         ('MirroredModule', 'MirroredOptimizer')
     """
     strategy = strategy_or_current(strategy, "crossdevice.torch.prepare")
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    if not any(not isinstance(o, MirroredOptimizer) for o in optimizers):
+        for obj in objects:
+            if isinstance(obj, MirroredModule):
+                raise TypeError(
+                    f"the model is prepared already: {obj!r}. Prepare a model once and "
+                    "use the returned MirroredModule (pass it again only together with a "
+                    "new optimizer over its parameters)"
+                )
     modules: list[MirroredModule] = []
     out: list[Any] = []
     for obj in objects:
@@ -70,6 +92,7 @@ def prepare(
                 gradient_reduction=gradient_reduction,
                 bucket_cap_bytes=bucket_cap_bytes,
                 sync_buffers=sync_buffers,
+                buffer_aggregation=buffer_aggregation,
                 threads_per_replica=threads_per_replica,
             )
             modules.append(mirrored)
@@ -90,3 +113,61 @@ def prepare(
                 )
             out[k] = MirroredOptimizer(obj, modules)
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def mark_replica_copy(obj: Any, replica_id: int, strategy: Strategy | None = None) -> Any:
+    """Declare `obj` local replica `replica_id`'s own copy of a module or optimizer.
+
+    Inside `strategy.run`, a module with trainable parameters or an optimizer that
+    belongs to no replica is refused (every replica calling it would share it). Copies
+    that you make yourself, one per replica, pass once declared: each may then be used
+    by its replica only (another replica using it is an error). Gradients of such copies
+    are not all-reduced; `prepare` is the way to train one model on every replica.
+
+    Args:
+        obj: a `torch.nn.Module` (its submodules are declared with it) or a
+            `torch.optim.Optimizer`.
+        replica_id: the local replica (0 to the number of this worker's replicas - 1).
+        strategy: the strategy; default: the current one.
+
+    Returns:
+        `obj`.
+
+    Raises:
+        TypeError: `obj` is neither a module nor an optimizer.
+        ValueError: `replica_id` is not a local replica.
+
+    Example:
+        >>> import copy, crossdevice, crossdevice.torch, torch
+        >>> strategy = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> net = torch.nn.Linear(2, 1)
+        >>> copies = [crossdevice.torch.mark_replica_copy(copy.deepcopy(net), i, strategy)
+        ...           for i in range(2)]
+        >>> def step():
+        ...     return copies[crossdevice.get_replica_context().replica_id_in_sync_group](
+        ...         torch.ones(1, 2)).sum()
+        >>> len(strategy.experimental_local_results(strategy.run(step)))
+        2
+    """
+    strategy = strategy_or_current(strategy, "crossdevice.torch.mark_replica_copy")
+    local = len(strategy.extended.worker_devices)
+    if (
+        isinstance(replica_id, bool)
+        or not isinstance(replica_id, int)
+        or not 0 <= replica_id < local
+    ):
+        raise ValueError(
+            f"replica_id must be a local replica of {strategy!r}, 0 to {local - 1}, got "
+            f"{replica_id!r}"
+        )
+    if isinstance(obj, torch.nn.Module):
+        for submodule in obj.modules():
+            torch_guard.mark(submodule, strategy, replica_id)
+    elif isinstance(obj, torch.optim.Optimizer):
+        torch_guard.mark(obj, strategy, replica_id)
+    else:
+        raise TypeError(
+            "mark_replica_copy takes a torch.nn.Module or torch.optim.Optimizer, got "
+            f"{type(obj).__name__}: {obj!r}"
+        )
+    return obj

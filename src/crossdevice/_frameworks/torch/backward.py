@@ -1,0 +1,140 @@
+"""The backward passes of mirrored modules: where they start and end, on every replica.
+
+`torch.autograd.backward` (which `loss.backward()` calls) is replaced while a strategy
+with several replicas is in use (`torch_patches`). Inside a replica it marks the
+outermost backward pass of the running replica, for every mirrored module of the
+strategy (`GradientSync.begin_pass` / `end_pass`), so that:
+
+* nested passes (reentrant activation checkpointing runs backward inside backward)
+  belong to the outermost one, and the left-over buckets are reduced once, when it
+  returns;
+* cooperative replicas reduce after the pass, never inside torch's engine;
+* torch's engine runs the pass on the replica's own thread
+  (`set_multithreading_enabled(False)`): CUDA passes would otherwise run their gradient
+  hooks on torch's device threads, which know nothing of the replica.
+
+It also gives the one-time warning for a DDP habit that is wrong under TF's SUM rule: a
+loss that is this replica's *mean* (`cross_entropy(...)`, `.mean()`), whose gradients
+the SUM then multiplies by the number of replicas.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+from crossdevice._arrays import torch_patches
+from crossdevice._core import context
+from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._frameworks.torch.gradients import GradientSync
+
+__all__ = ["register"]
+
+# strategy -> its mirrored modules' gradient syncs
+_SYNCS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[GradientSync]] = weakref.WeakKeyDictionary()
+_SYNCS_LOCK: Final = threading.Lock()
+_MEAN_REDUCTION: Final = 1  # torch's Reduction::Mean, as saved on loss backward nodes
+_THROUGH: Final = ("AddBackward0", "SubBackward0")  # a sum of terms: look at each
+
+
+class _Pass(threading.local):
+    depth = 0
+
+
+_PASS: Final = _Pass()
+
+
+def register(strategy: Any, sync: GradientSync) -> None:
+    """Tell the backward passes of `strategy`'s replicas about `sync` (held weakly)."""
+    with _SYNCS_LOCK:
+        syncs = _SYNCS.get(strategy)
+        if syncs is None:
+            syncs = _SYNCS[strategy] = weakref.WeakSet()
+        syncs.add(sync)
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if _PASS.depth:
+            _PASS.depth += 1  # a nested pass (reentrant checkpoint) is the outermost's
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _PASS.depth -= 1
+        frame = context.current_frame()
+        if frame is None or frame.replica_context is None:
+            return original(*args, **kwargs)
+        replica = frame.local_replica_id
+        assert replica is not None
+        syncs = [s for s in _SYNCS.get(frame.strategy, ()) if s.enabled]
+        if syncs:
+            _warn_local_mean(args[0] if args else kwargs.get("tensors"), syncs, frame.strategy)
+        for sync in syncs:
+            sync.begin_pass(replica)
+        _PASS.depth = 1
+        threads = torch._C._is_multithreading_enabled()
+        torch._C._set_multithreading_enabled(False)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            for sync in syncs:
+                sync.abort_pass(replica)
+            raise
+        finally:
+            _PASS.depth = 0
+            torch._C._set_multithreading_enabled(threads)
+        for sync in syncs:  # collectives: cooperative replicas may switch here
+            sync.end_pass(replica)
+        return result
+
+    backward.__doc__ = original.__doc__
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    return backward
+
+
+def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any) -> None:
+    pending = [s for s in syncs if s.op is ReduceOp.SUM and not s.warned_mean_loss]
+    if not pending:
+        return
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
+    kind = next((k for t in roots if (k := _local_mean(getattr(t, "grad_fn", None)))), None)
+    if kind is None:
+        return
+    for sync in pending:
+        sync.warned_mean_loss = True
+    n = strategy.num_replicas_in_sync
+    warnings.warn(
+        f"the loss passed to backward is this replica's mean ({kind}), but a mirrored "
+        f"module sums its gradients over the {n} replicas in sync (TF's rule, "
+        f"gradient_reduction='sum'): each step is {n} times plain torch's on the same "
+        "global batch. Scale the loss by the global batch instead, "
+        "crossdevice.torch.compute_average_loss(per_example_loss, global_batch_size), "
+        "or prepare(..., gradient_reduction='mean') for DDP's rule. (Given once per model.)",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _local_mean(node: Any, depth: int = 0) -> str | None:
+    """What makes `node`'s output a local mean (a mean-reduced loss or `.mean()`), if any."""
+    if node is None or depth > 4:
+        return None
+    name = type(node).__name__
+    if name.startswith("Mean"):
+        return "Tensor.mean"
+    if getattr(node, "_saved_reduction", None) == _MEAN_REDUCTION:
+        return f"{name.removesuffix('Backward0')} with reduction='mean'"
+    if name in _THROUGH:
+        for child, _ in node.next_functions:
+            found = _local_mean(child, depth + 1)
+            if found:
+                return found
+    return None
+
+
+torch_patches.register(torch_patches.Patch(lambda: torch.autograd, "backward", _wrap))

@@ -1,0 +1,215 @@
+"""How a mirrored module's buffers combine across replicas after a forward pass.
+
+A buffer that a forward pass changes (BatchNorm's running statistics, a counter, a
+running maximum) changes on each replica from that replica's slice of the batch. TF
+gives every such variable an aggregation (`tf.VariableAggregation`); here each buffer
+has one, applied after every training-mode forward inside `strategy.run`:
+
+* `"mean"`: the replicas' values averaged (BatchNorm's `running_mean` and `running_var`,
+  the default: TF aggregates moving statistics with MEAN);
+* `"sum"`: the replicas' *changes* added (`old + sum(new_r - old)`): a counter of
+  examples seen counts the global batch;
+* `"max"`: the largest replica's value;
+* `"first_replica"`: replica 0's value;
+* `"none"`: each replica keeps its own (they may then differ; BatchNorm's integer
+  `num_batches_tracked` counts the same on every replica, so it needs nothing).
+
+A floating or integer buffer with no declared aggregation that a forward pass changes
+is an error naming it: `prepare(..., buffer_aggregation={"name": "sum"})` declares it
+(names as in `named_buffers()`, `fnmatch` patterns allowed). Inside one forward a
+replica reads its own update, as on one device of that slice: combining happens after
+the pass, so a layer that reads a statistic it has just updated sees its replica's value,
+not the global batch's (`SyncBatchNorm` computes BatchNorm's over the global batch).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import torch
+
+from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._strategies.context import get_replica_context
+
+__all__ = ["AGGREGATIONS", "BufferSync", "resolve_aggregations"]
+
+#: The aggregations a buffer can declare.
+AGGREGATIONS: Final = ("mean", "sum", "max", "first_replica", "none")
+_NORM_STATS: Final = ("running_mean", "running_var")
+
+
+def resolve_aggregations(
+    module: torch.nn.Module, declared: Mapping[str, str] | None, sync_buffers: bool
+) -> dict[str, str | None]:
+    """Each buffer's aggregation (None: undeclared, an error if a forward changes it).
+
+    Raises:
+        TypeError: `declared` is not a mapping of names to strings.
+        ValueError: an unknown aggregation, a name matching no buffer, or `"mean"` for
+            an integer buffer.
+    """
+    from crossdevice._frameworks.torch.batchnorm import SyncBatchNorm
+
+    if declared is not None and not isinstance(declared, Mapping):
+        raise TypeError(
+            "buffer_aggregation must map buffer names (or fnmatch patterns) to one of "
+            f"{list(AGGREGATIONS)}, got {type(declared).__name__}: {declared!r}"
+        )
+    declared = dict(declared or {})
+    for pattern, value in declared.items():
+        if value not in AGGREGATIONS:
+            raise ValueError(
+                f"buffer_aggregation[{pattern!r}] must be one of {list(AGGREGATIONS)}, "
+                f"got {value!r}"
+            )
+    names = dict(module.named_buffers())
+    for pattern in declared:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ValueError(
+                f"buffer_aggregation names {pattern!r}, which matches no buffer of the module; "
+                f"its buffers are {sorted(names)}"
+            )
+    owners = {
+        f"{prefix}.{name}" if prefix else name: sub
+        for prefix, sub in module.named_modules()
+        for name in sub._buffers
+    }
+    result: dict[str, str | None] = {}
+    for name, buffer in names.items():
+        how = _declared(declared, name)
+        owner = owners.get(name)
+        leaf = name.rsplit(".", 1)[-1]
+        if how is None and not sync_buffers:
+            how = "none"
+        if how is None and isinstance(owner, torch.nn.modules.batchnorm._NormBase):
+            if isinstance(owner, SyncBatchNorm):
+                how = "none"  # global statistics: equal on every replica already
+            elif leaf in _NORM_STATS:
+                how = "mean"
+            elif leaf == "num_batches_tracked":
+                how = "none"  # one per forward on every replica: equal
+        if how == "mean" and not buffer.is_floating_point():
+            raise ValueError(
+                f"buffer {name!r} holds {buffer.dtype} values, which cannot be averaged "
+                "exactly; declare 'sum', 'max', 'first_replica' or 'none' for it"
+            )
+        result[name] = how
+    return result
+
+
+def _declared(declared: Mapping[str, str], name: str) -> str | None:
+    """The aggregation the first matching pattern declares for `name`, if any."""
+    for pattern, how in declared.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return how
+    return None
+
+
+class BufferSync:
+    """One replica set's buffers, combined across replicas after each forward pass.
+
+    Args:
+        replicas: every local replica's module (same structure).
+        aggregations: `resolve_aggregations` of replica 0.
+    """
+
+    def __init__(
+        self, replicas: Sequence[torch.nn.Module], aggregations: Mapping[str, str | None]
+    ) -> None:
+        self._slots: list[list[tuple[torch.nn.Module, str]]] = []
+        for replica in replicas:
+            owners = dict(replica.named_modules())
+            slots = []
+            for name in aggregations:
+                prefix, _, leaf = name.rpartition(".")
+                slots.append((owners[prefix], leaf))
+            self._slots.append(slots)
+        self._names = list(aggregations)
+        self._how = [aggregations[n] for n in self._names]
+        self._synced = [k for k, h in enumerate(self._how) if h not in (None, "none")]
+        self._watched = [k for k, h in enumerate(self._how) if h is None]
+        # Values the replicas agreed on last, to add changes to ("sum").
+        self._agreed: list[dict[int, torch.Tensor]] = [{} for _ in replicas]
+        self._seen: list[list[tuple[int, int]]] = [
+            self._marks(r, self._watched) for r in range(len(replicas))
+        ]
+        for r in range(len(replicas)):
+            self._keep_agreed(r)
+
+    @property
+    def active(self) -> bool:
+        """Whether any buffer is combined or watched after a forward pass."""
+        return bool(self._synced or self._watched)
+
+    def _buffer(self, replica: int, k: int) -> torch.Tensor:
+        module, leaf = self._slots[replica][k]
+        return module._buffers[leaf]  # type: ignore[return-value]
+
+    def _marks(self, replica: int, indices: list[int]) -> list[tuple[int, int]]:
+        marks = []
+        for k in indices:
+            buffer = self._buffer(replica, k)
+            marks.append((id(buffer), buffer._version))
+        return marks
+
+    def _keep_agreed(self, replica: int) -> None:
+        for k in self._synced:
+            if self._how[k] == "sum":
+                self._agreed[replica][k] = self._buffer(replica, k).detach().clone()
+
+    def after_forward(self, replica: int, training: bool) -> None:
+        """Combine the declared buffers (training mode), refuse undeclared changes."""
+        if self._watched:
+            now = self._marks(replica, self._watched)
+            if now != self._seen[replica]:
+                changed = [
+                    self._names[k]
+                    for k, before, after in zip(
+                        self._watched, self._seen[replica], now, strict=True
+                    )
+                    if before != after
+                ]
+                raise RuntimeError(
+                    f"the forward pass changed buffer(s) {changed} of a mirrored module, which "
+                    "have no declared aggregation: each replica changed them from its own "
+                    "slice of the batch. Declare how replicas combine them, e.g. "
+                    f"prepare(..., buffer_aggregation={{{changed[0]!r}: 'sum'}}) (one of "
+                    f"{list(AGGREGATIONS)}), or register them with persistent state outside "
+                    "the forward pass"
+                )
+        if not training or not self._synced:
+            return
+        ctx = get_replica_context()
+        assert ctx is not None
+        groups: dict[str, list[int]] = {}
+        for k in self._synced:
+            groups.setdefault(self._how[k], []).append(k)  # type: ignore[arg-type]
+        values: dict[int, torch.Tensor] = {}
+        if "mean" in groups:
+            ks = groups["mean"]
+            reduced = ctx.all_reduce(ReduceOp.MEAN, [self._buffer(replica, k) for k in ks])
+            values.update(zip(ks, reduced, strict=True))
+        if "sum" in groups:
+            ks = groups["sum"]
+            agreed = self._agreed[replica]
+            deltas = [self._buffer(replica, k) - agreed[k] for k in ks]
+            reduced = ctx.all_reduce(ReduceOp.SUM, deltas)
+            values.update((k, agreed[k] + d) for k, d in zip(ks, reduced, strict=True))
+        picked = groups.get("max", []) + groups.get("first_replica", [])
+        if picked:
+            gathered = ctx.all_gather([self._buffer(replica, k).unsqueeze(0) for k in picked], 0)
+            for k, stacked in zip(picked, gathered, strict=True):
+                values[k] = stacked.amax(0) if self._how[k] == "max" else stacked[0].clone()
+        # New tensors rather than copy_: the forward just run may have saved the old ones
+        # for its backward, and an in-place write would fail that backward's version check.
+        for k, value in values.items():
+            module, leaf = self._slots[replica][k]
+            module._buffers[leaf] = value
+        self._keep_agreed(replica)
+
+    def refresh(self, replica: int) -> None:
+        """Buffers were set from outside (a copy from replica 0): watch from here."""
+        self._seen[replica] = self._marks(replica, self._watched)
+        self._keep_agreed(replica)

@@ -1,0 +1,158 @@
+"""Keep a mirrored module's replica copies identical: copies, cross-replica changes, compile.
+
+* `make_replicas`: one copy per local replica device (replica 0's is the original),
+  compiled submodules compiled again on each copy (a deep copy would call the
+  original's compiled code).
+* `ReplicaMirror`: between `strategy.run` calls and inside a `merge_fn`, a mirrored
+  module reads like replica 0's copy (TF's `MirroredVariable` in cross-replica context).
+  Code there may change that copy alone: freeze a layer (`requires_grad_`), initialise
+  weights in place, switch a submodule to eval mode, update an averaged model. The
+  mirror records replica 0's state when such a section starts and, when it ends, gives
+  every replica what replica 0 has (`sections`): changed parameter and buffer values
+  (found by torch's version counters, so writes through `.data` go unseen),
+  `requires_grad` flags and submodules' training flags. Replicas never run meanwhile.
+* `compiled_context` / `compile_replicas`: `torch.compile` applied to each replica's
+  module, never to the mirrored module's own dispatch code.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from crossdevice._frameworks.torch.buffers import BufferSync
+
+__all__ = [
+    "ReplicaMirror",
+    "compile_replicas",
+    "compiled_context",
+    "make_replicas",
+    "recompile_copy",
+]
+
+
+def compiled_context(compiled_call: Callable[..., Any]) -> Any:
+    """The `torch.compile` context behind a module's `_compiled_call_impl`.
+
+    Raises:
+        RuntimeError: this torch keeps it elsewhere.
+    """
+    code = getattr(compiled_call, "__code__", None)
+    closure = getattr(compiled_call, "__closure__", None) or ()
+    for name, cell in zip(getattr(code, "co_freevars", ()), closure, strict=False):
+        if name == "self" and callable(cell.cell_contents):
+            return cell.cell_contents
+    raise RuntimeError(
+        "a submodule was compiled in place (module.compile()) before mirroring, and this "
+        "torch version does not expose how; compile after mirroring instead: "
+        "prepared_model.compile(...)"
+    )
+
+
+def recompile_copy(original: torch.nn.Module, copy_: torch.nn.Module) -> None:
+    """Give each compiled submodule of `copy_` its own compiled call, as in `original`."""
+    for source, target in zip(original.modules(), copy_.modules(), strict=True):
+        compiled = source.__dict__.get("_compiled_call_impl")
+        if compiled is not None:
+            target._compiled_call_impl = compiled_context(compiled)(target._call_impl)
+
+
+def make_replicas(
+    module: torch.nn.Module, devices: Sequence[torch.device]
+) -> list[torch.nn.Module]:
+    """`module` moved to `devices[0]`, and a deep copy on each other device."""
+    replicas = [module.to(devices[0])]
+    for device in devices[1:]:
+        replica = copy.deepcopy(module).to(device)
+        recompile_copy(module, replica)
+        replicas.append(replica)
+    return replicas
+
+
+def compile_replicas(replicas: Sequence[torch.nn.Module], context: Any) -> None:
+    """Compile every replica's module in place with one `torch.compile` context."""
+    for replica in replicas:
+        replica._compiled_call_impl = context(replica._call_impl)
+
+
+class ReplicaMirror:
+    """Gives every replica replica 0's changes made in cross-replica code (module doc).
+
+    Gradient buckets follow the `requires_grad` flags by themselves (`GradientSync`).
+
+    Args:
+        replicas: every local replica's module.
+        buffers: their buffer aggregation, told when buffers are set from replica 0.
+    """
+
+    def __init__(self, replicas: Sequence[torch.nn.Module], buffers: BufferSync) -> None:
+        self._replicas = list(replicas)
+        self._params = [list(r.parameters()) for r in replicas]
+        self._modules = [list(r.modules()) for r in replicas]
+        self._buffer_slots = [
+            [(m, name) for m in r.modules() for name in m._buffers] for r in replicas
+        ]
+        self._buffers = buffers
+        self._record: tuple[Any, ...] = ()
+        self.enter_cross_replica()
+
+    def _state(self) -> tuple[Any, ...]:
+        params = self._params[0]
+        buffers = [m._buffers[name] for m, name in self._buffer_slots[0]]
+        return (
+            [p._version for p in params],
+            [p.requires_grad for p in params],
+            [None if b is None else (id(b), b._version) for b in buffers],
+            [m.training for m in self._modules[0]],
+        )
+
+    def enter_cross_replica(self) -> None:
+        """Remember replica 0's state (the replicas agree on it now)."""
+        if len(self._replicas) > 1:
+            self._record = self._state()
+
+    def leave_cross_replica(self) -> None:
+        """Copy whatever cross-replica code changed on replica 0 to every other replica."""
+        if len(self._replicas) == 1:
+            return
+        now = self._state()
+        if now == self._record:
+            return
+        versions, flags, buffers, training = now
+        old_versions, old_flags, old_buffers, old_training = self._record
+        with torch.no_grad():
+            for k, (v, old) in enumerate(zip(versions, old_versions, strict=True)):
+                if v != old:
+                    source = self._params[0][k]
+                    for params in self._params[1:]:
+                        params[k].copy_(source)
+            for k, (b, old) in enumerate(zip(buffers, old_buffers, strict=True)):
+                if b != old:
+                    module, name = self._buffer_slots[0][k]
+                    source_buffer = module._buffers[name]
+                    for r, slots in enumerate(self._buffer_slots[1:], start=1):
+                        target_module, target_name = slots[k]
+                        target_module._buffers[target_name] = (
+                            None
+                            if source_buffer is None
+                            else source_buffer.detach().clone().to(self._device(r))
+                        )
+        if flags != old_flags:
+            for k, flag in enumerate(flags):
+                for params in self._params[1:]:
+                    params[k].requires_grad_(flag)
+        if training != old_training:
+            for k, mode in enumerate(training):
+                for modules in self._modules[1:]:
+                    modules[k].training = mode
+        for r in range(len(self._replicas)):
+            self._buffers.refresh(r)
+        self._record = self._state()
+
+    def _device(self, replica: int) -> torch.device:
+        for tensor in (*self._params[replica], *self._replicas[replica].buffers()):
+            return tensor.device
+        return torch.device("cpu")

@@ -1,0 +1,183 @@
+"""One step, one update: shared stateful objects called inside `strategy.run`.
+
+Every replica runs the step function, so an object that all replicas share and that
+changes its own state when called (an LR scheduler's `step()`, an averaged model's
+`update_parameters()`) would change N times per step. TF avoids this by design: such
+updates go through `merge_call`, which runs once, in cross-replica context. `call_once`
+is that rule for any callable, and these torch methods are routed through it while a
+strategy with several replicas is in use (`torch_patches`):
+
+* `step()` of every `torch.optim.lr_scheduler.LRScheduler` (subclasses included, also
+  those defined later) and of `ReduceLROnPlateau`;
+* `torch.optim.swa_utils.AveragedModel.update_parameters()`.
+
+Inside a replica, every replica must make the call (it is a rendezvous, like
+`merge_call`); it runs once, and every replica gets its result. Its arguments must agree
+across replicas: a metric that differs per replica is an error naming it (reduce it
+first with `ReplicaContext.all_reduce`). Outside `strategy.run`, and on a strategy with
+one replica per process, the call is an ordinary call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+from crossdevice._arrays import torch_patches
+from crossdevice._core import context, nest
+from crossdevice._values.values import PerReplica
+
+__all__ = ["call_once"]
+
+_is_compiling: Final = torch.compiler.is_compiling
+
+
+def call_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `fn(*args, **kwargs)` once per step, however many replicas call this.
+
+    Inside `strategy.run` every local replica must call it at the same point of the
+    step: `fn` runs once, in cross-replica context (TF's `merge_call`), and each replica
+    gets its result. Elsewhere it calls `fn` directly.
+
+    Args:
+        fn: the callable; it changes state that the replicas share.
+        *args: its arguments, the same on every replica (equal tensors are accepted).
+        **kwargs: its keyword arguments, likewise.
+
+    Returns:
+        What `fn` returns.
+
+    Raises:
+        ValueError: an argument differs between replicas.
+
+    Example:
+        >>> import crossdevice, crossdevice.torch
+        >>> strategy = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> calls = []
+        >>> _ = strategy.run(lambda: crossdevice.torch.call_once(calls.append, "step"))
+        >>> calls
+        ['step']
+    """
+    frame = context.current_frame()
+    if (
+        frame is None
+        or frame.replica_context is None
+        or len(frame.strategy.extended.worker_devices) == 1
+    ):
+        return fn(*args, **kwargs)
+
+    def merge_fn(strategy: Any, *merged_args: Any, **merged_kwargs: Any) -> Any:
+        del strategy
+        agreed = nest.map_structure(lambda leaf: _agreed(leaf, fn), (merged_args, merged_kwargs))
+        return fn(*agreed[0], **agreed[1])
+
+    return frame.replica_context.merge_call(merge_fn, args, kwargs)
+
+
+def _agreed(leaf: Any, fn: Callable[..., Any]) -> Any:
+    """The one value of a merged argument, or an error if the replicas disagree."""
+    if not isinstance(leaf, PerReplica):
+        return leaf
+    first, *others = leaf.values
+    for k, other in enumerate(others, start=1):
+        if not _equal(first, other):
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise ValueError(
+                f"{name} runs once per step for all replicas (crossdevice.torch.call_once), "
+                f"but its arguments differ: replica 0 passed {first!r}, replica {k} passed "
+                f"{other!r}. Pass a value every replica agrees on (reduce a per-replica "
+                "metric first: crossdevice.get_replica_context().all_reduce('mean', x)), "
+                "or call it outside strategy.run"
+            )
+    return first
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return a is b
+
+
+def _once(original: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return original(self, *args, **kwargs)
+        return call_once(original, self, *args, **kwargs)
+
+    method.__doc__ = original.__doc__
+    method.__name__ = getattr(original, "__name__", "method")
+    method.__qualname__ = getattr(original, "__qualname__", method.__name__)
+    method.__wrapped__ = original  # type: ignore[attr-defined]
+    return method
+
+
+def _scheduler_classes() -> list[type]:
+    base = torch.optim.lr_scheduler.LRScheduler
+    found: list[type] = []
+    stack: list[type] = [base, torch.optim.lr_scheduler.ReduceLROnPlateau]
+    while stack:
+        cls = stack.pop()
+        if cls not in found:
+            found.append(cls)
+            stack.extend(cls.__subclasses__())
+    return [cls for cls in found if "step" in cls.__dict__]
+
+
+class _SchedulerSteps:
+    """Patch `step` of every scheduler class defining one, now and when defined later."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[type, Any]] = []  # (class, its own step before)
+        self.init_subclass: Any = _ABSENT
+
+    def install(self) -> _SchedulerSteps:
+        for cls in _scheduler_classes():
+            self._patch(cls)
+        base = torch.optim.lr_scheduler.LRScheduler
+        self.init_subclass = base.__dict__.get("__init_subclass__", _ABSENT)
+        steps = self
+
+        def init_subclass(cls: Any, /, **kwargs: Any) -> None:
+            super(base, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+            if "step" in cls.__dict__:
+                steps._patch(cls)
+
+        base.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+        return self
+
+    def _patch(self, cls: type) -> None:
+        original = cls.__dict__["step"]
+        if original in _WRAPPERS:
+            return  # patched already
+        wrapped = _MADE.get(original)
+        if wrapped is None:  # the same wrapper every time: compiled code keeps its guards
+            wrapped = _MADE[original] = _once(original)
+            _WRAPPERS.add(wrapped)
+        self.steps.append((cls, original))
+        cls.step = wrapped  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        base = torch.optim.lr_scheduler.LRScheduler
+        if self.init_subclass is _ABSENT:
+            del base.__init_subclass__
+        else:
+            base.__init_subclass__ = self.init_subclass  # type: ignore[method-assign]
+        while self.steps:
+            cls, original = self.steps.pop()
+            cls.step = original  # type: ignore[attr-defined]
+
+
+_ABSENT: Final = object()
+_MADE: dict[Any, Any] = {}  # a class's own step -> its once-per-step wrapper
+_WRAPPERS: set[Any] = set()
+
+
+torch_patches.register(
+    torch_patches.Patch(hook=lambda: _SchedulerSteps().install()),
+    torch_patches.Patch(lambda: torch.optim.swa_utils.AveragedModel, "update_parameters", _once),
+)
