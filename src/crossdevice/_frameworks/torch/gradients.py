@@ -126,15 +126,14 @@ class GradientSync:
         self._layouts: dict[tuple[bool, ...], _Layout] = {}
         self._states = [_ReplicaState(len(self._params[0])) for _ in self._params]
         self._no_sync = [0] * len(self._params)
-        self._handles: list[Any] = []
+        # Hooks per replica and parameter; torch refuses one on a frozen parameter, so a
+        # parameter gets its hook when a pass first finds it trainable.
+        self._handles: list[list[Any]] = [[None] * len(p) for p in self._params]
         #: The one-time warning about a local mean loss under the SUM rule was given.
         self.warned_mean_loss = False
         if self.enabled:
-            for replica, replica_params in enumerate(self._params):
-                for index, param in enumerate(replica_params):
-                    self._handles.append(
-                        param.register_post_accumulate_grad_hook(self._hook(replica, index))  # type: ignore[no-untyped-call]
-                    )
+            for replica in range(len(self._params)):
+                self._hook_trainable(replica)
 
     @property
     def op(self) -> ReduceOp:
@@ -153,11 +152,13 @@ class GradientSync:
         """Context manager: backward passes inside only accumulate local gradients."""
         return _NoSync(self, replica)
 
-    def remove_hooks(self) -> None:
-        """Detach from the parameters (the module is being replaced)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def _hook_trainable(self, replica: int) -> None:
+        handles = self._handles[replica]
+        for index, param in enumerate(self._params[replica]):
+            if handles[index] is None and param.requires_grad:
+                handles[index] = param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    self._hook(replica, index)
+                )
 
     # --- layouts --------------------------------------------------------------------------
     def _layout(self, replica: int) -> _Layout:
@@ -166,6 +167,8 @@ class GradientSync:
         layout = self._layouts.get(mask)
         if layout is None:
             layout = self._layouts[mask] = _make_layout(params, mask, self._cap)
+        if self.enabled and layout is not self._states[replica].layout:
+            self._hook_trainable(replica)  # a parameter unfrozen since the last pass
         return layout
 
     # --- passes (called by backward.py on the replica's thread) ----------------------------

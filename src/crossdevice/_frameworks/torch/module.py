@@ -508,6 +508,13 @@ def _check_mirrorable(module: Any) -> None:
             f"MirroredModule expects a torch.nn.Module, got {type(module).__name__}: {module!r}"
         )
     for name, submodule in module.named_modules():
+        if getattr(submodule, "sparse", False) is True:
+            raise ValueError(
+                f"submodule {name or type(submodule).__name__!r} ({type(submodule).__name__}"
+                "(sparse=True)) makes sparse gradients, which mirrored modules do not "
+                "reduce (their gradient buckets are dense). Build it with sparse=False, and "
+                "use a dense optimizer (Adam rather than SparseAdam)"
+            )
         marked = torch_guard.mark_of(submodule)
         if marked is not None:
             strategy, index = marked

@@ -112,7 +112,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def _replica_copy(self, optimizer: torch.optim.Optimizer, replica: int) -> Any:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         memo: dict[int, Any] = {id(p): self._replica(p, replica) for p in params}
-        duplicate = copy.deepcopy(optimizer, memo)
+        # Every attribute, not only what Optimizer.__getstate__ keeps (LBFGS keeps its
+        # parameter list in `_params`).
+        duplicate = object.__new__(type(optimizer))
+        duplicate.__dict__.update(copy.deepcopy(optimizer.__dict__, memo))
         # A scheduler wraps `optimizer.step` on the instance to count calls; the copy's
         # would call the original's step.
         duplicate.__dict__.pop("step", None)

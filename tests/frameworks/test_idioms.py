@@ -1,0 +1,479 @@
+"""Torch idioms around `prepare` train like plain torch, or fail clearly.
+
+Compared with plain torch on the same global batches in float64 (replicas bitwise equal
+to each other, within 1e-12 of plain torch), on replica threads and cooperative
+replicas: every `torch.optim` optimizer, deep copies and pickles, freezing after
+`prepare`, averaged models, unused parameters with zeroed gradients, dropout under
+activation checkpointing, `torch.func` gradients, buffer aggregation, and the warning
+for a DDP-style mean loss under TF's SUM rule.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import crossdevice as cd
+from tests.frameworks.helpers import (
+    GLOBAL_BATCH,
+    assert_trains_like,
+    global_batches,
+    global_loss,
+    mirrored,
+    mlp,
+    run_on_replicas,
+)
+from tests.strategies.conftest import replica_execution
+
+MODES = ["threads", "cooperative"]
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def _train_plain(torch: Any, model: Any, optimizer: Any, data: list[Any], step: Any) -> list[Any]:
+    start = [p.detach().clone() for p in model.parameters()]
+    for i, (x, y) in enumerate(data):
+        step(model, optimizer, x, y, i)
+    return start
+
+
+def _standard(torch: Any) -> Callable[..., None]:
+    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad()
+        global_loss(torch, model, x, y).backward()
+        optimizer.step()
+
+    return step
+
+
+# --- every torch.optim optimizer ----------------------------------------------------------------
+OPTIMIZERS: list[tuple[str, Callable[[Any, Any], Any]]] = [
+    ("SGD", lambda t, p: t.optim.SGD(p, lr=0.2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("Adam", lambda t, p: t.optim.Adam(p, lr=0.05, amsgrad=True)),
+    ("AdamW", lambda t, p: t.optim.AdamW(p, lr=0.05, weight_decay=0.1)),
+    ("RMSprop", lambda t, p: t.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True)),
+    ("Adagrad", lambda t, p: t.optim.Adagrad(p, lr=0.1)),
+    ("Adadelta", lambda t, p: t.optim.Adadelta(p, lr=1.0)),
+    ("Adamax", lambda t, p: t.optim.Adamax(p, lr=0.05)),
+    ("NAdam", lambda t, p: t.optim.NAdam(p, lr=0.05)),
+    ("RAdam", lambda t, p: t.optim.RAdam(p, lr=0.05)),
+    ("ASGD", lambda t, p: t.optim.ASGD(p, lr=0.1, t0=1)),
+    ("Rprop", lambda t, p: t.optim.Rprop(p, lr=0.01)),
+    ("LBFGS", lambda t, p: t.optim.LBFGS(p, lr=0.5, max_iter=4, history_size=3)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "mode"),
+    [(name, make, "threads") for name, make in OPTIMIZERS]
+    + [(name, make, "cooperative") for name, make in OPTIMIZERS if name in ("AdamW", "LBFGS")],
+    ids=[f"{n}-threads" for n, _ in OPTIMIZERS] + ["AdamW-cooperative", "LBFGS-cooperative"],
+)
+def test_every_optimizer_trains_like_plain_torch(
+    torch: Any, cdt: Any, name: str, make: Any, mode: str
+) -> None:
+    data = global_batches(torch, 4)
+
+    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        def closure() -> Any:
+            optimizer.zero_grad()
+            loss = global_loss(torch, model, x, y)
+            loss.backward()
+            return loss
+
+        if name == "LBFGS":
+            optimizer.step(closure)
+        else:
+            closure()
+            optimizer.step()
+
+    plain = mlp(torch)
+    start = _train_plain(torch, plain, make(torch, plain.parameters()), data, step)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, make(torch, net.parameters()))
+        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
+    assert_trains_like(torch, plain, model, start)
+    assert type(optimizer.replicas[1]) is type(optimizer.replicas[0])
+
+
+def test_sparse_gradients_are_refused_at_prepare(torch: Any, cdt: Any) -> None:
+    strategy = mirrored(2)
+    with strategy.scope():
+        net = torch.nn.Embedding(10, 3, sparse=True)
+        with pytest.raises(ValueError, match=r"sparse gradients.*sparse=False"):
+            cdt.prepare(net, torch.optim.SparseAdam(net.parameters()))
+
+
+# --- copies: deepcopy, pickle, torch.save ------------------------------------------------------
+def test_a_prepared_module_deep_copies_pickles_and_saves(torch: Any, cdt: Any) -> None:
+    strategy = mirrored(4)
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(net, torch.optim.Adam(net.parameters(), lr=0.1))
+    data = global_batches(torch, 2)
+    run_on_replicas(strategy, lambda x, y, i: _standard(torch)(model, optimizer, x, y, i), data)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    duplicate = copy.deepcopy(model)  # a target network, a best-model snapshot
+    assert type(duplicate).__name__ == "MirroredModule"
+    assert duplicate.strategy is strategy
+    for replica in duplicate.replicas:
+        for (name, a), b in zip(replica.state_dict().items(), state.values(), strict=True):
+            assert torch.equal(a, b), name
+            assert a.data_ptr() not in {t.data_ptr() for t in model.state_dict().values()}
+    out = strategy.run(lambda: duplicate(torch.ones(2, 6)).sum())
+    assert len(strategy.experimental_local_results(out)) == 4
+
+    for blob in (pickle.dumps(model), pickle.dumps(model.module)):
+        loaded = pickle.loads(blob)  # a plain torch module: the strategy stays behind
+        assert type(loaded) is torch.nn.Sequential
+        for a, b in zip(loaded.state_dict().values(), state.values(), strict=True):
+            assert torch.equal(a, b)
+    for obj in (model, model.module):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert type(loaded) is torch.nn.Sequential
+    assert type(copy.deepcopy(model.module)) is torch.nn.Sequential
+    copy.deepcopy(optimizer.replicas[1])
+    pickle.dumps(optimizer.replicas[1])
+
+
+# --- changes after prepare reach every replica ------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["wrapper", "original", "inside-run"])
+def test_freezing_and_unfreezing_after_prepare_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str, how: str
+) -> None:
+    data = global_batches(torch, 6)
+
+    def schedule(model: Any, i: int) -> None:
+        if i == 1:
+            model[2].requires_grad_(True)  # frozen before prepare
+        if i == 2:
+            model[0].requires_grad_(False)
+        if i == 4:
+            model[0].requires_grad_(True)
+
+    plain = mlp(torch)
+    plain[2].requires_grad_(False)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
+
+    def plain_step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        schedule(model, i)
+        _standard(torch)(model, optimizer, x, y, i)
+
+    start = _train_plain(torch, plain, optimizer, data, plain_step)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            net[2].requires_grad_(False)
+            model, optimizer = cdt.prepare(
+                net, torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+            )
+
+        def step(x: Any, y: Any, i: int) -> None:
+            if how == "inside-run":
+                schedule(model, i)  # every replica changes its own copy alike
+            _standard(torch)(model, optimizer, x, y, i)
+
+        for i, batch in enumerate(strategy.experimental_distribute_dataset(data)):
+            if how != "inside-run":
+                schedule(model if how == "wrapper" else net, i)  # replica 0's copy only
+            strategy.run(step, args=(*batch, i))
+            frozen = [p.grad is None for p in model.replicas[0][0].parameters()]
+            if i in (2, 3):
+                for replica in model.replicas:  # a frozen layer gets no gradient anywhere
+                    assert all(p.grad is None for p in replica[0].parameters()), (i, frozen)
+    assert_trains_like(torch, plain, model, start)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_initialisation_after_prepare_reaches_every_replica(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    with replica_execution(mode):
+        strategy = mirrored(3)
+        with strategy.scope():
+            net = mlp(torch)
+            model = cdt.prepare(net)
+        torch.nn.init.constant_(model[0].weight, 0.25)  # cross-replica: replica 0's copy
+        model[2].eval()
+        seen = strategy.experimental_local_results(
+            strategy.run(lambda: (model[0].weight.detach().sum(), float(model[2].training)))
+        )
+    for weight_sum, training in seen:
+        assert float(weight_sum) == 0.25 * 48
+        assert training == 0.0
+
+
+def test_parameter_groups_added_after_prepare_reach_every_replica(torch: Any, cdt: Any) -> None:
+    strategy = mirrored(2)
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net[0].parameters(), lr=0.1))
+    optimizer.add_param_group({"params": list(model[2].parameters()), "lr": 0.3})
+    for replica, replica_optimizer in zip(model.replicas, optimizer.replicas, strict=True):
+        assert replica_optimizer.param_groups[1]["params"] == list(replica[2].parameters())
+        assert replica_optimizer.param_groups[1]["lr"] == 0.3
+    with pytest.raises(ValueError, match="belongs to no mirrored module"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+
+
+# --- one step, one update: averaged models ------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_averaged_model_updated_inside_run_updates_once_per_step(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    data = global_batches(torch, 6)
+    plain = mlp(torch)
+    plain_ema = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+
+    def plain_step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        _standard(torch)(model, optimizer, x, y, i)
+        plain_ema.update_parameters(model)
+
+    start = _train_plain(torch, plain, plain_optimizer, data, plain_step)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+            ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+        def step(x: Any, y: Any, i: int) -> Any:
+            _standard(torch)(model, optimizer, x, y, i)
+            ema.update_parameters(model)  # every replica calls it; it runs once
+            return ema(x).sum()  # the averaged model, used on the running replica
+
+        run_on_replicas(strategy, step, data)
+    assert int(ema.n_averaged) == len(data)  # not len(data) * 4
+    assert_trains_like(torch, plain, model, start)
+    assert_trains_like(torch, plain_ema.module, ema.module, start)
+
+
+# --- zero_grad(set_to_none=False) with a parameter unused in a step ------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_unused_parameter_keeps_its_zeroed_gradient(torch: Any, cdt: Any, mode: str) -> None:
+    data = global_batches(torch, 4)  # the last step leaves "unused" out
+
+    def make() -> Any:
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"used": torch.nn.Linear(6, 3), "unused": torch.nn.Linear(6, 3)})
+
+    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad(set_to_none=False)
+        logits = model["used"](x)
+        if i % 2 == 0:  # "unused" takes part in every other step only
+            logits = logits + model["unused"](x)
+        loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+        (loss / GLOBAL_BATCH).backward()
+        optimizer.step()
+
+    def sgd(params: Any) -> Any:
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.1)
+
+    plain = make()
+    start = _train_plain(torch, plain, sgd(plain.parameters()), data, step)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = make()
+            model, optimizer = cdt.prepare(net, sgd(net.parameters()))
+        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
+    for replica in model.replicas:
+        grad = replica["unused"].weight.grad
+        assert grad is not None  # plain torch keeps the zeroed tensor: decay still applies
+        assert not grad.any()
+    assert_trains_like(torch, plain, model, start)
+
+
+# --- dropout under activation checkpointing ------------------------------------------------------
+def _checkpointed(torch: Any, how: str) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc0 = torch.nn.Linear(6, 8)
+            self.block = torch.nn.Sequential(
+                torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Dropout(0.4)
+            )
+            self.fc2 = torch.nn.Linear(8, 3)
+
+        def forward(self, x: Any) -> Any:
+            h = self.fc0(x)
+            if how == "none":
+                h = self.block(h)
+            else:
+                h = checkpoint(self.block, h, use_reentrant=how == "reentrant")
+            return self.fc2(h)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _dropout_run(torch: Any, cdt: Any, how: str, replicas: int) -> list[Any]:
+    torch.manual_seed(7)
+    data = global_batches(torch, 4)
+    strategy = mirrored(replicas)
+    with strategy.scope():
+        net = _checkpointed(torch, how)
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    torch.manual_seed(11)
+    run_on_replicas(strategy, lambda x, y, i: _standard(torch)(model, optimizer, x, y, i), data)
+    for replica in model.replicas:
+        assert all(p.grad is not None for p in replica.parameters())
+    return [p.detach().clone() for p in model.replicas[0].parameters()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant"])
+def test_dropout_under_activation_checkpointing_is_reproducible_and_exact(
+    torch: Any, cdt: Any, mode: str, how: str
+) -> None:
+    with replica_execution(mode):
+        first = _dropout_run(torch, cdt, how, 4)
+        second = _dropout_run(torch, cdt, how, 4)
+        unchecked = _dropout_run(torch, cdt, "none", 4)
+    for a, b, c in zip(first, second, unchecked, strict=True):
+        assert torch.equal(a, b)  # seeded alike: bitwise the same, whatever the timing
+        # The recomputation drew the forward's masks: the same model as without it.
+        assert torch.equal(a, c)
+
+
+def test_one_replica_draws_plain_torchs_dropout_masks_under_checkpointing(
+    torch: Any, cdt: Any
+) -> None:
+    replicated = _dropout_run(torch, cdt, "non-reentrant", 1)
+    torch.manual_seed(7)
+    data = global_batches(torch, 4)
+    plain = _checkpointed(torch, "non-reentrant")
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+    torch.manual_seed(11)
+    for i, (x, y) in enumerate(data):
+        _standard(torch)(plain, optimizer, x, y, i)
+    for a, b in zip(replicated, plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+# --- gradients made outside autograd's accumulation ---------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_func_gradients_are_reduced_at_step(torch: Any, cdt: Any, mode: str) -> None:
+    from torch.func import functional_call, grad
+
+    data = global_batches(torch, 4)
+
+    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        module = getattr(model, "module", model)
+        params = dict(module.named_parameters())
+
+        def loss_fn(values: Any) -> Any:
+            logits = functional_call(module, values, (x,))
+            return torch.nn.functional.cross_entropy(logits, y, reduction="sum") / GLOBAL_BATCH
+
+        grads = grad(loss_fn)({k: v.detach() for k, v in params.items()})
+        for name, param in params.items():
+            param.grad = grads[name]  # set by hand: no backward saw it
+        optimizer.step()
+
+    plain = mlp(torch)
+    start = _train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
+    assert_trains_like(torch, plain, model, start)
+
+
+# --- buffers: a declared aggregation ------------------------------------------------------------
+def _counting(torch: Any) -> Any:
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 3)
+            self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+            self.register_buffer("peak", torch.full((), -1e9))
+            self.register_buffer("first", torch.zeros(()))
+            self.register_buffer("constant", torch.arange(3.0))  # never changed: no rule
+
+        def forward(self, x: Any) -> Any:
+            self.seen += x.shape[0]
+            self.peak.copy_(torch.maximum(self.peak, x.max()))
+            self.first.copy_(x[0, 0])
+            return self.fc(x) + self.constant
+
+    return Counting()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_buffers_combine_as_declared(torch: Any, cdt: Any, mode: str) -> None:
+    data = global_batches(torch, 3)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            model = cdt.prepare(
+                _counting(torch),
+                buffer_aggregation={"seen": "sum", "peak": "max", "first": "first_replica"},
+            )
+        run_on_replicas(strategy, lambda x, y, i: model(x).sum(), data)
+    for replica in model.replicas:
+        assert int(replica.seen) == 3 * GLOBAL_BATCH  # every example once, not a quarter
+        assert float(replica.peak) == max(float(x.max()) for x, _ in data)
+        assert float(replica.first) == float(data[-1][0][0, 0])  # replica 0's first example
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_undeclared_buffer_that_forward_changes_is_an_error(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        with strategy.scope():
+            model = cdt.prepare(_counting(torch), buffer_aggregation={"peak": "max"})
+        with pytest.raises(RuntimeError, match=r"changed buffer\(s\) \['seen', 'first'\].*"):
+            strategy.run(lambda: model(torch.ones(2, 6)))
+    with strategy.scope():
+        with pytest.raises(ValueError, match=r"'nope', which matches no buffer.*'constant'"):
+            cdt.prepare(_counting(torch), buffer_aggregation={"nope": "sum"})
+        with pytest.raises(ValueError, match=r"must be one of \['mean'"):
+            cdt.prepare(_counting(torch), buffer_aggregation={"seen": "avg"})
+        with pytest.raises(ValueError, match=r"'seen' holds torch.int64 values"):
+            cdt.prepare(_counting(torch), buffer_aggregation={"seen": "mean"})
+
+
+# --- a DDP habit under TF's SUM rule warns once -------------------------------------------------
+def test_a_local_mean_loss_under_the_sum_rule_warns_once(torch: Any, cdt: Any) -> None:
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = cdt.prepare(mlp(torch))
+    x, y = global_batches(torch, 1)[0]
+
+    def mean_loss() -> None:
+        (torch.nn.functional.cross_entropy(model(x), y) + 0.0 * model[0].weight.sum()).backward()
+
+    with pytest.warns(UserWarning, match=r"this replica's mean \(NllLoss with reduction='mean'\)"):
+        strategy.run(mean_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy.run(mean_loss)  # once per model
+        strategy.run(lambda: global_loss(torch, model, x, y).backward())
+        with strategy.scope():
+            ddp = cdt.prepare(mlp(torch), gradient_reduction="mean")
+        strategy.run(lambda: torch.nn.functional.cross_entropy(ddp(x), y).backward())
+    assert cd.get_replica_context() is not None
