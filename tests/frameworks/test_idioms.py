@@ -477,3 +477,29 @@ def test_a_local_mean_loss_under_the_sum_rule_warns_once(torch: Any, cdt: Any) -
             ddp = cdt.prepare(mlp(torch), gradient_reduction="mean")
         strategy.run(lambda: torch.nn.functional.cross_entropy(ddp(x), y).backward())
     assert cd.get_replica_context() is not None
+
+
+# --- autograd.grad inside the step: a gradient penalty -------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_penalty_with_autograd_grad_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    data = global_batches(torch, 4)
+
+    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad()
+        x = x.clone().requires_grad_(True)
+        loss = global_loss(torch, model, x, y)
+        (slope,) = torch.autograd.grad(loss, x, create_graph=True)  # a nested autograd call
+        (loss + 0.5 * slope.pow(2).sum()).backward()
+        optimizer.step()
+
+    plain = mlp(torch)
+    start = _train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
+    assert_trains_like(torch, plain, model, start)
