@@ -229,6 +229,29 @@ def test_variable_names_must_match_across_replicas(mode: str) -> None:
     assert strategy.run(lambda: cd.Variable(2.0, name="ok")).name == "ok:0"
 
 
+@pytest.mark.parametrize("mode", ["threads", "cooperative"])
+def test_variable_names_match_up_to_uniquifying_suffixes(mode: str) -> None:
+    """TF `shared_variable_creator`: names match after dropping `_<n>`, so replicas naming
+    a variable `"foo_" + str(replica_id)` make one MirroredVariable named after replica 0's
+    (checked against TF 2.21: `foo_0:0`, components `foo_0/replica_<i>:0`)."""
+    from tests.strategies.conftest import replica_execution
+
+    strategy = cd.MirroredStrategy([f"CPU:{i}" for i in range(12)])
+
+    def fn() -> Any:
+        r = _replica_id()
+        return cd.Variable(np.float32(r + 1), name="foo_" + str(r))
+
+    with replica_execution(mode):
+        v = strategy.run(fn)
+        inner = strategy.run(lambda: cd.Variable(0.0, name=f"block_{_replica_id()}/w_3"))
+    assert isinstance(v, cd.MirroredVariable)
+    assert v.name == "foo_0:0"
+    assert [c.name for c in v.values[:3]] == ["foo_0:0", "foo_0/replica_1:0", "foo_0/replica_2:0"]
+    assert [float(c.numpy()) for c in v.values] == [1.0] * 12  # replica 0's initial value
+    assert inner.name == "block_0/w_3:0"
+
+
 def test_central_storage_variable_names_must_match() -> None:
     strategy = cd.experimental.CentralStorageStrategy(["CPU:0", "CPU:1"])
     with pytest.raises(RuntimeError, match="mismatching name"):
