@@ -193,11 +193,17 @@ class Strategy:
 
             torch_guard.install()
             torch_random.install()
+        # Replicas inherit the caller's open default scope, whatever thread they run on.
+        in_default_scope = context.default_scope_open()
+        if in_default_scope:
+            self._extended._runs_in_default_scope += 1
         context.push_frame(cross)
         try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         finally:
             context.pop_frame(cross)
+            if in_default_scope:
+                self._extended._runs_in_default_scope -= 1
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
         """Reduce `value` across replicas to this worker's host (cross-replica context).
@@ -348,7 +354,18 @@ def _normalize_axis(axis: Any, rank: int) -> tuple[int, ...]:
 
 
 def _variable_creator(frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
-    return frame.strategy.extended._create_variable(frame, *args, **kwargs)
+    strategy = frame.strategy
+    extended = strategy.extended
+    if not extended._is_default and (
+        extended._runs_in_default_scope or context.default_scope_open()
+    ):
+        # TF `testScopeMostlyNoOp`: the default scope's variable creator refuses them.
+        raise RuntimeError(
+            f"Mixing different crossdevice.Strategy objects: {strategy!r} is not the default "
+            "strategy, whose scope (`with crossdevice.get_strategy().scope()`) is open around "
+            "this one; create the variable outside the default strategy's scope"
+        )
+    return extended._create_variable(frame, *args, **kwargs)
 
 
 set_variable_creator(_variable_creator)

@@ -49,6 +49,9 @@ class StrategyExtended:
 
     def __init__(self, container_strategy: Strategy) -> None:
         self._container_strategy_ref = container_strategy
+        # Runs of this strategy started inside the default strategy's scope (TF refuses
+        # their variables: `base._variable_creator`).
+        self._runs_in_default_scope = 0
 
     def _check_destinations_are_local(self, destinations: Any) -> None:
         """A device string must name a device of this worker: results land here."""
