@@ -229,16 +229,22 @@ class Strategy:
         if axis is None:
             reduced = extended.reduce_to(op, value, destinations=extended._host_device)
             return nest.map_structure(lambda x: extended._local_results(x)[0], reduced)
-        return nest.map_structure(lambda leaf: self._reduce_with_axis(op, leaf, axis), value)
+        # Every leaf's axes are checked before the first leaf is reduced.
+        leaves, structure = nest.flatten(value)
+        parts = [_components(leaf) for leaf in leaves]
+        axes = [_check_axes(axis, components, "Strategy.reduce", True) for _, components in parts]
+        return nest.unflatten(
+            structure,
+            [
+                self._reduce_with_axis(op, leaf, components, leaf_axes)
+                for (leaf, components), leaf_axes in zip(parts, axes, strict=True)
+            ],
+        )
 
-    def _reduce_with_axis(self, op: ReduceOp, value: Any, axis: Any) -> Any:
+    def _reduce_with_axis(
+        self, op: ReduceOp, value: Any, components: tuple[Any, ...], axes: tuple[int, ...]
+    ) -> Any:
         extended = self._extended
-        if isinstance(value, DistributedVariable):
-            value = PerReplica([c._value for c in value.values], devices=value._devices)
-        components = value.values if isinstance(value, DistributedValues) else (value,)
-        components = tuple(backend_for(c).asarray(c) for c in components)
-        rank = len(backend_for(components[0]).shape(components[0]))
-        axes = _normalize_axis(axis, rank)
         sums = [backend_for(c).reduce_sum(c, axes) for c in components]
         if isinstance(value, DistributedValues):
             numer: Any = PerReplica(sums, devices=value._devices)
@@ -273,18 +279,21 @@ class Strategy:
         if frame is not None and frame.replica_context is not None:
             raise RuntimeError(GATHER_REQUIRES_CROSS_REPLICA)
         require_cross_replica(self)
-        if isinstance(axis, bool) or not isinstance(axis, int):
-            raise TypeError(f"axis must be an int, got {type(axis).__name__}: {axis!r}")
         validate.fits_strategy(value, self, "Strategy.gather")
         extended = self._extended
+        # Every leaf's axis is checked before the first leaf is gathered.
+        leaves, structure = nest.flatten(value)
+        parts = [_components(leaf) for leaf in leaves]
+        for _, components in parts:
+            _check_axes(axis, components, "Strategy.gather", False)
 
         def gather_leaf(x: Any) -> Any:
             if isinstance(x, DistributedVariable):
                 x = PerReplica([c._value for c in x.values], devices=x._devices)
-            gathered = extended._gather_to(x, extended._host_device, axis, None)
+            gathered = extended._gather_to(x, extended._host_device, int(axis), None)
             return extended._local_results(gathered)[0]
 
-        return nest.map_structure(gather_leaf, value)
+        return nest.unflatten(structure, [gather_leaf(leaf) for leaf, _ in parts])
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of `value` on this worker's replicas, as a tuple."""
@@ -339,18 +348,22 @@ class Strategy:
         return f"<crossdevice.{type(self).__name__} devices={list(self._extended.worker_devices)}>"
 
 
-def _normalize_axis(axis: Any, rank: int) -> tuple[int, ...]:
-    axes = axis if isinstance(axis, list | tuple) else (axis,)
-    out = []
-    for a in axes:
-        if isinstance(a, bool) or not isinstance(a, int | np.integer):
-            raise TypeError(
-                f"axis must be an int or a tuple/list of ints, got {type(axis).__name__}: {axis!r}"
-            )
-        if not -rank <= a < rank:
-            raise ValueError(f"axis = {axis!r} out of range for value with rank {rank}")
-        out.append(int(a) % rank)
-    return tuple(out)
+def _components(leaf: Any) -> tuple[Any, tuple[Any, ...]]:
+    """`(leaf, its components as arrays)`; a distributed variable becomes a PerReplica."""
+    if isinstance(leaf, DistributedVariable):
+        leaf = PerReplica([c._value for c in leaf.values], devices=leaf._devices)
+    components = leaf.values if isinstance(leaf, DistributedValues) else (leaf,)
+    return leaf, tuple(backend_for(c).asarray(c) for c in components)
+
+
+def _check_axes(
+    axis: Any, components: tuple[Any, ...], what: str, several: bool
+) -> tuple[int, ...]:
+    """`validate.axes` against every component's rank (replicas' ranks may differ)."""
+    checked: tuple[int, ...] = ()
+    for c in components:
+        checked = validate.axes(axis, len(backend_for(c).shape(c)), what, several=several)
+    return checked
 
 
 def _variable_creator(frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
