@@ -350,9 +350,30 @@ def test_replicas_draw_their_own_reproducible_streams(torch: Any, cdt: Any, mode
 
 
 def test_random_draws_outside_replicas_are_torchs_own(torch: Any, cdt: Any) -> None:
-    torch.manual_seed(3)
-    expected = torch.rand(4, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(torch.rand(4), expected)
+    import contextlib
+
+    # A run of several replicas installs the per-replica streams (process-wide, once):
+    # run one here, so the check does not depend on another test having run a strategy.
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy.run(lambda: torch.rand(1))
+    assert hasattr(torch.rand, "__wrapped__")  # the draws below go through the wrappers
+    assert hasattr(torch.nn.functional.dropout, "__wrapped__")
+    reference = torch.Generator().manual_seed(3)
+    expected = [
+        torch.rand(4, generator=reference),
+        torch.empty(3).normal_(generator=reference),
+        torch.bernoulli(torch.full((6,), 0.5), generator=reference),
+    ]
+    for where in (contextlib.nullcontext, strategy.scope):
+        torch.manual_seed(3)
+        with where():
+            drawn = [
+                torch.rand(4),
+                torch.empty(3).normal_(),
+                torch.bernoulli(torch.full((6,), 0.5)),
+            ]
+        for got, want in zip(drawn, expected, strict=True):
+            torch.testing.assert_close(got, want)
 
 
 def test_a_single_replica_draws_from_torchs_generator(torch: Any, cdt: Any) -> None:
