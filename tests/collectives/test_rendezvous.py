@@ -9,6 +9,8 @@ strategy's runner does; a failing replica aborts the rendezvous, as the runner d
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,8 @@ from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
 from tests.collectives.replicas import run_replicas
 
 COUNTS = (1, 2, 3, 4, 8)
+#: Bound on every wait of a test for another replica (the waits themselves take ms).
+PROMPT_S = 10.0
 MODES = ("threads", "cooperative")
 
 Outcome = list[tuple[str, Any]]
@@ -243,20 +247,51 @@ def test_cooperative_replica_zero_resumes_after_its_peers_left_the_round(n: int)
 
 
 @pytest.mark.parametrize("n", [3, 4, 8])
-def test_an_abort_after_a_round_releases_replica_zero_held_back(n: int) -> None:
-    """Replica 0 held back until its peers leave is woken by an abort too (no hang)."""
+def test_an_abort_after_a_round_releases_replica_zero_held_back(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica 0, held back until its peers leave a round, is woken by an abort too.
 
-    def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
-        def replica(r: int) -> Any:
-            out = float(comm.all_reduce(r, [np.float32(r)], "sum")[0])
-            if r == n - 1:
-                rv.abort(RuntimeError("stop"))
-            return out
+    Replica 1 is kept from leaving the round (its `_leave` waits to be let go), so only
+    the abort that the last arriver makes can wake replica 0 before replica 1 leaves.
+    Replica threads only: a cooperative replica kept waiting would stop every replica.
+    """
+    rendezvous = Rendezvous(n, "test")
+    comm = ThreadCommunicator(n, "test", rendezvous)
+    let_go, zero_out = threading.Event(), threading.Event()
+    leave = rendezvous._leave
 
-        return replica
+    def held_leave(rnd: Any) -> None:
+        if threading.current_thread().name == "test-replica-1":
+            let_go.wait(PROMPT_S)
+        leave(rnd)
 
+    monkeypatch.setattr(rendezvous, "_leave", held_leave)
+
+    def replica(r: int) -> Any:
+        if r == n - 1:  # the last to arrive: every other replica, 0 included, sleeps
+            _wait_for(lambda: rendezvous._round.count == n - 1)
+        out = float(comm.all_reduce(r, [np.float32(r)], "sum")[0])
+        if r == 0:
+            zero_out.set()
+        if r == n - 1:
+            rendezvous.abort(RuntimeError("stop"))
+            woken = zero_out.wait(PROMPT_S)  # while replica 1 still has not left
+            let_go.set()
+            return out, woken
+        return out
+
+    outcome = _run("threads", rendezvous, replica)
+    total = float(sum(range(n)))
     # Every replica had its result when the abort came: it changes nothing for them.
-    assert _both(n, make) == [("ok", float(sum(range(n))))] * n
+    assert outcome == [("ok", total)] * (n - 1) + [("ok", (total, True))]
+
+
+def _wait_for(predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + PROMPT_S
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.001)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -6,13 +6,16 @@ bounded, so a hang fails the test instead of stalling the suite.
 
 from __future__ import annotations
 
+import collections
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import optree
 import pytest
 
+from crossdevice._collectives import copies as copies_module
 from crossdevice._collectives import host_all_reduce as host_all_reduce_module
 from crossdevice._collectives import host_reduce as host_reduce_module
 from crossdevice._collectives import threads as threads_module
@@ -21,6 +24,9 @@ from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from tests.collectives.replicas import raise_first, run_replicas
 from tests.conftest import Backend
 from tests.helpers import parametrize, to_numpy
+
+#: Output buffers at least this large are recycled (read before any test patches it).
+POOL_MIN_BYTES = threads_module.POOL_MIN_BYTES
 
 #: Generous bound for "released promptly" (the timeouts under test are 0.2-0.5 s); a
 #: release that needed the full wait would take 30 s.
@@ -43,12 +49,39 @@ def same_bits(a: Any, b: np.ndarray) -> bool:
 
 
 @pytest.fixture(params=["one-thread", "sharded"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run once with the last-arriver path and once with every replica reducing a slice."""
-    if request.param == "sharded":
-        monkeypatch.setattr(threads_module, "PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(threads_module, "POOL_MIN_BYTES", 0)
-    return str(request.param)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run once with the last-arriver path and once with every replica sharing the work.
+
+    "sharded" lowers the size from which a round's work is shared (reductions: each
+    replica reduces pieces; gathers and broadcasts: each copies its part) to zero, in
+    every module that reads it, and checks at the end that the rounds really took that
+    path: each kind of round the test ran with several replicas on host arrays must have
+    shared its work at least once (the threshold once moved to another module, and for
+    a while no gather or broadcast in the suite took the path).
+    """
+    if request.param == "one-thread":
+        yield "one-thread"
+        return
+    for module in (threads_module, copies_module):
+        monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(threads_module, "POOL_MIN_BYTES", 0)
+    rounds: collections.Counter[str] = collections.Counter()
+    shared: collections.Counter[str] = collections.Counter()
+    complete = ThreadCommunicator.complete
+
+    def counted(self: Any, rendezvous: Any, rnd: Any, replica_id: int) -> None:
+        complete(self, rendezvous, rnd, replica_id)
+        arrivals = rnd.arrivals
+        # A broadcast copies the root's host array; the other rounds need every replica's.
+        sources = [arrivals[arrivals[0].extra]] if rnd.kind == "broadcast" else arrivals
+        if len(arrivals) > 1 and rnd.error is None and all(a.arrays for a in sources):
+            rounds[rnd.kind] += 1
+            shared[rnd.kind] += rnd.work is not None
+
+    monkeypatch.setattr(ThreadCommunicator, "complete", counted)
+    yield "sharded"
+    for kind, count in rounds.items():
+        assert shared[kind] > 0, f"none of {count} {kind} rounds shared its work"
 
 
 def replica_data(n: int, shapes: list[tuple[int, ...]], dtype: Any, seed: int = 0) -> list[Any]:
@@ -181,7 +214,8 @@ def test_results_survive_later_collectives(path: str) -> None:
 def test_large_output_buffers_are_recycled_once_released(path: str) -> None:
     n = 2
     comm = ThreadCommunicator(n)
-    data = replica_data(n, [(threads_module.POOL_MIN_BYTES // 4 + 3,)], np.float32)
+    # The real threshold (the "sharded" path patches it to 0): a large array either way.
+    data = replica_data(n, [(POOL_MIN_BYTES // 4 + 3,)], np.float32)
     addresses = set()
     for _ in range(4):
         results, errors = run_replicas(n, lambda r: comm.all_reduce(r, data[r], "sum"))

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from crossdevice._collectives import algorithms
 from crossdevice._core.devices import num_gpus
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import VariableAggregation
@@ -41,18 +40,47 @@ BAD_DESTINATIONS: list[tuple[Any, type[Exception], str]] = [
 ]
 
 
+#: The hooks CrossDeviceOps' public methods call once their inputs are valid (template
+#: methods): every reduction, broadcast and gather of every implementation starts in one.
+#: (Counting `algorithms.sum_n` instead saw nothing of HostAllReduce, the CPU default.)
+HOOKS = (
+    "reduce_implementation",
+    "batch_reduce_implementation",
+    "broadcast_implementation",
+    "_gather_implementation",
+)
+
+
 @pytest.fixture
-def no_arithmetic(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts additions; a validation failure must leave the count at zero."""
-    calls: list[int] = []
-    real = algorithms.sum_n
+def no_arithmetic(ops: CrossDeviceOps, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The implementation hooks of `ops` that ran; a validation failure must leave it empty."""
+    calls: list[str] = []
+    for name in HOOKS:
+        real = getattr(ops, name)  # a renamed hook is an AttributeError here, not a pass
 
-    def counting(values: Any) -> Any:
-        calls.append(len(values))
-        return real(values)
+        def counting(*args: Any, _name: str = name, _real: Any = real, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(algorithms, "sum_n", counting)
+        monkeypatch.setattr(ops, name, counting)
     return calls
+
+
+def test_the_no_arithmetic_guard_sees_every_kind_of_work(
+    ops: CrossDeviceOps, backend: Backend, no_arithmetic: list[str]
+) -> None:
+    """Valid calls of each entry point: the guard must see each (else it proves nothing)."""
+    value = per_replica(backend, 3)
+    calls = [
+        lambda: ops.reduce("sum", value, "CPU:0"),
+        lambda: ops.batch_reduce("sum", [(value, value)]),
+        lambda: ops.broadcast(make(backend, [1.0], "float32"), value),
+        lambda: ops._gather(value, value, axis=0),
+    ]
+    for hook, call in zip(HOOKS, calls, strict=True):
+        call()
+        assert no_arithmetic[:1] == [hook]  # (an implementation may call other hooks too)
+        no_arithmetic.clear()
 
 
 @pytest.mark.parametrize(("destinations", "error", "message"), BAD_DESTINATIONS)

@@ -119,14 +119,20 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNccl]:
     monkeypatch.setattr(torch.cuda.nccl, "all_reduce", emulator.all_reduce)
     monkeypatch.setattr(torch.cuda.nccl, "version", emulator.version)
     monkeypatch.setattr(TorchBackend, "torch_device", lambda self, d: torch.device("cpu"))
-    if hasattr(nccl_module, "_nccl_mode"):
-        nccl_module._nccl_mode.cache_clear()
-    nccl_module.nccl_status.__dict__.get("cache_clear", lambda: None)()
+    _forget_nccl_status()
     yield emulator
     devices_module.set_logical_gpu_devices(None)
-    if hasattr(nccl_module, "_nccl_mode"):
-        nccl_module._nccl_mode.cache_clear()
-    nccl_module.nccl_status.__dict__.get("cache_clear", lambda: None)()
+    _forget_nccl_status()
+
+
+def _forget_nccl_status() -> None:
+    """Clear the cached NCCL answers (what torch saw before the patches above).
+
+    Called by name, not through hasattr or __dict__.get: a renamed cache must fail the
+    fixture, not silently keep answers cached from the real, GPU-less torch.
+    """
+    nccl_module.nccl_status.cache_clear()  # type: ignore[attr-defined]
+    assert nccl_module._nccl_mode.cache_info().currsize == 0
 
 
 def gpus(n: int) -> list[str]:

@@ -333,9 +333,30 @@ def test_replicas_draw_their_own_reproducible_streams(torch: Any, cdt: Any, mode
 
 
 def test_random_draws_outside_replicas_are_torchs_own(torch: Any, cdt: Any) -> None:
-    torch.manual_seed(3)
-    expected = torch.rand(4, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(torch.rand(4), expected)
+    import contextlib
+
+    # A run of several replicas installs the per-replica streams (process-wide, while the
+    # strategy lives): run one here, so the check does not depend on other tests.
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy.run(lambda: torch.rand(1))
+    assert hasattr(torch.rand, "__wrapped__")  # the draws below go through the wrappers
+    assert hasattr(torch.nn.functional.dropout, "__wrapped__")
+    reference = torch.Generator().manual_seed(3)
+    expected = [
+        torch.rand(4, generator=reference),
+        torch.empty(3).normal_(generator=reference),
+        torch.bernoulli(torch.full((6,), 0.5), generator=reference),
+    ]
+    for where in (contextlib.nullcontext, strategy.scope):
+        torch.manual_seed(3)
+        with where():
+            drawn = [
+                torch.rand(4),
+                torch.empty(3).normal_(),
+                torch.bernoulli(torch.full((6,), 0.5)),
+            ]
+        for got, want in zip(drawn, expected, strict=True):
+            torch.testing.assert_close(got, want)
 
 
 def test_a_single_replica_draws_from_torchs_generator(torch: Any, cdt: Any) -> None:
@@ -362,6 +383,45 @@ def draws():
 a, b = draws(), draws()
 assert a == b, (a, b)
 assert len({tuple(x) for x in a}) == 3, a
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def test_torch_is_untouched_while_no_strategy_uses_it(torch: Any) -> None:
+    # A fresh process: torch's functions are replaced from a multi-replica strategy's
+    # first run until it is closed or collected, and never by a one-replica strategy.
+    import subprocess
+    import sys
+
+    code = """
+import gc, torch, crossdevice, crossdevice.torch
+before = (torch.rand, torch.nn.Module.__call__, torch.autograd.backward, torch.get_rng_state)
+def same():
+    now = (torch.rand, torch.nn.Module.__call__, torch.autograd.backward, torch.get_rng_state)
+    return all(a is b for a, b in zip(before, now))
+crossdevice.config.set_logical_cpu_devices(2)
+one = crossdevice.OneDeviceStrategy("CPU:0")
+one.run(lambda: torch.rand(1))
+assert same(), "a one-replica strategy patched torch"
+two = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+with two.scope():
+    model = crossdevice.torch.prepare(torch.nn.Linear(2, 1))
+assert same(), "patched before any run"
+two.run(lambda: model(torch.ones(1, 2)).sum().backward())
+assert not same(), "not patched inside use"
+del model
+two.close()
+assert same(), "still patched after close"
+three = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+three.run(lambda: torch.rand(1))
+assert not same()
+del three
+gc.collect()
+assert same(), "still patched after the strategy was collected"
 print("ok")
 """
     done = subprocess.run(

@@ -18,11 +18,13 @@ def test_get_next_as_optional_until_the_end() -> None:
     dataset = DistributedDataset([np.arange(4.0), np.arange(4.0, 8.0)], devices=("CPU:0", "CPU:1"))
     iterator = iter(dataset)
     seen = []
-    while True:
+    for _ in range(10):  # bounded: an iterator that never ends fails instead of hanging
         optional = iterator.get_next_as_optional()
         if not optional.has_value():
             break
         seen.append([v.tolist() for v in optional.get_value().values])
+    else:
+        pytest.fail(f"get_next_as_optional still had values after 10 steps: {seen}")
     assert seen == [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]]]
     # Exhausted stays exhausted, and get_value on an empty Optional is an error.
     empty = iterator.get_next_as_optional()

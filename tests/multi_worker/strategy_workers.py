@@ -126,3 +126,32 @@ def stall_in_all_reduce(rank: int, world_size: int, culprit: int, how: str) -> A
             "elapsed": time.monotonic() - start,
         }
     return {"type": None, "elapsed": time.monotonic() - start}
+
+
+def sync_on_read_on_chief_only(rank: int, world_size: int, local: int) -> dict[str, Any]:
+    """A metric (a SyncOnRead variable) read on the chief only, as a user logging it might;
+    the other workers go on to the next step, whose dataset check is a collective too."""
+    import crossdevice as cd
+
+    strategy = _strategy(local, timeout=20.0)
+    with strategy.scope():
+        total = cd.Variable(0.0, synchronization="ON_READ", aggregation="sum", name="loss_sum")
+    batches = [np.ones((2 * world_size * local, 1), np.float32)] * 3
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+
+    def step(x: Any) -> None:
+        total.assign_add(float(np.sum(x)))
+
+    strategy.run(step, args=(next(iterator),))
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            print(float(total.numpy()))  # the chief logs the metric: a collective
+        strategy.run(step, args=(next(iterator),))
+    except Exception as err:
+        return {
+            "type": type(err).__name__,
+            "message": str(err),
+            "elapsed": time.monotonic() - start,
+        }
+    return {"type": None}

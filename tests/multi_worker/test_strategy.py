@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 
 from tests.multi_worker.harness import run_workers
-from tests.multi_worker.strategy_workers import scenarios, stall_in_all_reduce
+from tests.multi_worker.strategy_workers import (
+    scenarios,
+    stall_in_all_reduce,
+    sync_on_read_on_chief_only,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -81,6 +85,32 @@ def test_missing_worker_times_out_naming_the_collective(how: str) -> None:
     for rank in (0, 1):
         out = results[rank].unwrap()
         assert out["type"] == expected, out
-        assert "all_reduce" in out["message"]
-        assert "2" in out["message"]  # the missing rank is named
+        message = out["message"]
+        if how == "stall":
+            assert message.startswith(f"all_reduce #2 on rank {rank} of 3 timed out after 3 s"), (
+                message
+            )
+            assert ": rank(s) [2] (global replicas [2]) did not arrive at it." in message, message
+        else:  # named first (rank 1 may also see rank 0's store go, once rank 0 has exited)
+            assert message.startswith(
+                f"all_reduce #2 on rank {rank} of 3: a peer failed: rank 2 (global replicas [2])"
+            ), message
+            assert "stopped sending heartbeats" in message, message
+        assert out["elapsed"] < 10.0
+
+
+def test_sync_on_read_read_on_the_chief_only_names_the_variable() -> None:
+    """Issue 23: the chief logs a metric, the other worker goes on to `next(iterator)`.
+    Every worker's error says what each was doing: the read is a collective all make."""
+    results = run_workers(sync_on_read_on_chief_only, 2, args=(1,), timeout=90)
+    for rank in (0, 1):
+        out = results[rank].unwrap()
+        assert out["type"] == "CollectiveMismatchError", out
+        message = out["message"]
+        assert (
+            "reading SyncOnReadVariable 'loss_sum:0' in cross-replica context, which reduces "
+            "it across the workers: a collective every worker must make at the same point"
+        ) in message, message
+        assert "rank 1: has_data #4" in message
+        assert "next(iterator) of a distributed" in message
         assert out["elapsed"] < 10.0

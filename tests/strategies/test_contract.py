@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import crossdevice as cd
-from tests.helpers import to_numpy
+from tests.helpers import to_numpy, within
 
 
 def _replica_value(strategy: Any, backend: Any, shape: tuple[int, ...] = (3,)) -> Any:
@@ -147,6 +147,25 @@ def test_merge_call_regroups_and_unpacks(strategy: Any) -> None:
     assert len(seen) == 1  # merge_fn ran once
     assert seen[0][1] is shared
     assert list(strategy.experimental_local_results(result)) == [10 * i for i in range(n)]
+
+
+def test_run_inside_merge_fn(strategy: Any, backend: Any) -> None:
+    """TF runs a nested `strategy.run` from merge_fn on fresh replicas (issue 23: one
+    replica hung); each outer replica gets its own component of the nested result."""
+    n = strategy.num_replicas_in_sync
+
+    def inner() -> Any:
+        ctx = cd.get_replica_context()
+        one = backend.make(np.ones(2, np.float32))
+        return ctx.replica_id_in_sync_group, ctx.all_reduce("sum", one)
+
+    def step() -> Any:
+        return cd.get_replica_context().merge_call(lambda s: s.run(inner))
+
+    results = within(10.0, lambda: strategy.experimental_local_results(strategy.run(step)))
+    assert [r for r, _ in results] == list(range(n))
+    for _, reduced in results:
+        np.testing.assert_array_equal(to_numpy(reduced), np.full(2, float(n)))
 
 
 def test_reduce_with_and_without_axis(strategy: Any, backend: Any) -> None:

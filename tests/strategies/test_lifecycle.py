@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import crossdevice as cd
+from tests.helpers import within
 from tests.strategies.conftest import replica_execution
 
 MODES = ("threads", "cooperative")
@@ -69,23 +70,48 @@ def test_dropping_200_strategies_returns_the_thread_count_to_baseline() -> None:
     _wait_until(lambda: not any(t.is_alive() for t in mine), 1.0)
 
 
-def test_run_inside_merge_fn_runs_like_tf(mode: str) -> None:
+#: Strategies a nested run is checked on: MirroredStrategy with 1 to 4 replicas (one
+#: replica used to hang: its merge_fn ran outside the runner, whose run lock the nested
+#: run then waited for), OneDeviceStrategy and the default strategy.
+NESTED = {
+    **{
+        f"mirrored{n}": (lambda n=n: cd.MirroredStrategy([f"CPU:{i}" for i in range(n)]))
+        for n in (1, 2, 3, 4)
+    },
+    "one_device": lambda: cd.OneDeviceStrategy("CPU:0"),
+    "default": cd.get_strategy,
+}
+
+
+@pytest.mark.parametrize("make", list(NESTED.values()), ids=list(NESTED))
+def test_run_inside_merge_fn_runs_like_tf(mode: str, make: Any) -> None:
+    """TF's merge_fn runs on the caller's thread, where `strategy.run` starts a fresh set of
+    replica threads: the nested run's results come back to merge_fn, then each outer
+    replica gets its own component (checked against TF 2.21, MirroredStrategy on 1 to 4
+    logical CPUs)."""
     del mode
-    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    strategy = make()
+    n = strategy.num_replicas_in_sync
 
     def inner() -> Any:
-        return cd.get_replica_context().all_reduce("sum", np.float32(2))
+        ctx = cd.get_replica_context()
+        return ctx.replica_id_in_sync_group, ctx.all_reduce("sum", np.float32(2))
 
     def step() -> Any:
         ctx = cd.get_replica_context()
         nested = ctx.merge_call(lambda s: s.run(lambda: 1))
-        reduced = ctx.merge_call(lambda s: s.experimental_local_results(s.run(inner)))
-        return nested, float(reduced[ctx.replica_id_in_sync_group])
+        replica, reduced = ctx.merge_call(lambda s: s.run(inner))
+        return nested, replica, float(reduced)
 
-    results = strategy.experimental_local_results(strategy.run(step))
-    assert results == ((1, 6.0),) * 3
-    strategy.run(lambda: cd.get_replica_context().merge_call(lambda st: st.run(lambda: 1)))
-    assert float(strategy.experimental_local_results(strategy.run(inner))[2]) == 6.0
+    def runs() -> Any:
+        results = strategy.experimental_local_results(strategy.run(step))
+        strategy.run(lambda: cd.get_replica_context().merge_call(lambda st: st.run(lambda: 1)))
+        after = strategy.experimental_local_results(strategy.run(inner))
+        return results, after
+
+    results, after = within(10.0, runs)
+    assert results == tuple((1, r, 2.0 * n) for r in range(n))
+    assert [(r, float(x)) for r, x in after] == [(r, 2.0 * n) for r in range(n)]
 
 
 @pytest.mark.parametrize("state", ["no_grad", "inference_mode", "autocast"])

@@ -120,9 +120,43 @@ def test_default_scope_inside_another_strategy_is_an_error(mirrored: Any) -> Non
     _assert_in_default_state()
 
 
-def test_other_scope_inside_default_scope_still_works(mirrored: Any) -> None:
-    with cd.get_strategy().scope(), mirrored.scope():
-        assert cd.get_cross_replica_context() is mirrored
+@pytest.mark.parametrize("mode", ["threads", "cooperative"])
+@pytest.mark.parametrize("make", SINGLE_WORKER[:3], ids=SINGLE_WORKER_IDS[:3])
+def test_other_strategy_inside_default_scope_creates_no_variables(make: Any, mode: str) -> None:
+    """TF `DefaultDistributionStrategyTest.testScopeMostlyNoOp`: another strategy's scope
+    may be entered inside the default one's, but a variable created there is "Mixing
+    different ... Strategy objects"; so is one created in a run or merge_fn started there
+    (checked against TF 2.21); after the default scope, creating works again."""
+    from tests.strategies.conftest import replica_execution
+
+    strategy = make()
+
+    def mixing() -> Any:
+        return pytest.raises(RuntimeError, match=r"^Mixing different crossdevice\.Strategy")
+
+    def merge() -> Any:
+        return cd.get_replica_context().merge_call(lambda s: cd.Variable(2.0))
+
+    scope = cd.get_strategy().scope()
+    with replica_execution(mode), scope:
+        _assert_in_default_state()
+        with strategy.scope():
+            assert cd.get_cross_replica_context() is strategy
+            with mixing():
+                cd.Variable(1.0, name="error")
+        with scope:  # the same scope again, nested
+            _assert_in_default_state()
+            with strategy.scope(), mixing():
+                cd.Variable(1.0, name="also_error")
+        with mixing():
+            strategy.run(lambda: cd.Variable(1.0))
+        with mixing():
+            strategy.run(merge)
+        assert type(cd.Variable(1.0)) is cd.Variable  # the default strategy's own: fine
+    _assert_in_default_state()
+    with strategy.scope():
+        assert cd.Variable(1.0, name="after").name == "after:0"
+    assert strategy.run(lambda: cd.Variable(3.0, name="in_run")).name == "in_run:0"
 
 
 # --- bug 4: CentralStorage returns a variable made inside run --------------------------------
@@ -227,6 +261,29 @@ def test_variable_names_must_match_across_replicas(mode: str) -> None:
         strategy.run(fn)
     # The strategy is still usable afterwards.
     assert strategy.run(lambda: cd.Variable(2.0, name="ok")).name == "ok:0"
+
+
+@pytest.mark.parametrize("mode", ["threads", "cooperative"])
+def test_variable_names_match_up_to_uniquifying_suffixes(mode: str) -> None:
+    """TF `shared_variable_creator`: names match after dropping `_<n>`, so replicas naming
+    a variable `"foo_" + str(replica_id)` make one MirroredVariable named after replica 0's
+    (checked against TF 2.21: `foo_0:0`, components `foo_0/replica_<i>:0`)."""
+    from tests.strategies.conftest import replica_execution
+
+    strategy = cd.MirroredStrategy([f"CPU:{i}" for i in range(12)])
+
+    def fn() -> Any:
+        r = _replica_id()
+        return cd.Variable(np.float32(r + 1), name="foo_" + str(r))
+
+    with replica_execution(mode):
+        v = strategy.run(fn)
+        inner = strategy.run(lambda: cd.Variable(0.0, name=f"block_{_replica_id()}/w_3"))
+    assert isinstance(v, cd.MirroredVariable)
+    assert v.name == "foo_0:0"
+    assert [c.name for c in v.values[:3]] == ["foo_0:0", "foo_0/replica_1:0", "foo_0/replica_2:0"]
+    assert [float(c.numpy()) for c in v.values] == [1.0] * 12  # replica 0's initial value
+    assert inner.name == "block_0/w_3:0"
 
 
 def test_central_storage_variable_names_must_match() -> None:

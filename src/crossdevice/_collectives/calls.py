@@ -33,10 +33,14 @@ class Call:
     speculated: bool = False  # its data went with the fingerprints (speculation.py)
     #: The results, when the data went through shared memory (one per non-empty buffer).
     outputs: list[torch.Tensor] | None = None
+    #: What it is for, in the user's words (`crossdevice._core.purpose`), or "".
+    purpose: str = ""
 
     @property
     def label(self) -> str:
-        """`all_reduce #7`."""
+        """`all_reduce #7`, or `all_reduce #7 (reading SyncOnReadVariable 'm:0', ...)`."""
+        if self.purpose:
+            return f"{self.name} #{self.seq} ({self.purpose})"
         return f"{self.name} #{self.seq}"
 
     def remaining(self) -> float:

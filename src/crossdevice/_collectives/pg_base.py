@@ -44,6 +44,7 @@ from crossdevice._collectives.wire import (
     wire_dtype,
 )
 from crossdevice._collectives.worker_health import HealthBoard
+from crossdevice._core import purpose
 from crossdevice._core.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -279,6 +280,8 @@ class CommunicatorBase(SharedRounds):
             # Every worker saw the same table, so every worker is here: one more fixed-size
             # exchange, on the error path only, brings each worker's readable detail.
             text = detail() if detail is not None else ""
+            if call.purpose:  # what this worker was doing, for every worker to read
+                text = f"{call.purpose}; {text}" if text else call.purpose
             mine_detail = torch.from_numpy(fp.encode_detail(text))
             got = torch.empty((n, fp.DETAIL_BYTES), dtype=torch.uint8)
             gouts = list(got.unbind(0))
@@ -458,7 +461,7 @@ class CommunicatorBase(SharedRounds):
             if options is not None and options.timeout_seconds:
                 # The groups' own timeout (ours + slack) was fixed at construction.
                 timeout = min(timeout, options.timeout_seconds)
-            yield _Call(name, self._seq, timeout, time.monotonic())
+            yield _Call(name, self._seq, timeout, time.monotonic(), purpose=purpose.current())
         finally:
             self._lock.release()
 

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
+from crossdevice._collectives.store_logging import quiet_store
+
 __all__ = ["DEAD_AFTER_SECONDS", "HEARTBEAT_SECONDS", "HealthBoard", "PeerFailure"]
 
 #: How often the publisher thread looks for a new arrival mark to publish. Publishing
@@ -69,8 +71,9 @@ class HealthBoard:
         self._rank = rank
         self._world_size = world_size
         self._store_host = store_host
-        self._pub_store = connect()
-        self._store = connect()
+        # Calls that fail once the store's host is gone must not print C++ frames.
+        self._pub_store = quiet_store(connect())
+        self._store = quiet_store(connect())
         self._published = -1
         self._beat = 0
         self._stop = threading.Event()

@@ -29,6 +29,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal
 
+from crossdevice._core.validate import safe_repr
+
 __all__ = [
     "COLLECTIVE_TASK_TYPES",
     "MAX_TASKS",
@@ -96,9 +98,39 @@ def parse_index(value: object, what: str) -> int:
     """
     if type(value) is int and value >= 0:
         return value
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9:
+    if (
+        type(value) is str  # not a _LongInt: that is an int literal too long to convert
+        and value.isascii()
+        and value.isdigit()
+        and len(value) <= 9
+    ):
         return int(value)
-    raise ValueError(f"{what} must be an integer >= 0 (an int or ASCII digits), got {value!r:.80}")
+    raise ValueError(
+        f"{what} must be an integer >= 0 (an int or ASCII digits), got {safe_repr(value):.80}"
+    )
+
+
+class _LongInt(str):
+    """An integer literal of `TF_CONFIG` too long to be any index or port, kept as text.
+
+    Python refuses `int()` of more than 4300 digits with a ValueError of its own
+    (CVE-2020-10735), which would reach the user instead of the message that names
+    the field (`parse_index`); no TF_CONFIG number needs more than `_MAX_INT_DIGITS`.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"<an integer of {len(self.lstrip('-'))} digits: {str.__str__(self)[:12]}...>"
+
+
+#: The most digits a TF_CONFIG integer is converted with (a port has 5, an index fewer).
+_MAX_INT_DIGITS: Final = 100
+
+
+def _json_int(text: str) -> int | _LongInt:
+    """`json.loads`'s `parse_int`: an int, or a `_LongInt` for absurdly long literals."""
+    return _LongInt(text) if len(text) > _MAX_INT_DIGITS else int(text)
 
 
 #: Where a `Cluster` description came from.
@@ -345,7 +377,7 @@ def load_tf_config(text: str | None) -> dict[str, Any]:
             "expected a cluster description of a few KiB"
         )
     try:
-        config = json.loads(text)
+        config = json.loads(text, parse_int=_json_int)
     except RecursionError:
         raise ValueError(
             "TF_CONFIG nests too deeply to be a cluster description; expected "

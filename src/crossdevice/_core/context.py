@@ -22,6 +22,8 @@ __all__ = [
     "Frame",
     "copy_stack",
     "current_frame",
+    "default_scope_open",
+    "enter_default_scope",
     "entered",
     "pop_frame",
     "push_frame",
@@ -50,6 +52,8 @@ class Frame:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.stack: list[Frame] = []
+        # Open `with default_strategy.scope()` blocks: they push no frame (TF).
+        self.default_scopes = 0
 
 
 _LOCAL = _Local()
@@ -91,6 +95,20 @@ def swap_stack(stack: list[Frame]) -> list[Frame]:
     old = _LOCAL.stack
     _LOCAL.stack = stack
     return old
+
+
+def enter_default_scope(opened: bool) -> None:
+    """Count a default strategy's scope opened (`opened`) or closed on this thread.
+
+    TF's default scope pushes no context but installs a variable creator that refuses
+    variables of any other strategy while it is open (`_DefaultDistributionContext`).
+    """
+    _LOCAL.default_scopes += 1 if opened else -1
+
+
+def default_scope_open() -> bool:
+    """Whether this thread is inside a `with default_strategy.scope()` block."""
+    return _LOCAL.default_scopes > 0
 
 
 def stack_depth() -> int:

@@ -13,6 +13,11 @@ do). The checks:
 * `function`: `run(fn)` and `merge_call(fn)` need a callable.
 * `timeout_seconds`: a finite number of seconds up to `MAX_TIMEOUT_SECONDS`, or None.
 * `single_device`: `OneDeviceStrategy` takes one device string, not a list.
+* `axes`: the axis of `reduce` (an int or distinct ints), `gather`, `all_gather` and
+  `CrossDeviceOps` gathers (one int), checked against the value's rank: TypeError for
+  the wrong type, ValueError out of range or repeated, as TF.
+* `describe` / `safe_repr`: a received value for messages, safe for any value (an int
+  too long for `repr`, a repr that raises) and cut at 200 characters.
 
 Devices that do not exist are checked where devices are parsed
 (`devices.check_device_exists`, which `crossdevice.device` and every strategy call).
@@ -28,8 +33,11 @@ import optree
 
 __all__ = [
     "MAX_TIMEOUT_SECONDS",
+    "axes",
+    "describe",
     "function",
     "reducible",
+    "safe_repr",
     "single_device",
     "timeout_seconds",
 ]
@@ -270,3 +278,69 @@ def single_device(device: Any, what: str) -> None:
             f"write {what}({device[0]!r})"
         )
     raise TypeError(f"{what} takes one device string such as 'CPU:0', got {device!r}")
+
+
+def describe(x: object) -> str:
+    """`type: repr` of a received value, for error messages (see `safe_repr`)."""
+    return f"{type(x).__name__}: {safe_repr(x)}"
+
+
+def safe_repr(x: object) -> str:
+    """`repr(x)` cut at 200 characters, for error messages, whatever the value.
+
+    Python refuses `repr` of an int of more than 4300 digits (ValueError), and a user's
+    `__repr__` may raise: neither may replace the error being reported.
+    """
+    if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 128:
+        digits = int(x.bit_length() * math.log10(2)) + 1
+        return f"<an int of about {digits} digits>"
+    try:
+        text = repr(x)
+    except Exception as exc:  # the message must survive a broken __repr__
+        return f"<unprintable {type(x).__name__}: repr raised {type(exc).__name__}>"
+    return text[:200] + "..." if len(text) > 200 else text
+
+
+def axes(axis: Any, rank: int, what: str, *, several: bool) -> tuple[int, ...]:
+    """The axes `axis` names in a value of rank `rank`, each in `[0, rank)`.
+
+    Args:
+        axis: what the caller passed.
+        rank: the value's number of dimensions.
+        what: the entry point, for the message (e.g. `"Strategy.reduce"`).
+        several: whether a tuple or list of distinct ints is accepted (reductions); else
+            one int (gathers: the result has one element).
+
+    Raises:
+        TypeError: not an int (nor, with `several`, a tuple or list of ints), as TF.
+        ValueError: an axis out of range (TF: "axis = ... out of range for value with
+            rank ..."), a repeated axis, or a gather of a scalar.
+    """
+    expected = "an int or a tuple/list of distinct ints" if several else "an int"
+    named = axis if several and isinstance(axis, list | tuple) else (axis,)
+    for a in named:
+        if isinstance(a, bool) or not isinstance(a, int | np.integer):
+            raise TypeError(
+                f"{what}: axis must be {expected}, got {describe(axis)}; pass the axis "
+                "number, e.g. axis=0 for the batch axis"
+            )
+    if rank == 0 and not several:
+        raise ValueError(
+            f"{what}: axis = {safe_repr(axis)} out of range for value with rank 0: scalars "
+            "cannot be gathered; give each replica's value at least one dimension"
+        )
+    out: list[int] = []
+    for a in named:
+        if not -rank <= a < rank:
+            raise ValueError(
+                f"{what}: axis = {safe_repr(axis)} out of range for value with rank {rank}; "
+                f"expected {'each axis' if several else 'an int'} in [{-rank}, {rank})"
+            )
+        k = int(a) % rank
+        if k in out:
+            raise ValueError(
+                f"{what}: axis = {safe_repr(axis)} names axis {k} more than once (a value of "
+                f"rank {rank}); expected {expected}: give each axis once"
+            )
+        out.append(k)
+    return tuple(out)

@@ -186,7 +186,9 @@ class CrossDeviceOps(abc.ABC):
         options = inputs.check_options(options)
         value = inputs.make_per_replica(per_replica_value)
         first = inputs.as_array(value.values[0])
-        axis = inputs.check_axis(axis, len(backend_for(first).shape(first)))
+        (axis,) = validate.axes(
+            axis, len(backend_for(first).shape(first)), "CrossDeviceOps._gather", several=False
+        )
         inputs.component_arrays(value, gather_axis=axis)
         get_devices_from(destinations)
         if (

@@ -20,6 +20,7 @@ from crossdevice._core.devices import (
     current_device,
     get_logical_cpu_devices,
 )
+from crossdevice._core.validate import describe
 from crossdevice._values.values import DistributedValues
 from crossdevice._values.variables import Variable
 
@@ -63,13 +64,6 @@ def _is_array_destination(x: object) -> bool:
     return isinstance(x, np.ndarray | np.generic) or is_torch(x)
 
 
-def _describe(x: object) -> str:
-    text = repr(x)
-    if len(text) > 200:
-        text = text[:200] + "..."
-    return f"{type(x).__name__}: {text}"
-
-
 def get_devices_from(destinations: Any) -> tuple[str, ...]:
     """The canonical devices of `destinations`, after validating it.
 
@@ -108,12 +102,12 @@ def get_devices_from(destinations: Any) -> tuple[str, ...]:
         devices = (own or host_device(),)
     else:
         raise ValueError(
-            f"destinations must be one of {_KINDS}; got {_describe(destinations)}. "
+            f"destinations must be one of {_KINDS}; got {describe(destinations)}. "
             "To reduce to several devices pass a DistributedValues on them (or the value "
             "itself for an all-reduce), not a list of device strings"
         )
     if not devices:
-        raise ValueError(f"destinations can not be empty; got {_describe(destinations)}")
+        raise ValueError(f"destinations can not be empty; got {describe(destinations)}")
     check_devices_exist(devices)
     return devices
 

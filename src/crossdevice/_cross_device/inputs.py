@@ -12,25 +12,18 @@ import numpy as np
 
 from crossdevice._arrays import backend_for, is_array, is_torch
 from crossdevice._core.options import CommunicationOptions
+from crossdevice._core.validate import describe
 from crossdevice._cross_device.destinations import host_device
 from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import Variable
 
 __all__ = [
     "as_array",
-    "check_axis",
     "check_options",
     "check_pairs",
     "component_arrays",
     "make_per_replica",
 ]
-
-
-def _describe(x: object) -> str:
-    text = repr(x)
-    if len(text) > 200:
-        text = text[:200] + "..."
-    return f"{type(x).__name__}: {text}"
 
 
 def as_array(x: Any) -> Any:
@@ -45,7 +38,7 @@ def as_array(x: Any) -> Any:
         return backend_for(x).asarray(x)
     raise ValueError(
         "expected an array (a NumPy array, a torch tensor or a Python number) or a "
-        f"Variable; got {_describe(x)}. Convert the value to an array first"
+        f"Variable; got {describe(x)}. Convert the value to an array first"
     )
 
 
@@ -64,7 +57,7 @@ def make_per_replica(value: Any) -> DistributedValues:
     if isinstance(value, list | tuple):
         raise ValueError(
             "Cannot convert `input_tensor` to a `PerReplica` object, got "
-            f"{_describe(value)} but expected an object that is not a tuple or list. "
+            f"{describe(value)} but expected an object that is not a tuple or list. "
             "Pass a PerReplica (one component per replica) or a single array"
         )
     if isinstance(value, Variable):
@@ -75,7 +68,7 @@ def make_per_replica(value: Any) -> DistributedValues:
         return PerReplica((array,), devices=(own or host_device(),))
     raise ValueError(
         "Cannot convert `input_tensor` to a `PerReplica` object because it doesn't have a "
-        f"device set: expected a DistributedValues, an array or a Variable, got {_describe(value)}"
+        f"device set: expected a DistributedValues, an array or a Variable, got {describe(value)}"
     )
 
 
@@ -138,24 +131,6 @@ def _shapes_agree(a: tuple[int, ...], b: tuple[int, ...], axis: int | None) -> b
     return all(x == y for k, (x, y) in enumerate(zip(a, b, strict=True)) if k != axis)
 
 
-def check_axis(axis: Any, rank: int) -> int:
-    """A gather axis as a non-negative int (TF's messages: TypeError or ValueError)."""
-    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
-        raise TypeError(f"axis must be an int, got {_describe(axis)}")
-    axis = int(axis)
-    if rank == 0:
-        raise ValueError(
-            f"axis = {axis!r} out of range for value with rank 0: scalars cannot be gathered; "
-            "give each replica's value at least one dimension"
-        )
-    if not -rank <= axis < rank:
-        raise ValueError(
-            f"axis = {axis!r} out of range for value with rank {rank}; "
-            f"expected an int in [{-rank}, {rank})"
-        )
-    return axis % rank
-
-
 def check_options(options: Any) -> CommunicationOptions:
     """`options` or the default options; TypeError for anything else."""
     if options is None:
@@ -163,7 +138,7 @@ def check_options(options: Any) -> CommunicationOptions:
     if not isinstance(options, CommunicationOptions):
         raise TypeError(
             "options must be a crossdevice.experimental.CommunicationOptions or None; got "
-            f"{_describe(options)}"
+            f"{describe(options)}"
         )
     return options
 
@@ -182,19 +157,19 @@ def check_pairs(value_destination_pairs: Any) -> list[tuple[DistributedValues, A
     ):
         raise ValueError(
             "value_destination_pairs should be a list or tuple of (value, destinations) "
-            f"tuples; got {_describe(value_destination_pairs)}"
+            f"tuples; got {describe(value_destination_pairs)}"
         )
     pairs = []
     for i, pair in enumerate(value_destination_pairs):
         if not isinstance(pair, tuple):
             raise ValueError(
                 "Each element of `value_destination_pairs` should be a tuple; element "
-                f"{i} is {_describe(pair)}. Write [(value, destinations), ...]"
+                f"{i} is {describe(pair)}. Write [(value, destinations), ...]"
             )
         if len(pair) != 2:
             raise ValueError(
                 "Each element of `value_destination_pairs` should be a tuple of size 2; "
-                f"element {i} has {len(pair)} items: {_describe(pair)}"
+                f"element {i} has {len(pair)} items: {describe(pair)}"
             )
         pairs.append((make_per_replica(pair[0]), pair[1]))
     return pairs

@@ -20,7 +20,9 @@ Rules (docs/design.md §3):
   while a replica is stuck in user code; such a replica is abandoned and the next run
   first waits briefly for it, else raises a RuntimeError naming it.
 * `strategy.run` inside a `merge_fn` (TF allows it) runs on a nested runner: the outer
-  replicas are all parked in that merge_call meanwhile.
+  replicas are all parked in that merge_call meanwhile. Every merge_fn runs through
+  `run_merge_fn`, a single replica's too (it needs no rendezvous round), so any replica
+  count nests.
 
 Small steps may run as cooperative replicas instead, greenlets taking turns on the
 caller's thread (`crossdevice._replica.cooperative`, chosen by `set_replica_execution`).
@@ -254,16 +256,14 @@ class ReplicaRunner:
         def merge_here(inputs: list[Any]) -> list[Any]:
             # merge_fn sees the caller's device scope, not this replica thread's.
             replica_devices = devices.swap_device_stack(list(self._caller_devices))
-            outer, self._merging = self._merging, threading.get_ident()
             try:
-                return merge(inputs)
+                return self.run_merge_fn(merge, inputs)
             except BaseException as exc:
                 # merge_fn's error is the run's, reported once; no replica may catch it as
                 # an Exception, not even the one that ran merge_fn.
                 self._fail(replica_id, exc)
                 raise ReplicaAbortedError() from exc
             finally:
-                self._merging = outer
                 devices.swap_device_stack(replica_devices)
 
         cuda_run = self._cuda_run
@@ -277,6 +277,20 @@ class ReplicaRunner:
         )
         cuda_run.resume(replica_id, result)
         return result
+
+    def run_merge_fn(self, merge_fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one of this runner's merge functions on the calling thread: `merge_fn(*args)`.
+
+        Every merge function of a run goes through here, whether a rendezvous round runs
+        it (`merge_call`) or the caller does without one (a single replica's merge_call):
+        a `run` it makes is then nested, on a second set of replicas (the module doc),
+        rather than a wait for the run lock that its own run holds.
+        """
+        outer, self._merging = self._merging, threading.get_ident()
+        try:
+            return merge_fn(*args)
+        finally:
+            self._merging = outer
 
     def close(self) -> None:
         """End the replica threads now (idempotent); later runs raise RuntimeError."""

@@ -193,6 +193,10 @@ class Strategy:
         if not self._torch_patched and "torch" in sys.modules:
             self._patch_torch()
         sections = self._extended._sections
+        # Replicas inherit the caller's open default scope, whatever thread they run on.
+        in_default_scope = context.default_scope_open()
+        if in_default_scope:
+            self._extended._runs_in_default_scope += 1
         context.push_frame(cross)
         try:
             if sections:
@@ -204,6 +208,8 @@ class Strategy:
                     sections.enter()
         finally:
             context.pop_frame(cross)
+            if in_default_scope:
+                self._extended._runs_in_default_scope -= 1
 
     def _patch_torch(self) -> None:
         """Put torch's replica patches in force while this strategy lives (`torch_patches`).
@@ -242,16 +248,22 @@ class Strategy:
         if axis is None:
             reduced = extended.reduce_to(op, value, destinations=extended._host_device)
             return nest.map_structure(lambda x: extended._local_results(x)[0], reduced)
-        return nest.map_structure(lambda leaf: self._reduce_with_axis(op, leaf, axis), value)
+        # Every leaf's axes are checked before the first leaf is reduced.
+        leaves, structure = nest.flatten(value)
+        parts = [_components(leaf) for leaf in leaves]
+        axes = [_check_axes(axis, components, "Strategy.reduce", True) for _, components in parts]
+        return nest.unflatten(
+            structure,
+            [
+                self._reduce_with_axis(op, leaf, components, leaf_axes)
+                for (leaf, components), leaf_axes in zip(parts, axes, strict=True)
+            ],
+        )
 
-    def _reduce_with_axis(self, op: ReduceOp, value: Any, axis: Any) -> Any:
+    def _reduce_with_axis(
+        self, op: ReduceOp, value: Any, components: tuple[Any, ...], axes: tuple[int, ...]
+    ) -> Any:
         extended = self._extended
-        if isinstance(value, DistributedVariable):
-            value = PerReplica([c._value for c in value.values], devices=value._devices)
-        components = value.values if isinstance(value, DistributedValues) else (value,)
-        components = tuple(backend_for(c).asarray(c) for c in components)
-        rank = len(backend_for(components[0]).shape(components[0]))
-        axes = _normalize_axis(axis, rank)
         sums = [backend_for(c).reduce_sum(c, axes) for c in components]
         if isinstance(value, DistributedValues):
             numer: Any = PerReplica(sums, devices=value._devices)
@@ -286,18 +298,21 @@ class Strategy:
         if frame is not None and frame.replica_context is not None:
             raise RuntimeError(GATHER_REQUIRES_CROSS_REPLICA)
         require_cross_replica(self)
-        if isinstance(axis, bool) or not isinstance(axis, int):
-            raise TypeError(f"axis must be an int, got {type(axis).__name__}: {axis!r}")
         validate.fits_strategy(value, self, "Strategy.gather")
         extended = self._extended
+        # Every leaf's axis is checked before the first leaf is gathered.
+        leaves, structure = nest.flatten(value)
+        parts = [_components(leaf) for leaf in leaves]
+        for _, components in parts:
+            _check_axes(axis, components, "Strategy.gather", False)
 
         def gather_leaf(x: Any) -> Any:
             if isinstance(x, DistributedVariable):
                 x = PerReplica([c._value for c in x.values], devices=x._devices)
-            gathered = extended._gather_to(x, extended._host_device, axis, None)
+            gathered = extended._gather_to(x, extended._host_device, int(axis), None)
             return extended._local_results(gathered)[0]
 
-        return nest.map_structure(gather_leaf, value)
+        return nest.unflatten(structure, [gather_leaf(leaf) for leaf, _ in parts])
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of `value` on this worker's replicas, as a tuple."""
@@ -352,22 +367,37 @@ class Strategy:
         return f"<crossdevice.{type(self).__name__} devices={list(self._extended.worker_devices)}>"
 
 
-def _normalize_axis(axis: Any, rank: int) -> tuple[int, ...]:
-    axes = axis if isinstance(axis, list | tuple) else (axis,)
-    out = []
-    for a in axes:
-        if isinstance(a, bool) or not isinstance(a, int | np.integer):
-            raise TypeError(
-                f"axis must be an int or a tuple/list of ints, got {type(axis).__name__}: {axis!r}"
-            )
-        if not -rank <= a < rank:
-            raise ValueError(f"axis = {axis!r} out of range for value with rank {rank}")
-        out.append(int(a) % rank)
-    return tuple(out)
+def _components(leaf: Any) -> tuple[Any, tuple[Any, ...]]:
+    """`(leaf, its components as arrays)`; a distributed variable becomes a PerReplica."""
+    if isinstance(leaf, DistributedVariable):
+        leaf = PerReplica([c._value for c in leaf.values], devices=leaf._devices)
+    components = leaf.values if isinstance(leaf, DistributedValues) else (leaf,)
+    return leaf, tuple(backend_for(c).asarray(c) for c in components)
+
+
+def _check_axes(
+    axis: Any, components: tuple[Any, ...], what: str, several: bool
+) -> tuple[int, ...]:
+    """`validate.axes` against every component's rank (replicas' ranks may differ)."""
+    checked: tuple[int, ...] = ()
+    for c in components:
+        checked = validate.axes(axis, len(backend_for(c).shape(c)), what, several=several)
+    return checked
 
 
 def _variable_creator(frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
-    return frame.strategy.extended._create_variable(frame, *args, **kwargs)
+    strategy = frame.strategy
+    extended = strategy.extended
+    if not extended._is_default and (
+        extended._runs_in_default_scope or context.default_scope_open()
+    ):
+        # TF `testScopeMostlyNoOp`: the default scope's variable creator refuses them.
+        raise RuntimeError(
+            f"Mixing different crossdevice.Strategy objects: {strategy!r} is not the default "
+            "strategy, whose scope (`with crossdevice.get_strategy().scope()`) is open around "
+            "this one; create the variable outside the default strategy's scope"
+        )
+    return extended._create_variable(frame, *args, **kwargs)
 
 
 set_variable_creator(_variable_creator)

@@ -181,9 +181,11 @@ class ReplicaContext:
         Returns:
             The gathered nest, the same on every replica.
         """
-        if isinstance(axis, bool) or not isinstance(axis, int):
-            raise TypeError(f"axis must be an int, got {type(axis).__name__}: {axis!r}")
         self._check_current()
+        # Checked here, before this replica meets its peers: every leaf's rank is known.
+        for leaf in nest.flatten(value)[0]:
+            validate.axes(axis, np.ndim(leaf), "ReplicaContext.all_gather", several=False)
+        axis = int(axis)
         extended = self._strategy.extended
         differentiable, leaves, structure = _needs_grad(value)
         if differentiable:

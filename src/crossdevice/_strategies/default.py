@@ -84,7 +84,9 @@ class _DefaultExtended(SingleReplicaExtended):
 class _DefaultScope(_Scope):
     """`with default_strategy.scope():` stays in the default replica context (TF).
 
-    Entering it inside another strategy's scope or replica is TF's RuntimeError.
+    Entering it inside another strategy's scope or replica is TF's RuntimeError. Another
+    strategy's scope may be entered inside it, but creating a variable there (in that
+    scope, or in a `run` started there) is TF's "Mixing different ... Strategy objects".
     """
 
     def __enter__(self) -> Strategy:
@@ -93,10 +95,11 @@ class _DefaultScope(_Scope):
                 "Must not nest tf.distribute.Strategy scopes: the default strategy's scope "
                 "was entered inside another strategy's scope or replica; leave that first"
             )
+        context.enter_default_scope(True)
         return self._strategy
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        context.enter_default_scope(False)
 
 
 @final

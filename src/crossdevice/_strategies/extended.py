@@ -52,6 +52,9 @@ class StrategyExtended:
         self._container_strategy_ref = container_strategy
         #: Told where cross-replica code runs (`sections`), for mirrored torch modules.
         self._sections = CrossReplicaSections()
+        # Runs of this strategy started inside the default strategy's scope (TF refuses
+        # their variables: `base._variable_creator`).
+        self._runs_in_default_scope = 0
 
     def _check_destinations_are_local(self, destinations: Any) -> None:
         """A device string must name a device of this worker: results land here."""

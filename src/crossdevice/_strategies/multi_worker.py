@@ -23,6 +23,7 @@ from crossdevice._core.errors import (
     WorkerFailedError,
 )
 from crossdevice._core.options import CommunicationOptions
+from crossdevice._core.purpose import purpose
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.mirrored import create_mirrored_variable
@@ -36,6 +37,12 @@ __all__ = ["MultiWorkerMirroredStrategy"]
 #: names the missing ranks, is the one raised (not "local replicas [0, 1] did not
 #: arrive", which names this worker's own replicas).
 _LOCAL_MERGE_SLACK_SECONDS: Final = 15.0
+
+#: What a distributed dataset's per-step collective is, for the errors about it.
+_NEXT_BATCH: Final = (
+    "next(iterator) of a distributed dataset: its per-step check that some worker still has "
+    "data, a collective every worker makes at every step"
+)
 
 #: Errors every worker raises together: no need to tell the peers.
 _SHARED_ERRORS: Final = (CollectiveMismatchError, CollectiveTimeoutError, WorkerFailedError)
@@ -287,8 +294,14 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _synchronised(self, dataset: Any) -> Any:
         extended = self._extended
         assert isinstance(extended, _MultiWorkerExtended)
-        if extended._worker_communicator is not None:
-            dataset._step_sync = extended._worker_communicator.any_has_data
+        communicator = extended._worker_communicator
+        if communicator is not None:
+
+            def step_sync(has_data: bool) -> bool:
+                with purpose(_NEXT_BATCH):
+                    return bool(communicator.any_has_data(has_data))
+
+            dataset._step_sync = step_sync
         return dataset
 
     @property

@@ -231,7 +231,12 @@ class ReplicatedExtended(StrategyExtended):
     ) -> Any:
         n = len(self._devices)
         if n == 1:
-            return super()._merge_call(replica_id, merge_fn, args, kwargs, always_wrap)
+            # No rendezvous round, but still this runner's merge: a `run` inside
+            # merge_fn must be nested, not a wait for the run lock its own run holds.
+            single = super()._merge_call
+            return self._get_runner().run_merge_fn(
+                single, replica_id, merge_fn, args, kwargs, always_wrap
+            )
         strategy = self._container_strategy_ref
         devices = self._devices
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from crossdevice._arrays import backend_for
 from crossdevice._core import context
+from crossdevice._core.purpose import purpose
 from crossdevice._core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
 from crossdevice._values.operators import ArrayOperators
 from crossdevice._values.values import DistributedValues, PerReplica
@@ -230,7 +231,13 @@ class SyncOnReadVariable(DistributedVariable):
             )
         op = ReduceOp.from_variable_aggregation(self._aggregation)
         per_replica = PerReplica([c._value for c in self._values], devices=self._devices)
-        return self._strategy.reduce(op, per_replica, axis=None)
+        # Across workers this read is an all-reduce: say so if the workers disagree.
+        with purpose(
+            f"reading SyncOnReadVariable {self.name!r} in cross-replica context, which "
+            "reduces it across the workers: a collective every worker must make at the "
+            "same point (read it on every worker, not on the chief only)"
+        ):
+            return self._strategy.reduce(op, per_replica, axis=None)
 
     def _update(self, method: str, value: Any) -> None:
         mode, replica = _mode(self._strategy)

@@ -9,8 +9,9 @@ not import the layers above it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from crossdevice._arrays import backend_for, is_torch
 from crossdevice._core import context
 from crossdevice._core.devices import canonicalize, current_device
 from crossdevice._core.reduce_op import VariableAggregation, VariableSynchronization
+from crossdevice._core.validate import describe
 from crossdevice._values.operators import ArrayOperators
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "Variable",
     "as_aggregation",
     "as_synchronization",
+    "check_update",
     "make_initial_value",
     "resolve_trainable",
     "set_variable_creator",
@@ -164,6 +167,7 @@ class AssignMethods:
     ) -> Any:
         """Set the value (under the variable's synchronisation and aggregation rules)."""
         del use_locking, name
+        check_update(self, "assign", value)
         self._update("assign", value)
         return self if read_value else None
 
@@ -176,6 +180,7 @@ class AssignMethods:
     ) -> Any:
         """Add `delta` (under the variable's synchronisation and aggregation rules)."""
         del use_locking, name
+        check_update(self, "assign_add", delta)
         self._update("assign_add", delta)
         return self if read_value else None
 
@@ -188,6 +193,7 @@ class AssignMethods:
     ) -> Any:
         """Subtract `delta` (under the variable's synchronisation and aggregation rules)."""
         del use_locking, name
+        check_update(self, "assign_sub", delta)
         self._update("assign_sub", delta)
         return self if read_value else None
 
@@ -307,7 +313,7 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
             new = backend.asarray(_unwrap(new_value))
         else:
             new = np.asarray(backend_for(_unwrap(new_value)).to_numpy(_unwrap(new_value)))
-        if tuple(new.shape) != self.shape and new.size != 1:
+        if tuple(new.shape) != self.shape and math.prod(new.shape) != 1:
             raise ValueError(
                 f"Cannot assign a value of shape {tuple(new.shape)} to variable {self.name!r} "
                 f"of shape {self.shape}; assign a value of the variable's shape"
@@ -329,6 +335,80 @@ class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
             f"<crossdevice.Variable {self.name!r} shape={self.shape} "
             f"dtype={_dtype_str(self.dtype)}, {_library(self._value)}={_numpy_str(self.numpy())}>"
         )
+
+
+#: How far a value's kind may be cast into a variable's: bool < integers < floats < complex
+#: (NumPy's "same_kind" rule, which `np.copyto` applies to NumPy variables; torch's
+#: `copy_` would truncate floats into integers and drop imaginary parts silently).
+_KIND_RANK: Final = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def _kind(dtype: Any) -> str | None:
+    """A NumPy or torch dtype's kind letter ("b", "i", "f", "c"), None if not a number."""
+    kind = getattr(dtype, "kind", None)
+    if isinstance(kind, str):
+        return kind if kind in _KIND_RANK else None
+    if dtype.is_complex:
+        return "c"
+    if dtype.is_floating_point:
+        return "f"
+    return "b" if str(dtype) == "torch.bool" else "i"
+
+
+def check_update(variable: Any, method: str, value: Any) -> None:
+    """Refuse a value `assign`/`assign_add`/`assign_sub` cannot write, before any write.
+
+    The value (each component of a distributed one) must be numbers that cast to the
+    variable's dtype by NumPy's same-kind rule, of the variable's shape or one element.
+    Otherwise NumPy or torch would fail somewhere inside the update, naming no variable,
+    or (torch) write a truncated value.
+
+    Raises:
+        TypeError: not numbers, or numbers of a kind the variable's dtype cannot hold.
+        ValueError: a shape that is neither the variable's nor one element.
+    """
+    target = variable.dtype
+    shape = variable.shape
+    if isinstance(target, np.dtype):  # the common cases (a gradient step, a metric) first
+        kind = type(value)
+        if kind is np.ndarray and value.dtype == target and value.shape == shape:
+            return
+        if kind is float and target.kind in "fc":
+            return
+    values = value.values if hasattr(value, "_get_on_device_or_primary") else (value,)
+    for component in values:
+        problem = _update_problem(_unwrap(component), target, shape)
+        if problem is not None:
+            error = ValueError if problem.startswith("of shape") else TypeError
+            raise error(
+                f"{type(variable).__name__} {variable.name!r} (dtype {_dtype_str(target)}, "
+                f"shape {shape}): {method} needs numbers that cast to "
+                f"{_dtype_str(target)} (bool, then integers, then floats, then complex: the "
+                f"same kind or a lower one), of shape {shape} or one element; received "
+                f"{describe(value)}, {problem}. Convert it first, e.g. "
+                f"np.asarray(value, dtype=np.{_dtype_str(target)}); nothing was changed"
+            )
+
+
+def _update_problem(value: Any, target: Any, shape: tuple[int, ...]) -> str | None:
+    """Why `value` cannot be written into a variable of `target` dtype and `shape`, or None."""
+    if is_torch(value):
+        dtype, value_shape = value.dtype, tuple(value.shape)
+    else:
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError) as exc:  # ragged nested lists, unconvertible objects
+            return f"which is not an array ({exc})"
+        dtype, value_shape = array.dtype, array.shape
+    kind = _kind(dtype)
+    if kind is None:
+        return f"of dtype {_dtype_str(dtype)}, which is not a number type"
+    target_kind = _kind(target)
+    if target_kind is not None and _KIND_RANK[kind] > _KIND_RANK[target_kind]:
+        return f"of dtype {_dtype_str(dtype)}, a higher kind than {_dtype_str(target)}"
+    if value_shape != shape and math.prod(value_shape) != 1:
+        return f"of shape {value_shape}"
+    return None
 
 
 def _refuse_shared_update(variable: Variable, method: str) -> None:
