@@ -131,6 +131,26 @@ def test_demo_end_to_end(torch_module: object, capsys: pytest.CaptureFixture[str
     assert captured.err == ""  # no progress bars when stderr is not a terminal
 
 
+def test_bf16_demo_is_within_half_a_point_of_float32(
+    torch_module: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = parse("--replicas", "4", "--mixed-precision", "bf16", "--no-progress")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    bf16, float32 = (
+        float(x)
+        for x in out.split("bf16 check: held-out accuracy ")[1]
+        .split(" on ")[0]
+        .split(" against float32's ")
+    )
+    assert abs(bf16 - float32) <= 0.005
+    assert "(within 0.5 points); replica copies identical" in out
+    assert out.rstrip().endswith("demo: OK")
+    args = parse("--numpy", "--mixed-precision", "bf16")
+    with pytest.raises(SystemExit, match="applies to the torch model"):
+        args.func(args)
+
+
 def test_numpy_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse("--numpy", "--replicas", "2", "--epochs", "3")
     assert args.func(args) == 0

@@ -52,12 +52,14 @@ from crossdevice._frameworks.torch.once import call_once as call_once
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer as MirroredOptimizer
 from crossdevice._frameworks.torch.prepare import mark_replica_copy as mark_replica_copy
 from crossdevice._frameworks.torch.prepare import prepare as prepare
+from crossdevice._frameworks.torch.scaler import MirroredGradScaler as MirroredGradScaler
 from crossdevice._frameworks.torch.threads import (
     default_threads_per_replica as default_threads_per_replica,
 )
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES",
+    "MirroredGradScaler",
     "MirroredModule",
     "MirroredOptimizer",
     "SyncBatchNorm",

@@ -95,3 +95,46 @@ def assert_trains_like(
     assert worst <= tol, f"{worst} off plain torch"
     moved = max(float((a - b).abs().max()) for a, b in zip(reference, start, strict=True))
     assert moved > 1e-6, "plain torch's model never moved: nothing was compared"
+
+
+def fp16_run(torch: Any, cdt: Any, strategy: Any, steps: int) -> tuple[Any, Any, list[Any]]:
+    """Train a small MLP `steps` fp16 steps with a mirrored GradScaler on `strategy` (4
+    replicas in sync, 4 examples each), injecting infs: into replica 2's data at steps
+    37 mod 100, and into replica 1's reduced gradient at steps 71 mod 100. Returns the
+    model, the scaler and each step's per-replica scales."""
+    import crossdevice as cd
+
+    torch.manual_seed(0)
+    with strategy.scope():
+        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=25)
+        model, optimizer = cdt.prepare(
+            net, torch.optim.SGD(net.parameters(), lr=0.05), scaler=scaler, mixed_precision="fp16"
+        )
+    data = global_batches(torch, 8)
+
+    def step(x: Any, y: Any, i: int) -> Any:
+        r = cd.get_replica_context().replica_id_in_sync_group
+        if i % 100 == 37 and r == 2:
+            x = x.clone()
+            x[0, 0] = float("inf")  # an inf in one replica's data: its local gradient
+        optimizer.zero_grad()
+        scaler.scale(global_loss(torch, model, x, y)).backward()
+        if i % 100 == 71 and r == 1:
+            with torch.no_grad():  # an inf after the reduction, on one replica only
+                model.module[0].weight.grad[0, 0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        return torch.tensor(scaler.get_scale(), dtype=torch.float64)
+
+    scales = []
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        dist = strategy.experimental_distribute_values_from_function(
+            lambda ctx, x=x, y=y: (
+                x[4 * ctx.replica_id_in_sync_group : 4 * ctx.replica_id_in_sync_group + 4],
+                y[4 * ctx.replica_id_in_sync_group : 4 * ctx.replica_id_in_sync_group + 4],
+            )
+        )
+        scales.append(strategy.experimental_local_results(strategy.run(step, args=(*dist, i))))
+    return model, scaler, scales

@@ -23,6 +23,7 @@ import crossdevice as cd
 from tests.frameworks.helpers import (
     GLOBAL_BATCH,
     assert_trains_like,
+    fp16_run,
     global_batches,
     global_loss,
     mirrored,
@@ -503,3 +504,91 @@ def test_gradient_penalty_with_autograd_grad_trains_like_plain_torch(
             model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
         run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
     assert_trains_like(torch, plain, model, start)
+
+
+# --- mixed precision: replicas agree on the loss scale -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_an_inf_on_one_replica_makes_every_replica_skip_and_back_off(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    torch.set_default_dtype(torch.float32)
+    steps = 1000
+    with replica_execution(mode):
+        model, _, scales = fp16_run(torch, cdt, mirrored(4), steps)
+    for i, per_replica in enumerate(scales):
+        assert len({float(s) for s in per_replica}) == 1, (i, per_replica)  # one scale
+    first = [float(s[0]) for s in scales]
+    backoffs = [i for i in range(1, steps) if first[i] < first[i - 1]]
+    injected = [i for i in range(steps) if i % 100 in (37, 71)]
+    assert set(injected) <= set(backoffs)  # every injection skipped the step everywhere
+    for replica in model.replicas[1:]:
+        for a, b in zip(model.replicas[0].parameters(), replica.parameters(), strict=True):
+            assert torch.equal(a, b)  # zero divergence
+    assert all(torch.isfinite(p).all() for p in model.replicas[0].parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_inf_on_one_replica_of_one_worker_makes_every_worker_skip(torch: Any) -> None:
+    from tests.frameworks.workers import fp16_training
+    from tests.multi_worker.harness import run_workers
+
+    results = [r.unwrap() for r in run_workers(fp16_training, 2, args=(1000,), timeout=240)]
+    assert results[0]["scales"] == results[1]["scales"]  # every replica of every worker
+    assert results[0]["backoffs"] >= 20  # 10 injections of each kind: all backed off
+    for other in results[1:]:
+        for a, b in zip(results[0]["params"], other["params"], strict=True):
+            assert (a == b).all()  # zero divergence
+
+
+@pytest.mark.slow
+def test_a_bf16_all_reduce_accumulates_in_float32(torch: Any) -> None:
+    n, replicas = 16 << 20, 8
+    generator = torch.Generator().manual_seed(0)
+    values = [
+        (torch.randn(n, generator=generator) * (1 + 100 * (r % 2))).to(torch.bfloat16)
+        for r in range(replicas)
+    ]
+    strategy = mirrored(replicas)
+
+    def step() -> Any:
+        ctx = cd.get_replica_context()
+        return ctx.all_reduce("sum", values[ctx.replica_id_in_sync_group])
+
+    result = strategy.experimental_local_results(strategy.run(step))[0]
+    assert result.dtype == torch.bfloat16
+    reference = torch.zeros(n, dtype=torch.float64)
+    magnitude = torch.zeros(n, dtype=torch.float64)
+    for v in values:
+        reference += v.double()
+        magnitude += v.double().abs()
+    # One bf16 rounding of the result (unit roundoff 2**-8) after float32 additions.
+    bound = reference.abs() * 2.0**-8 + (replicas - 1) * 2.0**-24 * magnitude + 1e-30
+    assert bool(((result.double() - reference).abs() <= bound).all())
+    naive = values[0].clone()
+    for v in values[1:]:
+        naive += v  # bf16 accumulation, one rounding per addition
+    assert not bool(((naive.double() - reference).abs() <= bound).all())  # the bound bites
+
+
+def test_a_prepared_scaler_is_the_users_object_and_refuses_misuse(torch: Any, cdt: Any) -> None:
+    strategy = mirrored(2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    with strategy.scope():
+        net = mlp(torch)
+        _, _, same = cdt.prepare(net, torch.optim.SGD(net.parameters()), scaler)
+        with pytest.raises(ValueError, match=r"fp16.*needs loss scaling.*GradScaler"):
+            cdt.prepare(mlp(torch), mixed_precision="fp16")
+        with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16' or 'fp16'"):
+            cdt.prepare(mlp(torch), mixed_precision="fp8")
+    assert same is scaler
+    assert isinstance(scaler, cdt.MirroredGradScaler)
+    assert isinstance(scaler, torch.amp.GradScaler)
+    assert scaler.get_scale() == 8.0
+    plain_optimizer = torch.optim.SGD(mlp(torch).parameters())
+    with pytest.raises(TypeError, match="steps the MirroredOptimizer that prepare returned"):
+        strategy.run(lambda: scaler.step(plain_optimizer))
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 4.0})
+    scales = strategy.run(lambda: torch.tensor(scaler.get_scale()))
+    assert [float(s) for s in strategy.experimental_local_results(scales)] == [4.0, 4.0]

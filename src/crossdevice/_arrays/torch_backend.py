@@ -24,6 +24,10 @@ from crossdevice._core.devices import DeviceSpec, canonicalize, physical_gpu_ind
 __all__ = ["TORCH", "TorchBackend"]
 
 
+#: Floating dtypes whose sums accumulate in float32 (`TorchBackend.sum_n`).
+_LOW_PRECISION: Final = (torch.float16, torch.bfloat16)
+
+
 class TorchBackend:
     """torch tensors; CPU tensors are host memory, CUDA tensors live on `GPU:i`."""
 
@@ -87,9 +91,22 @@ class TorchBackend:
         return int(x.numel() * x.element_size())
 
     def sum_n(self, xs: Sequence[Any], out: Any | None = None) -> torch.Tensor:
-        """In-order sum on the first value's device."""
+        """In-order sum on the first value's device.
+
+        float16 and bfloat16 values are added in float32 and rounded once at the end
+        (one rounding per addition in their own precision would lose the low bits of
+        every gradient: 8 bf16 values of 1 and 2**-9 sum to 1 in bf16, 1.0156 in float32).
+        """
         with torch.no_grad():
             first = xs[0]
+            if first.dtype in _LOW_PRECISION and len(xs) > 1:
+                total = torch.add(first.float(), xs[1].to(first.device, torch.float32))
+                for x in xs[2:]:
+                    total.add_(x.to(first.device, torch.float32))
+                if out is None:
+                    return total.to(first.dtype)
+                out.copy_(total)
+                return out
             if len(xs) == 1:
                 if out is None:
                     return first.detach().clone()

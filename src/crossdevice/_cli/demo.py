@@ -30,6 +30,9 @@ DEFAULT_EPOCHS: Final = 10
 DEFAULT_BATCH_SIZE: Final = 64
 DEFAULT_SEED: Final = 0
 TEST_FRACTION: Final = 0.2
+#: How far a mixed-precision run's held-out accuracy may fall from float32's (#27).
+MIXED_PRECISION_ACCURACY = 0.005
+
 #: The held-out accuracy each demo model must reach (10 epochs of the defaults give about
 #: 0.97 for the CNN and 0.96 for the MLP).
 MIN_ACCURACY: Final = {"torch": 0.95, "numpy": 0.90}
@@ -104,6 +107,15 @@ def register(subparsers: Any) -> None:
         "--seed", type=int, default=DEFAULT_SEED, help="seed of split, init and shuffles"
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument(
+        "--mixed-precision",
+        choices=["bf16"],
+        default=None,
+        help=(
+            "torch model: forward passes under bfloat16 autocast; the check then compares "
+            "the held-out accuracy with a float32 run (within half a point)"
+        ),
+    )
     parser.add_argument(
         "--numpy",
         action="store_true",
@@ -198,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     test = (x_test, y_test)
+    mixed_precision = getattr(args, "mixed_precision", None)
+    if mixed_precision is not None and kind != "torch":
+        raise SystemExit("--mixed-precision applies to the torch model, not --numpy")
+    precision = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
     parallel = trainer.train(
         strategy,
         epochs,
@@ -206,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         report=report,
         label=f"{_replicas(total)}: ",
+        **precision,
     )
     minimum = MIN_ACCURACY[kind]
     final_accuracy = parallel.test_accuracy[-1]
@@ -224,7 +241,10 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         label="1 replica (check): ",
     )
-    ok = _report_check(print, parallel, single, total, args.replicas) and accuracy_ok
+    if mixed_precision is None:
+        ok = _report_check(print, parallel, single, total, args.replicas) and accuracy_ok
+    else:
+        ok = _report_precision(print, parallel, single, mixed_precision) and accuracy_ok
     if not chief and not ok:  # a worker that disagrees says so, chief or not
         builtins.print(f"demo: FAILED on worker {strategy.extended._worker_index}")
     print("demo: OK" if ok else "demo: FAILED")
@@ -283,6 +303,26 @@ def _report_check(
         f"1 replica {single.seconds:.2f} s"
     )
     return params_ok and replicas_ok
+
+
+def _report_precision(
+    print: Callable[..., None], parallel: TrainResult, single: TrainResult, precision: str
+) -> bool:
+    """Compare a mixed-precision run's accuracy with float32's; True within half a point."""
+    lost = single.test_accuracy[-1] - parallel.test_accuracy[-1]
+    replicas_ok = all(
+        all(np.array_equal(copy, copies[0]) for copy in copies)
+        for copies in zip(*parallel.replica_params, strict=True)
+    )
+    ok = abs(lost) <= MIXED_PRECISION_ACCURACY and replicas_ok
+    print(
+        f"{precision} check: held-out accuracy {parallel.test_accuracy[-1]:.4f} against "
+        f"float32's {single.test_accuracy[-1]:.4f} on 1 replica "
+        f"({'within' if abs(lost) <= MIXED_PRECISION_ACCURACY else 'NOT within'} "
+        f"{MIXED_PRECISION_ACCURACY * 100:g} points); replica copies "
+        f"{'identical' if replicas_ok else 'DIVERGED'}"
+    )
+    return ok
 
 
 def _quiet(*args: Any, **kwargs: Any) -> None:

@@ -65,6 +65,7 @@ def train(
     progress: Callable[..., Any] | None = None,
     report: Callable[[str], None] | None = None,
     label: str = "",
+    mixed_precision: str | None = None,
 ) -> TrainResult:
     """Train the CNN with `strategy` on the given global batches, one list per epoch.
 
@@ -77,6 +78,7 @@ def train(
         progress: a `tqdm`-like factory, or None.
         report: where to write the per-epoch lines, or None.
         label: a prefix for the progress bar.
+        mixed_precision: None, or "bf16" (forward passes under bfloat16 autocast).
 
     Returns:
         A `TrainResult`.
@@ -94,7 +96,7 @@ def train(
     with strategy.scope():
         model = create_model()
         optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate, eps=ADAM_EPSILON)
-        model, optimizer = cdt.prepare(model, optimizer)
+        model, optimizer = cdt.prepare(model, optimizer, mixed_precision=mixed_precision)
 
     def step_fn(x: Any, labels: Any) -> tuple[Any, Any]:
         logits = model(x)

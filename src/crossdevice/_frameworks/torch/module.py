@@ -74,6 +74,8 @@ class MirroredModule(torch.nn.Module):
             running statistics default to `"mean"` (see `crossdevice.torch.prepare`).
         threads_per_replica: torch intra-op threads while replicas run in parallel:
             None for cores // local replicas, 0 to leave torch's setting alone.
+        autocast: run every forward pass under `torch.autocast` with this dtype
+            (`prepare`'s `mixed_precision`).
 
     Raises:
         TypeError: `module` is not a torch module, or is mirrored already.
@@ -101,6 +103,7 @@ class MirroredModule(torch.nn.Module):
         sync_buffers: bool = True,
         buffer_aggregation: Mapping[str, str] | None = None,
         threads_per_replica: int | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         module, compiled = _unwrap_compiled(module)
         _check_mirrorable(module)
@@ -116,7 +119,7 @@ class MirroredModule(torch.nn.Module):
         if compiled is not None:
             compile_replicas(replicas, compiled)
         _broadcast_from_chief(strategy, replicas)
-        self._setup(strategy, replicas, op, bucket_cap_bytes, aggregations)
+        self._setup(strategy, replicas, op, bucket_cap_bytes, aggregations, autocast)
         apply_thread_policy(len(replicas), threads_per_replica)
 
     def _setup(
@@ -126,13 +129,15 @@ class MirroredModule(torch.nn.Module):
         op: ReduceOp,
         bucket_cap_bytes: int,
         aggregations: dict[str, str | None],
+        autocast: torch.dtype | None = None,
     ) -> None:
         # Plain attributes, not submodules: nn.Module's own traversal would otherwise
         # list every replica's parameters.
         state = self.__dict__
         state["_strategy"] = strategy
         state["_replicas"] = replicas
-        state["_options"] = (op, bucket_cap_bytes, aggregations)
+        state["_options"] = (op, bucket_cap_bytes, aggregations, autocast)
+        state["_autocast"] = None if autocast is None else (torch_devices(strategy), autocast)
         names = [name for name, _ in replicas[0].named_parameters()]
         sync = GradientSync(
             [list(r.parameters()) for r in replicas],
@@ -186,7 +191,13 @@ class MirroredModule(torch.nn.Module):
         compiled (`_ready_for_dynamo`).
         """
         index, in_replica = _before(self)
-        output = self.__dict__["_replicas"][index](*args, **kwargs)
+        autocast = self.__dict__["_autocast"]
+        if autocast is None:
+            output = self.__dict__["_replicas"][index](*args, **kwargs)
+        else:
+            devices, dtype = autocast
+            with torch.autocast(devices[index].type, dtype=dtype):
+                output = self.__dict__["_replicas"][index](*args, **kwargs)
         if in_replica:
             _after(self, index)
         return output

@@ -13,6 +13,7 @@ from crossdevice._frameworks.torch.gradients import DEFAULT_BUCKET_CAP_BYTES
 from crossdevice._frameworks.torch.module import MirroredModule
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer
 from crossdevice._frameworks.torch.replicas import strategy_or_current
+from crossdevice._frameworks.torch.scaler import mirror_scaler
 from crossdevice._strategies.base import Strategy
 
 __all__ = ["mark_replica_copy", "prepare"]
@@ -26,6 +27,8 @@ def prepare(
     sync_buffers: bool = True,
     buffer_aggregation: Mapping[str, str] | None = None,
     threads_per_replica: int | None = None,
+    scaler: Any = None,
+    mixed_precision: str | None = None,
 ) -> Any:
     """Mirror modules and optimizers on a strategy; returns them in the order given.
 
@@ -35,8 +38,9 @@ def prepare(
 
     Args:
         *objects: `torch.nn.Module`s (also `torch.compile`d ones: every replica is
-            compiled) and `torch.optim.Optimizer`s. A module prepared already may be
-            passed with a new optimizer over its parameters, to prepare that optimizer.
+            compiled), `torch.optim.Optimizer`s and `torch.amp.GradScaler`s. A module
+            prepared already may be passed with a new optimizer over its parameters, to
+            prepare that optimizer.
         strategy: the strategy; default: the current one.
         gradient_reduction: `"sum"` (TF: per-example loss / global batch size) or
             `"mean"` (DDP: each replica's mean loss).
@@ -50,6 +54,10 @@ def prepare(
             buffer a forward pass changes must be declared.
         threads_per_replica: torch intra-op threads per parallel replica (None: cores //
             replicas; 0: leave torch's setting).
+        scaler: a `torch.amp.GradScaler` to use inside `strategy.run` (converted in
+            place: keep using it): every replica agrees on its inf checks and scale.
+        mixed_precision: `"bf16"` or `"fp16"`: the modules' forward passes run under
+            `torch.autocast` with that dtype; `"fp16"` needs a `scaler`.
 
     Returns:
         The mirrored object for one argument, else a tuple in argument order.
@@ -70,6 +78,18 @@ def prepare(
         ('MirroredModule', 'MirroredOptimizer')
     """
     strategy = strategy_or_current(strategy, "crossdevice.torch.prepare")
+    autocast = _autocast_dtype(mixed_precision)
+    scalers = [o for o in objects if isinstance(o, torch.amp.GradScaler)]
+    if scaler is not None:
+        scalers.append(scaler)
+    if mixed_precision == "fp16" and not scalers:
+        raise ValueError(
+            "mixed_precision='fp16' needs loss scaling, or small gradients underflow to "
+            "zero: pass scaler=torch.amp.GradScaler() and use it in the step function "
+            "(or use mixed_precision='bf16', which needs none)"
+        )
+    for each in scalers:
+        mirror_scaler(each, strategy, len(strategy.extended.worker_devices))
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     if not any(not isinstance(o, MirroredOptimizer) for o in optimizers):
         for obj in objects:
@@ -94,14 +114,16 @@ def prepare(
                 sync_buffers=sync_buffers,
                 buffer_aggregation=buffer_aggregation,
                 threads_per_replica=threads_per_replica,
+                autocast=autocast,
             )
             modules.append(mirrored)
             out.append(mirrored)
-        elif isinstance(obj, torch.optim.Optimizer):
+        elif isinstance(obj, torch.optim.Optimizer | torch.amp.GradScaler):
             out.append(obj)
         else:
             raise TypeError(
-                "crossdevice.torch.prepare takes torch.nn.Module and torch.optim.Optimizer "
+                "crossdevice.torch.prepare takes torch.nn.Module, torch.optim.Optimizer and "
+                "torch.amp.GradScaler "
                 f"objects, got {type(obj).__name__}: {obj!r}"
             )
     for k, obj in enumerate(out):
@@ -113,6 +135,15 @@ def prepare(
                 )
             out[k] = MirroredOptimizer(obj, modules)
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _autocast_dtype(mixed_precision: str | None) -> torch.dtype | None:
+    if mixed_precision is None:
+        return None
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if mixed_precision not in dtypes:
+        raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
+    return dtypes[mixed_precision]
 
 
 def mark_replica_copy(obj: Any, replica_id: int, strategy: Strategy | None = None) -> Any:
