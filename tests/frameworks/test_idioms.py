@@ -592,3 +592,18 @@ def test_a_prepared_scaler_is_the_users_object_and_refuses_misuse(torch: Any, cd
     scaler.load_state_dict({**scaler.state_dict(), "scale": 4.0})
     scales = strategy.run(lambda: torch.tensor(scaler.get_scale()))
     assert [float(s) for s in strategy.experimental_local_results(scales)] == [4.0, 4.0]
+
+
+def test_a_wrapper_around_a_prepared_model_is_refused_for_its_own_layers(
+    torch: Any, cdt: Any
+) -> None:
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = cdt.prepare(mlp(torch))
+    wrapper = torch.nn.Sequential(model, torch.nn.Linear(3, 2))  # a head added after prepare
+    assert len(list(wrapper.parameters())) == 6  # it sees replica 0's parameters, and the head's
+    with pytest.raises(RuntimeError, match=r"module Linear\(in_features=3, out_features=2"):
+        strategy.run(lambda: wrapper(torch.ones(1, 6)).sum())
+    frozen = torch.nn.Sequential(model, torch.nn.Linear(3, 2).requires_grad_(False))
+    out = strategy.run(lambda: frozen(torch.ones(1, 6)).sum())  # a frozen head may be shared
+    assert len(strategy.experimental_local_results(out)) == 2
