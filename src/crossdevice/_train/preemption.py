@@ -1,0 +1,285 @@
+"""`PreemptionCheckpointHandler` and `TerminationConfig` (TF's `tf.distribute.experimental`).
+
+The handler wraps each training step (`run(step_fn, ...)`). At construction it restores
+the latest checkpoint. When a termination notice reaches any one worker (SIGTERM by
+default, or a `termination_watcher_fn` that returns True), every worker saves the same
+step and exits: before each step the workers agree, with one small all-reduce, whether
+any of them was told to stop, and since synchronous workers are at the same step, they
+save the same one, wait for the chief's write to be durable, and exit with
+`RESTART_EXIT_CODE` (42, TF's code on platforms it does not know), which a launcher such
+as `torchrun --max-restarts=N` answers by starting the job again; the handler of the new
+job restores that checkpoint.
+
+A worker that dies instead (SIGKILL, a crash) cannot save. Its peers learn of it in their
+next collective within seconds (`WorkerFailedError`, from the health checks of
+`MultiWorkerMirroredStrategy`), and the handler makes them exit with the restart code too,
+so the launcher restarts the job from the last periodic checkpoint rather than waiting
+on a hung one. Save periodically with the same manager for that case.
+
+Where TF uses its coordination service (a background thread, keys in a store) we use
+the strategy's own all-reduce: one 4-byte collective per step on several workers, none
+in one process, and no dependency on how the workers talk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError
+from crossdevice._train import job
+from crossdevice._train.checkpoint import Checkpoint, _Counter
+from crossdevice._train.manager import CheckpointManager
+
+__all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "TerminationConfig"]
+
+_LOG: Final = logging.getLogger("crossdevice")
+
+#: The exit code after a preemption save or a peer's death: non-zero, so that torchrun
+#: (and Borg, TF's reference) restarts the job. TF's default on unknown platforms.
+RESTART_EXIT_CODE: Final = 42
+#: How often a `termination_watcher_fn` is polled (TF: every second).
+WATCH_SECONDS: Final = 1.0
+#: TF's margin before a grace period's end: this many mean step times, for the save.
+_GRACE_STEPS: Final = 6
+
+
+def _exit_for_restart() -> None:
+    sys.exit(RESTART_EXIT_CODE)
+
+
+class TerminationConfig:
+    """How a `PreemptionCheckpointHandler` learns of termination and how it exits (TF's).
+
+    Args:
+        termination_watcher_fn: a function returning True once the worker is about to
+            be terminated, polled every second on a daemon thread; default: a SIGTERM
+            handler (installed from the main thread).
+        exit_fn: what to call after the preemption save; default
+            `sys.exit(RESTART_EXIT_CODE)` (42). Exit non-zero so the launcher restarts.
+        grace_period: seconds between the notice and the kill. Above 0, the workers save
+            at once and go on training until a few step times before the end, then
+            save again and exit. Default 0: save and exit at once.
+        save_fn: called instead of the manager's `save` for the preemption save.
+    """
+
+    def __init__(
+        self,
+        termination_watcher_fn: Callable[[], bool] | None = None,
+        exit_fn: Callable[[], Any] | None = None,
+        grace_period: float | None = None,
+        save_fn: Callable[[], Any] | None = None,
+    ) -> None:
+        for name, fn in (("termination_watcher_fn", termination_watcher_fn), ("exit_fn", exit_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a function or None, got {fn!r}")
+        if save_fn is not None and not callable(save_fn):
+            raise TypeError(f"save_fn must be a function or None, got {save_fn!r}")
+        if grace_period is not None and (
+            isinstance(grace_period, bool)
+            or not isinstance(grace_period, int | float)
+            or grace_period < 0
+        ):
+            raise ValueError(f"grace_period must be a number of seconds >= 0, got {grace_period!r}")
+        self.termination_watcher_fn = termination_watcher_fn
+        self.exit_fn = exit_fn if exit_fn is not None else _exit_for_restart
+        self.grace_period = float(grace_period or 0)
+        self.save_fn = save_fn
+
+    def __repr__(self) -> str:
+        return (
+            f"TerminationConfig(termination_watcher_fn={self.termination_watcher_fn!r}, "
+            f"exit_fn={self.exit_fn!r}, grace_period={self.grace_period!r}, "
+            f"save_fn={self.save_fn!r})"
+        )
+
+
+class PreemptionCheckpointHandler:
+    """Saves every worker's state at the same step when any worker is told to stop (TF's).
+
+    Args:
+        cluster_resolver: the job's cluster resolver (TF needs it; here the workers come
+            from the strategy, so it is only kept, and may be None).
+        checkpoint_or_checkpoint_manager: a `CheckpointManager` (used for the restore at
+            construction and for the preemption save; save periodic checkpoints with it
+            too), or a `Checkpoint` (then a manager keeping one checkpoint in
+            `checkpoint_dir` is made).
+        checkpoint_dir: the directory, when a `Checkpoint` is given.
+        termination_config: a `TerminationConfig`.
+
+    Example (one process; `torchrun` for several workers)::
+
+        manager = crossdevice.train.CheckpointManager(ckpt, "ckpts", max_to_keep=3)
+        handler = crossdevice.experimental.PreemptionCheckpointHandler(None, manager)
+        while handler.total_run_calls < STEPS:       # resumes where the last job stopped
+            handler.run(train_step, next(iterator))  # SIGTERM: save, exit(42)
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: Any,
+        checkpoint_or_checkpoint_manager: Checkpoint | CheckpointManager,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        termination_config: TerminationConfig | None = None,
+    ) -> None:
+        given = checkpoint_or_checkpoint_manager
+        if isinstance(given, CheckpointManager):
+            manager = given
+        elif isinstance(given, Checkpoint):
+            if checkpoint_dir is None:
+                raise ValueError(
+                    "When a checkpoint is passed, a checkpoint_dir must be passed as well "
+                    "(or pass a crossdevice.train.CheckpointManager)"
+                )
+            manager = CheckpointManager(given, checkpoint_dir, max_to_keep=1)
+        else:
+            raise TypeError(
+                "checkpoint_or_checkpoint_manager must be a crossdevice.train.Checkpoint or "
+                f"CheckpointManager, got {given!r}"
+            )
+        config = termination_config or TerminationConfig()
+        if not isinstance(config, TerminationConfig):
+            raise TypeError(f"termination_config must be a TerminationConfig, got {config!r}")
+        self._cluster_resolver = cluster_resolver
+        self._config = config
+        self._manager = manager
+        self._checkpoint = manager.checkpoint
+        self._strategy = self._checkpoint._strategy()
+        self._counter = _Counter(np.int64(0), name="checkpointed_runs", trainable=False)
+        self._checkpoint.checkpointed_runs = self._counter
+        manager.restore_or_initialize()
+        self._runs = int(self._counter.numpy())
+        self._notice = threading.Event()
+        self._notice_time = 0.0
+        self._deadline: float | None = None
+        self._mean_step = 0.0
+        self._watch()
+
+    # --- notices --------------------------------------------------------------------------
+    def _note(self) -> None:
+        if not self._notice.is_set():
+            self._notice_time = time.monotonic()
+            self._notice.set()
+
+    def _watch(self) -> None:
+        watcher = self._config.termination_watcher_fn
+        if watcher is None:
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError(
+                    "PreemptionCheckpointHandler installs a SIGTERM handler, which Python "
+                    "allows only on the main thread; build it there, or pass "
+                    "TerminationConfig(termination_watcher_fn=...)"
+                )
+            signal.signal(signal.SIGTERM, lambda signum, frame: self._note())
+            return
+
+        def poll() -> None:
+            while not self._notice.wait(WATCH_SECONDS):
+                if watcher():
+                    self._note()
+
+        threading.Thread(target=poll, name="crossdevice-termination-watcher", daemon=True).start()
+
+    # --- the step boundary ----------------------------------------------------------------
+    @property
+    def total_run_calls(self) -> int:
+        """How many `run` calls this job has made, counting those of earlier launches."""
+        return self._runs
+
+    def run(self, distributed_train_function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one training step; then, if any worker was told to stop, save and exit.
+
+        Wrap exactly one step: the workers agree after each call. The check comes after
+        the step (TF checks before it), so a checkpoint holds the data position of the
+        batches trained on, also when the batch was fetched for this call
+        (`handler.run(step, next(iterator))`). A peer's death during the step makes this
+        worker exit with `RESTART_EXIT_CODE` instead of waiting.
+
+        Returns:
+            What `distributed_train_function(*args, **kwargs)` returned.
+        """
+        start = time.monotonic()
+        try:
+            result = distributed_train_function(*args, **kwargs)
+        except (WorkerFailedError, CollectiveTimeoutError) as err:
+            self._exit_after_failure(err)
+        elapsed = time.monotonic() - start
+        self._runs += 1
+        self._mean_step += (elapsed - self._mean_step) / min(self._runs, 100)
+        self._counter.assign(np.int64(self._runs), read_value=False)
+        self.save_checkpoint_if_preempted()
+        return result
+
+    def save_checkpoint_if_preempted(self) -> None:
+        """At a step boundary: if any worker was told to stop, save (and exit) now.
+
+        `run` calls it after each step; call it yourself at each step boundary if your
+        loop does not go through `run`. Every worker must call it at the same steps.
+        """
+        if self._deadline is None:
+            flag = self._notice.is_set()
+        else:
+            flag = time.monotonic() >= self._deadline
+        try:
+            agreed = job.any_worker(self._strategy, flag)
+        except (WorkerFailedError, CollectiveTimeoutError) as err:
+            self._exit_after_failure(err)
+        if not agreed:
+            return
+        path = self._save()
+        grace = self._config.grace_period
+        if grace > 0 and self._deadline is None:
+            since = time.monotonic() - self._notice_time if self._notice.is_set() else 0.0
+            self._deadline = time.monotonic() + grace - since - _GRACE_STEPS * self._mean_step
+            _LOG.warning(
+                "crossdevice: termination notice; saved %s at step %d, training on for the "
+                "grace period",
+                path,
+                self._runs,
+            )
+            return
+        _LOG.warning(
+            "crossdevice: termination notice; saved %s at step %d; exiting for a restart",
+            path,
+            self._runs,
+        )
+        self._config.exit_fn()
+
+    def _save(self) -> str | None:
+        if self._config.save_fn is not None:
+            self._config.save_fn()
+            path = None
+        else:
+            path = self._manager.save(check_interval=False)
+        # The write is durable on the chief before anyone exits (a launcher that sees one
+        # worker leave stops the others).
+        self._manager.sync()
+        job.barrier(self._strategy)
+        return path
+
+    def _exit_after_failure(self, error: BaseException) -> None:
+        _LOG.error(
+            "crossdevice: a worker failed (%s: %s); exiting with code %d so the launcher "
+            "restarts the job from the last checkpoint",
+            type(error).__name__,
+            error,
+            RESTART_EXIT_CODE,
+        )
+        try:
+            self._manager.sync()  # a periodic checkpoint still being written
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # Not sys.exit: tearing down a process group whose peer died can block.
+            os._exit(RESTART_EXIT_CODE)
+
+    def __repr__(self) -> str:
+        return f"PreemptionCheckpointHandler({self._manager!r}, total_run_calls={self._runs})"
