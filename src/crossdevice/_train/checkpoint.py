@@ -34,7 +34,7 @@ from crossdevice._strategies.context import get_strategy
 from crossdevice._train import job, storage, trackable, tree
 from crossdevice._train.state_file import CheckpointState, read_state, write_state
 from crossdevice._train.status import CheckpointLoadStatus, InitializationOnlyStatus
-from crossdevice._train.writer import BackgroundWriter, Stager
+from crossdevice._train.writer import BackgroundWriter, Stager, wait_for_path
 from crossdevice._values.variables import Variable
 
 __all__ = ["Checkpoint"]
@@ -253,6 +253,7 @@ class Checkpoint:
 
     def _restore(self, path: Path) -> CheckpointLoadStatus:
         self._writer.wait()
+        wait_for_path(str(path))
         index = storage.read_index(path)
         arrays = storage.read_arrays(path, index, index.get("arrays", {}))
         saved = {

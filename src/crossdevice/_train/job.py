@@ -24,6 +24,8 @@ _HEADER: Final = struct.Struct("<q")
 
 def worker_position(strategy: Any) -> tuple[int, int]:
     """`(number of workers, this worker's index)` of `strategy`'s job; `(1, 0)` in one process."""
+    if strategy.num_replicas_in_sync == 1:  # the default strategy has no worker_devices
+        return 1, 0
     local = len(strategy.extended.worker_devices)
     workers = strategy.num_replicas_in_sync // local
     if workers <= 1:

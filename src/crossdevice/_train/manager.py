@@ -17,6 +17,7 @@ are removed when the lock is taken.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -42,12 +43,8 @@ def _lock(directory: Path) -> int:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except PermissionError as err:
-        raise PermissionError(
-            f"cannot write checkpoints to {str(directory)!r}: it is not writable "
-            f"({err.strerror}). Choose a directory this process may write, or fix its "
-            "permissions"
-        ) from err
+    except OSError as err:
+        raise OSError(err.errno, storage.unwritable(directory, err)) from err
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -208,14 +205,21 @@ class CheckpointManager:
         counter.assign_add(1, read_value=False)
         number = int(counter.numpy()) if checkpoint_number is None else int(checkpoint_number)
         path = f"{self._prefix}-{number}"
+        if self._writer and Path(path).exists():
+            raise FileExistsError(
+                f"cannot save {path!r}: it exists already (checkpoints are never overwritten). "
+                f"The directory holds an earlier run's checkpoints, the latest "
+                f"{self._latest!r}: call restore_or_initialize() first to continue that run, "
+                "or save into another directory"
+            )
         if not self._writer:
             self._latest = path
             return checkpoint._save(Path(path), None)
-        return checkpoint._save(Path(path), lambda: self._record(path))
+        when = time.time()
+        return checkpoint._save(Path(path), lambda: self._record(path, when))
 
-    def _record(self, path: str) -> None:
+    def _record(self, path: str, now: float) -> None:
         """After the write: record, delete what is beyond `max_to_keep`, record again."""
-        now = time.time()
         self._kept = [(p, t) for p, t in self._kept if p != path] + [(path, now)]
         self._latest = path
         self._write_state()
@@ -270,7 +274,9 @@ class CheckpointManager:
     def __del__(self) -> None:
         fd = getattr(self, "_lock_fd", None)
         if fd is not None:
-            os.close(fd)
+            # At interpreter teardown `os` may be gone; the kernel releases the lock anyway.
+            with contextlib.suppress(Exception):
+                os.close(fd)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self._directory)!r}, max_to_keep={self._max_to_keep})"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Final
 
 from crossdevice._train import storage
+from crossdevice._train.writer import wait_for_path
 
 __all__ = ["CheckpointState", "latest_checkpoint", "read_state", "write_state"]
 
@@ -112,7 +113,8 @@ def latest_checkpoint(
     """The newest complete checkpoint of a directory, from its `checkpoint` file (TF's).
 
     If the file names a checkpoint that is gone or incomplete, the newest complete one it
-    lists is returned instead; None if there is none.
+    lists is returned instead; None if there is none. Saves of this process still being
+    written into the directory are waited for.
 
     Args:
         checkpoint_dir: the directory the checkpoints were saved in.
@@ -123,6 +125,7 @@ def latest_checkpoint(
         >>> latest_checkpoint(tempfile.mkdtemp()) is None
         True
     """
+    wait_for_path(os.fspath(Path(checkpoint_dir)), inside=True)
     state = read_state(Path(checkpoint_dir), latest_filename or STATE_FILE)
     if state is None:
         return None

@@ -44,6 +44,7 @@ __all__ = [
     "prepare",
     "read_arrays",
     "read_index",
+    "unwritable",
     "write",
 ]
 
@@ -74,7 +75,7 @@ def prepare(path: Path) -> Path:
 
     Raises:
         FileExistsError: `path` exists (a checkpoint is never overwritten).
-        PermissionError: its directory cannot be created or written.
+        OSError: its directory cannot be created or written (PermissionError, ...).
     """
     if path.exists():
         raise FileExistsError(
@@ -85,13 +86,19 @@ def prepare(path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
         tmp.mkdir()
-    except PermissionError as err:
-        raise PermissionError(
-            f"cannot save the checkpoint {str(path)!r}: the directory "
-            f"{str(path.parent)!r} is not writable ({err.strerror}). Choose a directory this "
-            "process may write, or fix its permissions"
-        ) from err
+    except OSError as err:
+        # OSError(errno, ...) comes back as the matching subclass (PermissionError, ...).
+        raise OSError(err.errno, unwritable(path.parent, err)) from err
     return tmp
+
+
+def unwritable(directory: Path, error: OSError) -> str:
+    """The message for a checkpoint directory that cannot be created or written."""
+    return (
+        f"cannot write checkpoints to {str(directory)!r}: it is not writable "
+        f"({error.strerror or error}). Choose a directory this process may write, or fix its "
+        "permissions"
+    )
 
 
 def discard(tmp: Path) -> None:
@@ -183,8 +190,9 @@ def _write_dcp(tmp: Path, arrays: Mapping[str, Any]) -> None:
     import torch
 
     dcp = _dcp()
+    # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
     tensors = {
-        key: a if is_torch(a) else torch.from_numpy(np.ascontiguousarray(a))
+        key: a if is_torch(a) else torch.from_numpy(a if a.flags.c_contiguous else a.copy())
         for key, a in arrays.items()
     }
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)

@@ -14,6 +14,7 @@ the interpreter finishes a pending write before it exits.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -22,12 +23,34 @@ import numpy as np
 
 from crossdevice._arrays import is_torch
 
-__all__ = ["WRITE_TIMEOUT_SECONDS", "BackgroundWriter", "Stager"]
+__all__ = ["WRITE_TIMEOUT_SECONDS", "BackgroundWriter", "Stager", "wait_for_path"]
 
 _LOG: Final = logging.getLogger("crossdevice")
 
 #: The longest a save waits for the previous write (several GB on a slow disk, with room).
 WRITE_TIMEOUT_SECONDS: Final = 1800.0
+
+
+#: Writes in flight in this process, by checkpoint path: a restore of that path waits.
+_IN_FLIGHT: dict[str, BackgroundWriter] = {}
+_IN_FLIGHT_LOCK: Final = threading.Lock()
+
+
+def wait_for_path(path: str, *, inside: bool = False) -> None:
+    """Wait for writes in flight in this process of `path` (or, `inside`, of paths in it).
+
+    Whichever checkpoint started them; an error is left to that checkpoint's next call.
+    """
+    with _IN_FLIGHT_LOCK:
+        writers = [
+            writer
+            for what, writer in _IN_FLIGHT.items()
+            if what == path or (inside and os.path.dirname(what) == path)
+        ]
+    for writer in writers:
+        thread = writer._thread
+        if thread is not None:
+            thread.join(WRITE_TIMEOUT_SECONDS)
 
 
 def _same_layout(buffer: Any, array: Any) -> bool:
@@ -85,6 +108,8 @@ class BackgroundWriter:
             target=self._run, args=(write,), name="crossdevice-checkpoint-writer"
         )
         self._thread = thread
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT[what] = self
         thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:
@@ -95,6 +120,10 @@ class BackgroundWriter:
             _LOG.error(
                 "writing the checkpoint %s failed: %s: %s", self._what, type(err).__name__, err
             )
+        finally:
+            with _IN_FLIGHT_LOCK:
+                if _IN_FLIGHT.get(self._what) is self:
+                    del _IN_FLIGHT[self._what]
 
     def wait(self, timeout: float = WRITE_TIMEOUT_SECONDS) -> None:
         """Wait for the write in flight; raise its error, if it failed.
