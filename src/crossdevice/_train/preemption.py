@@ -14,7 +14,8 @@ A worker that dies instead (SIGKILL, a crash) cannot save. Its peers learn of it
 next collective within seconds (`WorkerFailedError`, from the health checks of
 `MultiWorkerMirroredStrategy`), and the handler makes them exit with the restart code too,
 so the launcher restarts the job from the last periodic checkpoint rather than waiting
-on a hung one. Save periodically with the same manager for that case.
+on a hung one (`run` covers its step; `watch_preemption_scope()` covers a whole loop).
+Save periodically with the same manager for that case.
 
 Where TF uses its coordination service (a background thread, keys in a store) we use
 the strategy's own all-reduce: one 4-byte collective per step on several workers, none
@@ -23,13 +24,14 @@ in one process, and no dependency on how the workers talk.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -160,6 +162,7 @@ class PreemptionCheckpointHandler:
         self._notice = threading.Event()
         self._notice_time = 0.0
         self._deadline: float | None = None
+        self._finished = False  # saved for the last time (an exit_fn that returned)
         self._mean_step = 0.0
         self._watch()
 
@@ -218,12 +221,33 @@ class PreemptionCheckpointHandler:
         self.save_checkpoint_if_preempted()
         return result
 
+    @contextlib.contextmanager
+    def watch_preemption_scope(self) -> Iterator[None]:
+        """Context manager: a peer's death anywhere inside exits with `RESTART_EXIT_CODE`.
+
+        `run` covers its step; wrap the whole training loop to cover what happens
+        between steps too, such as `next(iterator)` (which agrees with the other workers
+        whether any has data). Other errors pass through.
+
+        Example::
+
+            with handler.watch_preemption_scope():
+                for batch in dist_dataset:
+                    handler.run(train_step, batch)
+        """
+        try:
+            yield
+        except (WorkerFailedError, CollectiveTimeoutError) as err:
+            self._exit_after_failure(err)
+
     def save_checkpoint_if_preempted(self) -> None:
         """At a step boundary: if any worker was told to stop, save (and exit) now.
 
         `run` calls it after each step; call it yourself at each step boundary if your
         loop does not go through `run`. Every worker must call it at the same steps.
         """
+        if self._finished:
+            return
         if self._deadline is None:
             flag = self._notice.is_set()
         else:
@@ -251,6 +275,7 @@ class PreemptionCheckpointHandler:
             path,
             self._runs,
         )
+        self._finished = True
         self._config.exit_fn()
 
     def _save(self) -> str | None:
