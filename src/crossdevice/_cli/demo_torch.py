@@ -65,6 +65,7 @@ def train(
     progress: Callable[..., Any] | None = None,
     report: Callable[[str], None] | None = None,
     label: str = "",
+    checkpoint_dir: str | None = None,
 ) -> TrainResult:
     """Train the CNN with `strategy` on the given global batches, one list per epoch.
 
@@ -77,6 +78,7 @@ def train(
         progress: a `tqdm`-like factory, or None.
         report: where to write the per-epoch lines, or None.
         label: a prefix for the progress bar.
+        checkpoint_dir: checkpoint into (and resume from) this directory.
 
     Returns:
         A `TrainResult`.
@@ -126,4 +128,6 @@ def train(
         progress=progress,
         report=report,
         label=label,
+        checkpoint_dir=checkpoint_dir,
+        objects={"model": model, "optimizer": optimizer},
     )
