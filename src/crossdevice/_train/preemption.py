@@ -45,9 +45,12 @@ __all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "TerminationConfi
 
 _LOG: Final = logging.getLogger("crossdevice")
 
-#: The exit code after a preemption save or a peer's death: non-zero, so that torchrun
-#: (and Borg, TF's reference) restarts the job. TF's default on unknown platforms.
 RESTART_EXIT_CODE: Final = 42
+"""The exit code after a preemption save or a peer's death (TF's default: 42).
+
+Non-zero, so that a launcher restarts the job: `torchrun --max-restarts=N` restarts it
+on any non-zero exit (each restart uses one of the N), as Borg does for TF.
+"""
 #: How often a `termination_watcher_fn` is polled (TF: every second).
 WATCH_SECONDS: Final = 1.0
 #: TF's margin before a grace period's end: this many mean step times, for the save.
