@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.frameworks.helpers import EXAMPLES
+from tests.multi_worker.harness import torchrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.torch]
 
@@ -24,15 +24,7 @@ TIMEOUT = 240
 
 
 def _torchrun(directory: Path, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        str(restarts),
+    command = torchrun(
         str(EXAMPLES / "preemption.py"),
         "--checkpoint-dir",
         str(directory),
@@ -43,7 +35,8 @@ def _torchrun(directory: Path, *extra: str, restarts: int = 0) -> subprocess.Com
         "--checkpoint-every",
         "5",
         *extra,
-    ]
+        max_restarts=restarts,
+    )
     return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, check=False)
 
 

@@ -79,6 +79,9 @@ def test_torch_state_is_written_as_dcp_that_torch_reads(torch_module: Any, tmp_p
         dcp.load(state, checkpoint_id=str(path))
     for name, value in model.state_dict().items():
         assert torch.equal(state["model"][name], value), name
+    step.assign(0)
+    ckpt.restore(path).assert_consumed()  # a 0-d NumPy value comes back 0-d from DCP
+    assert int(step.numpy()) == 2
 
 
 @pytest.mark.parametrize("mode", ["threads", "cooperative"])
