@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -155,7 +157,7 @@ def test_state_of_every_structure_round_trips(tmp_path: Path) -> None:
         "big": 2**100,
     }
     thing = Thing(state)
-    generator = np.random.default_rng(5)
+    generator = np.random.default_rng(5)  # PCG64
     legacy = np.random.RandomState(6)
     ckpt = Checkpoint(thing=thing, generator=generator, legacy=legacy, both=[cd.Variable(1.0)])
     path = ckpt.write(tmp_path / "t")
@@ -175,6 +177,9 @@ def test_state_of_every_structure_round_trips(tmp_path: Path) -> None:
     assert got["$tag"]["nested"][0].shape == (2, 0)
     assert got["$tag"]["nested"][1] == {"a": -3}
     assert got["big"] == 2**100
+    other = np.random.Generator(np.random.MT19937(1))
+    with pytest.raises(ValueError, match=r"'PCG64' bit generator, and the tracked Generator uses"):
+        Checkpoint(generator=other).read(path)
 
 
 def test_global_random_state_is_saved_and_restored(tmp_path: Path) -> None:
@@ -331,3 +336,25 @@ def test_a_failed_write_is_raised_at_the_next_call_and_leaves_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-1"]
     assert cd.train.latest_checkpoint(tmp_path) == good
     ckpt.sync()  # the error was reported once
+
+
+def test_a_numpy_program_checkpoints_without_importing_torch(tmp_path: Path) -> None:
+    code = f"""
+import sys, numpy as np, crossdevice as cd
+strategy = cd.MirroredStrategy(["CPU:0", "CPU:1"])
+with strategy.scope():
+    w = cd.Variable(np.arange(3, dtype=np.float32))
+data = strategy.experimental_distribute_dataset([np.arange(4)] * 3)
+it = iter(data)
+next(it)
+manager = cd.train.CheckpointManager(cd.train.Checkpoint(w=w, data=data), {str(tmp_path)!r}, 2)
+manager.save()
+w.assign(np.zeros(3, np.float32))
+manager.checkpoint.restore(manager.latest_checkpoint).assert_consumed()
+print(w.numpy().tolist(), data.state_dict()["steps"], "torch" in sys.modules)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[0.0,", "1.0,", "2.0]", "1", "False"]

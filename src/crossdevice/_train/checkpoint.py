@@ -89,7 +89,9 @@ class Checkpoint:
             _matched=set(),
             _writer=BackgroundWriter(),
             _stager=Stager(),
-            _save_counter=_Counter(np.int64(0), name="save_counter", trainable=False),
+            _save_counter=_Counter(
+                np.int64(0), name="save_counter", trainable=False, device="CPU:0"
+            ),
         )
         for name, obj in objects.items():
             setattr(self, name, obj)

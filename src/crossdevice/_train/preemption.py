@@ -158,7 +158,9 @@ class PreemptionCheckpointHandler:
         self._manager = manager
         self._checkpoint = manager.checkpoint
         self._strategy = self._checkpoint._strategy()
-        self._counter = _Counter(np.int64(0), name="checkpointed_runs", trainable=False)
+        self._counter = _Counter(
+            np.int64(0), name="checkpointed_runs", trainable=False, device="CPU:0"
+        )
         self._checkpoint.checkpointed_runs = self._counter
         manager.restore_or_initialize()
         self._runs = int(self._counter.numpy())
