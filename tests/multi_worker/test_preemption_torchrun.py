@@ -1,7 +1,8 @@
 """`examples/preemption.py` under torchrun: preempted, killed, restarted, bitwise the same.
 
 Two workers train one epoch. In one job, worker 1 sends itself SIGTERM after step 7:
-both workers save step 8 and exit with the restart code, and a relaunch resumes there.
+both workers save the same step (the next one at which the workers agree, within
+`AGREE_SECONDS`) and exit with the restart code, and a relaunch resumes there.
 In another, worker 1 dies by SIGKILL after step 7 under `--max-restarts 1`: torchrun
 restarts the job, which resumes from the periodic checkpoint of step 5 on its own. Both
 end with the parameters of the uninterrupted job, bit for bit.
@@ -62,11 +63,14 @@ def test_sigterm_to_one_worker_saves_the_same_step_on_both(
     assert done.returncode != 0, output  # no restarts allowed: torchrun reports the failure
     saved = re.findall(r"termination notice; saved (\S+) at step (\d+); exiting", output)
     assert len(saved) == 2, output  # both workers
-    assert saved[0] == saved[1] == (str(tmp_path / "ckpt-2"), "8"), output
+    assert saved[0] == saved[1], output  # the same checkpoint, the same step
+    path, step = saved[0]
+    assert Path(path).parent == tmp_path
+    assert 8 <= int(step) < 15, output  # after the step the signal came in (or soon after)
     assert output.count("exitcode  : 42") >= 1, output
     again = _torchrun(tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert again.stdout.count("resumed at epoch 0, step 8") == 2
+    assert again.stdout.count(f"resumed at epoch 0, step {step}") == 2
     assert _digest(again) == uninterrupted
 
 

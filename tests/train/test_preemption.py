@@ -170,3 +170,38 @@ def test_termination_config_checks_its_arguments(
 ) -> None:
     with pytest.raises(error, match=message):
         TerminationConfig(**kwargs)
+
+
+def test_several_workers_agree_about_every_agree_seconds_not_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from crossdevice._train import job, preemption
+
+    calls: list[np.ndarray] = []
+
+    def one_worker_sum(strategy: Any, array: np.ndarray) -> np.ndarray:
+        calls.append(np.array(array))
+        return array  # the chief alone: the sum is its own contribution
+
+    exits: list[int] = []
+    manager = cd.train.CheckpointManager(cd.train.Checkpoint(v=cd.Variable(1.0)), tmp_path, 1)
+    handler = PreemptionCheckpointHandler(
+        None, manager, termination_config=TerminationConfig(exit_fn=lambda: exits.append(1))
+    )
+    handler._workers = 2  # the chief of two workers, whose peer always says "no notice"
+    monkeypatch.setattr(job, "sum_over_workers", one_worker_sum)
+    start = time.monotonic()
+    steps = 0
+    while time.monotonic() - start < 1.0:  # short steps: ~0.1 ms each
+        handler.run(lambda: time.sleep(0.0001))
+        steps += 1
+    agreements = len(calls)
+    assert 3 <= agreements <= 1.0 / preemption.AGREE_SECONDS + 3  # one per ~0.2 s
+    assert steps > 20 * agreements
+    assert calls[0].tolist() == [0, 1]  # the first proposal: agree again at the next step
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 2.0
+    while not exits and time.monotonic() < deadline:
+        handler.run(lambda: time.sleep(0.0001))
+    assert exits  # agreed within about AGREE_SECONDS
+    assert cd.train.latest_checkpoint(tmp_path) is not None

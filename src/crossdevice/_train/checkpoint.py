@@ -30,7 +30,7 @@ import numpy as np
 
 from crossdevice._arrays import global_random, is_torch
 from crossdevice._core import context
-from crossdevice._strategies.context import get_strategy
+from crossdevice._strategies.context import get_strategy, has_strategy
 from crossdevice._train import job, storage, trackable, tree
 from crossdevice._train.state_file import CheckpointState, read_state, write_state
 from crossdevice._train.status import CheckpointLoadStatus, InitializationOnlyStatus
@@ -92,6 +92,8 @@ class Checkpoint:
             _save_counter=_Counter(
                 np.int64(0), name="save_counter", trainable=False, device="CPU:0"
             ),
+            # TF builds checkpoints under `strategy.scope()`: that strategy is the job's.
+            _scope_strategy=get_strategy() if has_strategy() else None,
         )
         for name, obj in objects.items():
             setattr(self, name, obj)
@@ -123,11 +125,20 @@ class Checkpoint:
         return self.__dict__["_save_counter"]
 
     def _strategy(self) -> Any:
-        for obj in self._objects.values():
-            strategy = trackable.strategy_of(obj)
-            if strategy is not None:
-                return strategy
-        return get_strategy()
+        """The job's strategy: a tracked object's, the scope's at construction, or now."""
+        strategy = next(
+            (s for s in map(trackable.strategy_of, self._objects.values()) if s is not None),
+            self._scope_strategy or get_strategy(),
+        )
+        if job.worker_position(strategy)[0] == 1 and job.torch_world_size() > 1:
+            raise RuntimeError(
+                f"this process is one of {job.torch_world_size()} workers (torch.distributed), "
+                f"but the checkpoint found no multi-worker strategy (it found {strategy!r}), "
+                "so every worker would write it. Create the Checkpoint under "
+                "`with strategy.scope():` of your MultiWorkerMirroredStrategy, or track an "
+                "object of that strategy"
+            )
+        return strategy
 
     # --- saving ---------------------------------------------------------------------------
     def save(self, file_prefix: PathLike, options: Any = None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -17,7 +18,14 @@ import numpy as np
 
 from crossdevice._core.reduce_op import ReduceOp
 
-__all__ = ["any_worker", "barrier", "gather_states", "sum_over_workers", "worker_position"]
+__all__ = [
+    "any_worker",
+    "barrier",
+    "gather_states",
+    "sum_over_workers",
+    "torch_world_size",
+    "worker_position",
+]
 
 _HEADER: Final = struct.Struct("<q")
 
@@ -31,6 +39,15 @@ def worker_position(strategy: Any) -> tuple[int, int]:
     if workers <= 1:
         return 1, 0
     return workers, strategy.extended._replica_id_offset // local
+
+
+def torch_world_size() -> int:
+    """The number of workers of torch.distributed's default group (1 when there is none)."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available():
+        return 1
+    dist = torch.distributed
+    return int(dist.get_world_size()) if dist.is_initialized() else 1
 
 
 def sum_over_workers(strategy: Any, array: np.ndarray) -> np.ndarray:
