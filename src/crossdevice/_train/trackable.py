@@ -153,6 +153,14 @@ def validate(obj: Any, state: Any, name: str) -> None:
         for key, item in obj.items():
             validate(item, state[key], f"{name}.{key}")
         return
+    if isinstance(obj, np.random.Generator):
+        have = obj.bit_generator.state["bit_generator"]
+        saved_kind = state.get("bit_generator") if isinstance(state, Mapping) else None
+        if saved_kind != have:
+            raise ValueError(
+                f"cannot restore {name!r}: the checkpoint holds the state of a {saved_kind!r} "
+                f"bit generator, and the tracked Generator uses {have!r}"
+            )
     torch: Any = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
         _validate_module(obj.state_dict(), state, name)
