@@ -38,6 +38,7 @@ from typing import Any, Final
 import numpy as np
 
 from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError
+from crossdevice._strategies.context import has_strategy
 from crossdevice._train import job
 from crossdevice._train.checkpoint import Checkpoint
 from crossdevice._train.manager import CheckpointManager
@@ -177,6 +178,9 @@ class PreemptionCheckpointHandler:
         self._manager = manager
         self._checkpoint = manager.checkpoint
         self._strategy = self._checkpoint._strategy()  # the scope's, as TF's handler
+        if self._checkpoint._scope_strategy is None and has_strategy():
+            # Built under the scope (as TF's handler is): later saves use that strategy.
+            self._checkpoint.__dict__["_scope_strategy"] = self._strategy
         self._count = _RunCount()
         self._checkpoint.checkpointed_runs = self._count
         manager.restore_or_initialize()
