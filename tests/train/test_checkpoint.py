@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -289,10 +290,12 @@ def test_the_write_runs_off_the_calling_thread_and_saves_wait_for_it(
 ) -> None:
     release = threading.Event()
     writers: list[str] = []
+    niceness: list[int] = []
     real_write = storage.write
 
     def slow_write(*args: Any) -> None:
         writers.append(threading.current_thread().name)
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert release.wait(30)
         real_write(*args)
 
@@ -311,6 +314,8 @@ def test_the_write_runs_off_the_calling_thread_and_saves_wait_for_it(
     saver.join(30)
     ckpt.sync()
     assert writers == ["crossdevice-checkpoint-writer"] * 2
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert niceness == [min(19, ours + 10)] * 2  # background work yields to training
     restored = Checkpoint(v=cd.Variable(np.float32(0)))
     restored.restore(first)
     assert float(restored.v.numpy()) == 1.0
