@@ -97,9 +97,10 @@ def capture() -> RandomState:
     torch: Any = sys.modules.get("torch")
     if torch is not None:
         state["torch"] = torch.get_rng_state().numpy().copy()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for index in range(torch.cuda.device_count()):
-                state[f"cuda:{index}"] = torch.cuda.get_rng_state(index).numpy().copy()
+        if torch.cuda.is_initialized():
+            # The generators CUDA made (none where CUDA is only simulated, as in tests).
+            for index, generator in enumerate(torch.cuda.default_generators):
+                state[f"cuda:{index}"] = generator.get_state().numpy().copy()
     return state
 
 
@@ -128,12 +129,11 @@ def restore(state: Mapping[str, np.ndarray]) -> None:
         return
     if "torch" in state:
         torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8).copy()))
+    generators = torch.cuda.default_generators if torch.cuda.is_available() else ()
     for key in torch_keys:
-        if key.startswith("cuda:") and torch.cuda.is_available():
-            index = int(key[5:])
-            if index < torch.cuda.device_count():
-                data = np.asarray(state[key], dtype=np.uint8).copy()
-                torch.cuda.set_rng_state(torch.from_numpy(data), index)
+        if key.startswith("cuda:") and int(key[5:]) < len(generators):
+            data = np.asarray(state[key], dtype=np.uint8).copy()
+            generators[int(key[5:])].set_state(torch.from_numpy(data))
 
 
 @contextlib.contextmanager
