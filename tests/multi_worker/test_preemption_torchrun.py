@@ -66,7 +66,9 @@ def test_sigterm_to_one_worker_saves_the_same_step_on_both(
     assert saved[0] == saved[1], output  # the same checkpoint, the same step
     path, step = saved[0]
     assert Path(path).parent == tmp_path
-    assert 8 <= int(step) < 15, output  # after the step the signal came in (or soon after)
+    # After the step the signal came in, at the workers' next agreement (at the latest
+    # when the loop ends, in watch_preemption_scope).
+    assert 8 <= int(step) <= 15, output
     assert output.count("exitcode  : 42") >= 1, output
     again = _torchrun(tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr

@@ -205,3 +205,25 @@ def test_several_workers_agree_about_every_agree_seconds_not_every_step(
         handler.run(lambda: time.sleep(0.0001))
     assert exits  # agreed within about AGREE_SECONDS
     assert cd.train.latest_checkpoint(tmp_path) is not None
+
+
+def test_a_notice_after_the_last_agreement_is_saved_when_the_loop_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from crossdevice._train import job
+
+    exits: list[int] = []
+    manager = cd.train.CheckpointManager(cd.train.Checkpoint(v=cd.Variable(1.0)), tmp_path, 1)
+    handler = PreemptionCheckpointHandler(
+        None, manager, termination_config=TerminationConfig(exit_fn=lambda: exits.append(1))
+    )
+    handler._workers = 2  # the chief of two workers, whose peer always says "no notice"
+    monkeypatch.setattr(job, "sum_over_workers", lambda strategy, array: array)
+    with handler.watch_preemption_scope():
+        for _ in range(30):
+            handler.run(lambda: time.sleep(0.001))  # the next agreement is ~200 steps away
+        os.kill(os.getpid(), signal.SIGTERM)
+        handler.run(lambda: None)
+        assert not exits  # no agreement before the loop ends
+    assert exits  # the scope's end agreed, saved and exited
+    assert cd.train.latest_checkpoint(tmp_path) is not None

@@ -257,7 +257,9 @@ class PreemptionCheckpointHandler:
 
         `run` covers its step; wrap the whole training loop to cover what happens
         between steps too, such as `next(iterator)` (which agrees with the other workers
-        whether any has data). Other errors pass through.
+        whether any has data). Other errors pass through. When the loop ends, the workers
+        agree once more, so that a notice that came after their last agreement (less than
+        `AGREE_SECONDS` before the end) still saves and exits.
 
         Example::
 
@@ -269,6 +271,8 @@ class PreemptionCheckpointHandler:
             yield
         except (WorkerFailedError, CollectiveTimeoutError) as err:
             self._exit_after_failure(err)
+        self._next_agreement = self._boundaries + 1  # agree now, whatever the interval
+        self.save_checkpoint_if_preempted()
 
     def save_checkpoint_if_preempted(self) -> None:
         """At a step boundary: if any worker was told to stop, save (and exit) now.
