@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,3 +186,36 @@ def test_demo_fails_when_accuracy_is_too_low(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "FAILED: needs >= 0.90" in out
     assert out.rstrip().endswith("demo: FAILED")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_demo_saves_on_a_signal_and_the_same_command_resumes(
+    torch_module: object, tmp_path: Path, signum: int
+) -> None:
+    command = [sys.executable, "-m", "crossdevice", "demo", "--replicas", "2", "--no-progress"]
+    command += ["--checkpoint-dir", str(tmp_path)]
+    lines = []
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:  # bounded: the demo ends by itself if nothing stops it
+            lines.append(line)
+            if "epoch   1/10" in line:
+                process.send_signal(signum)
+        process.wait(timeout=120)
+    output = "".join(lines)
+    assert process.returncode == 42, output
+    saved = re.search(r"saved \S+/ckpt-\d+ at step (\d+); run the same command to resume", output)
+    assert saved is not None, output
+    step = int(saved.group(1))
+    assert 23 < step < 230  # in epoch 2 or later, not at its end
+    if signum == signal.SIGINT:
+        return
+    again = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    epoch = step // 23 + 1
+    assert f"resumed at epoch {epoch}, step {step} (from {tmp_path})" in again.stdout
+    assert again.stdout.count("held-out accuracy ") == 10 - epoch + 1  # the rest of the run
+    assert again.stdout.rstrip().endswith("demo: OK")

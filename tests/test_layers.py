@@ -15,7 +15,7 @@ import crossdevice
 
 #: Layer of each package or public module: a module may import only lower layers (or its
 #: own package). `_input` sits below the strategies (it needs only values and arrays).
-LAYERS: dict[str, int] = {
+LAYERS: dict[str, float] = {
     "_core": 1,
     "cluster_resolver": 2,
     "_arrays": 3,
@@ -26,8 +26,11 @@ LAYERS: dict[str, int] = {
     "_replica": 7,
     "_input": 8,
     "_strategies": 9,
+    # Checkpoints (crossdevice.train) save strategies' objects; experimental re-exports them.
+    "_train": 9.5,
     "config": 10,
     "experimental": 10,
+    "train": 10,
     "datasets": 10,
     # Frameworks (docs/design.md §2, layer 10): torch training on the strategies.
     "_frameworks": 10,

@@ -109,3 +109,31 @@ def test_torch_submodule_public_face(torch_module: object) -> None:
         if callable(obj):
             assert inspect.getdoc(obj), f"crossdevice.torch.{name} has no docstring"
             assert obj.__module__ == "crossdevice.torch"
+
+
+def test_train_module_public_face() -> None:
+    from crossdevice import train
+
+    assert set(train.__all__) == {n for n in dir(train) if not n.startswith("_")}
+    assert {"Checkpoint", "CheckpointManager", "latest_checkpoint"} <= set(train.__all__)
+    for name in train.__all__:
+        obj = getattr(train, name)
+        assert inspect.getdoc(obj), f"crossdevice.train.{name} has no docstring"
+        assert obj.__module__ == "crossdevice.train", name
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if attr.startswith("_") or not (callable(member) or isinstance(member, property)):
+                    continue
+                assert inspect.getdoc(member), f"crossdevice.train.{name}.{attr} has no docstring"
+
+
+def test_experimental_preemption_names() -> None:
+    experimental = crossdevice.experimental
+    assert experimental.RESTART_EXIT_CODE == 42
+    for name in ("PreemptionCheckpointHandler", "TerminationConfig"):
+        obj = getattr(experimental, name)
+        assert obj.__module__ == "crossdevice.experimental"
+        assert inspect.getdoc(obj)
+        for attr, member in vars(obj).items():
+            if not attr.startswith("_") and callable(member):
+                assert inspect.getdoc(member), f"{name}.{attr} has no docstring"

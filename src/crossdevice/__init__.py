@@ -24,6 +24,7 @@ from crossdevice import cluster_resolver as cluster_resolver
 from crossdevice import config as config
 from crossdevice import datasets as datasets
 from crossdevice import experimental as experimental
+from crossdevice import train as train
 from crossdevice._core.devices import device as device
 from crossdevice._core.errors import CollectiveMismatchError as CollectiveMismatchError
 from crossdevice._core.errors import CollectiveTimeoutError as CollectiveTimeoutError
@@ -104,6 +105,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "replica_context",
+    "train",
 ]
 
 

@@ -1,5 +1,6 @@
 """`crossdevice.experimental`: TF's `tf.distribute.experimental` names."""
 
+from crossdevice._core.exports import fix_module_metadata as _fix_module_metadata
 from crossdevice._core.options import CollectiveCommunication as CollectiveCommunication
 from crossdevice._core.options import CommunicationImplementation as CommunicationImplementation
 from crossdevice._core.options import CommunicationOptions as CommunicationOptions
@@ -9,13 +10,26 @@ from crossdevice._strategies.central_storage import CentralStorageStrategy as Ce
 from crossdevice._strategies.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
+from crossdevice._train.preemption import RESTART_EXIT_CODE as RESTART_EXIT_CODE
+from crossdevice._train.preemption import (
+    PreemptionCheckpointHandler as PreemptionCheckpointHandler,
+)
+from crossdevice._train.preemption import TerminationConfig as TerminationConfig
 
 __all__ = [
+    "RESTART_EXIT_CODE",
     "CentralStorageStrategy",
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
     "Optional",
+    "PreemptionCheckpointHandler",
+    "TerminationConfig",
     "ValueContext",
 ]
+
+# Only the names first defined for this module: the strategies keep `crossdevice`.
+_fix_module_metadata(
+    globals(), ["PreemptionCheckpointHandler", "TerminationConfig"], "crossdevice.experimental"
+)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["WorkerResult", "free_port", "run_workers"]
+__all__ = ["WorkerResult", "free_port", "run_workers", "torchrun"]
 
 #: Repository root: the children import `tests.multi_worker...` from here.
 _ROOT = Path(__file__).resolve().parents[2]
@@ -74,6 +74,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def torchrun(*args: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    """The command that runs `args` (a script or `-m module` and its flags) under torchrun."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        *args,
+    ]
 
 
 def _cluster_env(

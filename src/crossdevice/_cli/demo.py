@@ -7,7 +7,9 @@ are mirrored with `crossdevice.torch.prepare`, and the step function is plain to
 digits shipped in the package (`crossdevice.datasets`). At the end the same global
 batches are replayed on a single replica; the two runs must give the same parameters up
 to float32 rounding, because data parallelism only changes the order in which
-per-example gradients are added.
+per-example gradients are added. With `--checkpoint-dir DIR` the run saves a checkpoint
+every epoch; SIGTERM or Ctrl-C saves after the current step and exits (with
+`crossdevice.experimental.RESTART_EXIT_CODE`, 42), and the same command resumes.
 """
 
 from __future__ import annotations
@@ -117,6 +119,14 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help=(
+            "save a checkpoint here every epoch; SIGTERM or Ctrl-C saves and exits, and the "
+            "same command resumes where it stopped"
+        ),
+    )
+    parser.add_argument(
         "--numpy",
         action="store_true",
         help="train the NumPy MLP instead of the torch CNN (no torch needed)",
@@ -153,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
 
     Args:
         args: the parsed `demo` arguments (`replicas`, `epochs`, `batch_size`,
-            `cross_device_ops`, `seed`, `no_progress`, `numpy`, `multi_worker`).
+            `cross_device_ops`, `seed`, `no_progress`, `numpy`, `multi_worker`,
+            `checkpoint_dir`, `mixed_precision`).
 
     Returns:
         The exit status.
@@ -222,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         report=report,
         label=f"{_replicas(total)}: ",
+        checkpoint_dir=getattr(args, "checkpoint_dir", None),
         **precision,
     )
     minimum = MIN_ACCURACY[kind]

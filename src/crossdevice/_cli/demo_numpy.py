@@ -113,6 +113,7 @@ def train(
     progress: Callable[..., Any] | None = None,
     report: Callable[[str], None] | None = None,
     label: str = "",
+    checkpoint_dir: str | None = None,
 ) -> TrainResult:
     """Train the MLP with `strategy` on the given global batches, one list per epoch.
 
@@ -129,6 +130,7 @@ def train(
         progress: a `tqdm`-like factory (`progress(total=..., desc=...)`), or None.
         report: where to write the per-epoch lines, or None.
         label: a prefix for the progress bar.
+        checkpoint_dir: checkpoint into (and resume from) this directory.
 
     Returns:
         A `TrainResult`.
@@ -185,4 +187,6 @@ def train(
         progress=progress,
         report=report,
         label=label,
+        checkpoint_dir=checkpoint_dir,
+        objects={"variables": variables},
     )

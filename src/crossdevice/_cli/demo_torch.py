@@ -66,6 +66,7 @@ def train(
     report: Callable[[str], None] | None = None,
     label: str = "",
     mixed_precision: str | None = None,
+    checkpoint_dir: str | None = None,
 ) -> TrainResult:
     """Train the CNN with `strategy` on the given global batches, one list per epoch.
 
@@ -79,6 +80,7 @@ def train(
         report: where to write the per-epoch lines, or None.
         label: a prefix for the progress bar.
         mixed_precision: None, or "bf16" (forward passes under bfloat16 autocast).
+        checkpoint_dir: checkpoint into (and resume from) this directory.
 
     Returns:
         A `TrainResult`.
@@ -128,4 +130,6 @@ def train(
         progress=progress,
         report=report,
         label=label,
+        checkpoint_dir=checkpoint_dir,
+        objects={"model": model, "optimizer": optimizer},
     )

@@ -50,6 +50,18 @@ def store_host() -> int | None:
     return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
 
 
+def _attempt_prefix() -> str:
+    """The store prefix of this launch attempt under torchrun's agent, else "".
+
+    The agent's store outlives a restart (`--max-restarts`): keys of the failed attempt
+    (Gloo's addresses, health marks) would mislead the new one. torch's own env://
+    rendezvous prefixes `/worker/attempt_<TORCHELASTIC_RESTART_COUNT>` for this reason.
+    """
+    if store_host() is not None:
+        return ""
+    return f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
 def serves_store(cluster: Cluster) -> bool:
     """Whether this worker serves the c10d store."""
     return cluster.rank == store_host()
@@ -144,7 +156,7 @@ def start_default_group(
     kwargs = {} if device_id is None else {"device_id": device_id}
     dist.init_process_group(
         backend=backend,
-        store=store,
+        store=PrefixStore(_attempt_prefix(), store) if _attempt_prefix() else store,
         rank=cluster.rank,
         world_size=cluster.world_size,
         timeout=delta,
@@ -184,4 +196,4 @@ def health_store(namespace: str) -> Any:
             is_master=False,
             timeout=datetime.timedelta(seconds=_DIAGNOSIS_STORE_TIMEOUT_SECONDS),
         )
-    return PrefixStore(f"crossdevice/{namespace}/health/", store)
+    return PrefixStore(f"{_attempt_prefix()}crossdevice/{namespace}/health/", store)

@@ -29,7 +29,7 @@ import optree
 from crossdevice._arrays import backend_for, is_array, is_torch
 from crossdevice._core import context, nest
 from crossdevice._core.devices import canonicalize
-from crossdevice._input.batching import split_batch_leaves
+from crossdevice._input.batching import batch_size_of, split_batch_leaves
 from crossdevice._input.input_context import (
     InputContext,
     InputOptions,
@@ -37,6 +37,7 @@ from crossdevice._input.input_context import (
     check_options,
 )
 from crossdevice._input.optional import Optional
+from crossdevice._input.position import EpochCounter, Pass, skip_examples
 from crossdevice._values.values import PerReplica
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator"]
@@ -180,10 +181,15 @@ class DistributedIterator:
     from `get_next`; a Python iterator stops instead); `get_next_as_optional()` returns
     an empty `Optional` instead. Call it outside `strategy.run` and pass the step in:
     `strategy.run(step_fn, args=(next(it),))`.
+
+    It is checkpointable, as TF's iterators are: `crossdevice.train.Checkpoint(it=it)`
+    saves its position (`state_dict()`), and restoring that into a fresh iterator of the
+    same data continues at the next global batch, on any layout.
     """
 
-    def __init__(self, next_step: Callable[[], Any]) -> None:
+    def __init__(self, next_step: Callable[[], Any], tracker: Pass | None = None) -> None:
         self._next_step = next_step
+        self._pass = tracker if tracker is not None else Pass(0, 0, None)
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -215,6 +221,36 @@ class DistributedIterator:
         except StopIteration:
             return Optional.empty()
 
+    @property
+    def epoch(self) -> int:
+        """Which pass over its dataset this iterator reads (0 for the first `iter()`)."""
+        return self._pass.position.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """This iterator's position: epoch, steps and examples handed out, and more.
+
+        Example:
+            >>> import numpy as np
+            >>> it = iter(DistributedDataset([np.arange(4)] * 3, devices=("CPU:0", "CPU:1")))
+            >>> _ = next(it)
+            >>> {k: it.state_dict()[k] for k in ("epoch", "steps", "examples")}
+            {'epoch': 0, 'steps': 1, 'examples': 4}
+        """
+        tracker = self._pass
+        if tracker.resume is not None and not tracker.started:
+            return tracker.resume.state_dict()
+        return tracker.position.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where the saved iterator stopped; call it before the first `next()`.
+
+        The pipeline is recreated under the random state it was first created under (so
+        a shuffling loader gives the same order) and the consumed global batches are read
+        and dropped. A different global batch size is allowed: the position is recomputed
+        from the examples consumed, and a log line says so.
+        """
+        self._pass.load(state)
+
 
 def _check_outside_replica_fn() -> None:
     """TF's input_lib raises this ValueError: each replica would get the whole step."""
@@ -225,6 +261,14 @@ def _check_outside_replica_fn() -> None:
             "strategy.run(replica_fn, args=(next(iterator),)); inside strategy.run every "
             "replica would get the whole step's PerReplica values"
         )
+
+
+def _length(dataset: Any) -> int | None:
+    """`len(dataset)` (its number of global batches), or None when it has none."""
+    try:
+        return len(dataset)
+    except TypeError:  # a generator, an iterator, an IterableDataset
+        return None
 
 
 def _summary(dataset: Any) -> str:
@@ -275,23 +319,54 @@ class DistributedDataset:
         )
         self._dataset = dataset
         self._step_sync: StepSync | None = None
+        self._epochs = EpochCounter(0, lambda: _length(dataset))
 
     @property
     def num_replicas_in_sync(self) -> int:
         """The number of replicas across all workers that each batch is split over."""
         return self._layout.num_global
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next `iter()` reads: one more after each, the saved one after a restore.
+
+        A resumable loop starts there: `for epoch in range(dist.epoch, EPOCHS)`.
+        """
+        return self._epochs.next_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position of the latest iterator (see `DistributedIterator.state_dict`).
+
+        Once that iterator has handed out a whole epoch (it ended, or it took `len(dataset)`
+        steps), the position is the start of the next epoch.
+        """
+        return self._epochs.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next `iter()` continue at the saved position (and `epoch` say which)."""
+        self._epochs.load_state_dict(state)
+
     def __iter__(self) -> DistributedIterator:
-        batches = iter(self._dataset)
         layout = self._layout
+        tracker = self._epochs.begin()
+        source: list[Any] = []
         last: list[Any] = [_END]
 
+        def skip(batches: Any, saved: Any) -> Any:
+            return skip_examples(batches, saved, layout.num_global)
+
         def next_step() -> Any:
-            batch = next(batches, _END)
+            if not source:
+                source.append(tracker.open(lambda: iter(self._dataset), skip))
+            batches = source[0]
+            batch = _END if batches is None else next(batches, _END)
             if _no_data_anywhere(self._step_sync, batch is not _END):
+                tracker.end()
                 raise StopIteration
             if batch is _END:
                 batch = _empty_step(last[0])
+            else:
+                tracker.advance(batch_size_of(batch, layout.num_global))
             last[0] = batch
             structure, sliced = split_batch_leaves(batch, layout.num_global, layout.replica_ids)
             per_replica = [
@@ -300,7 +375,7 @@ class DistributedDataset:
             ]
             return layout.regroup(per_replica)
 
-        return DistributedIterator(next_step)
+        return DistributedIterator(next_step, tracker)
 
     def __repr__(self) -> str:
         return (
@@ -369,6 +444,8 @@ class DistributedDatasetsFromFunction:
             self._input_contexts = (InputContext(num_workers, worker_index, num_replicas_in_sync),)
         self._datasets = tuple(self._call(dataset_fn, ctx) for ctx in self._input_contexts)
         self._step_sync: StepSync | None = None
+        pipelines = num_workers if len(self._datasets) == 1 else layout.num_global
+        self._epochs = EpochCounter(pipelines, lambda: None)
 
     @staticmethod
     def _call(dataset_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext) -> Any:
@@ -381,11 +458,29 @@ class DistributedDatasetsFromFunction:
         """The `InputContext` of each call of `dataset_fn` on this worker."""
         return self._input_contexts
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next `iter()` reads (see `DistributedDataset.epoch`)."""
+        return self._epochs.next_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position of the latest iterator, in steps (see `DistributedDataset`)."""
+        return self._epochs.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next `iter()` continue after the saved number of steps.
+
+        Exact when the number of input pipelines is the saved one; otherwise a log line
+        warns that examples may repeat or be skipped.
+        """
+        self._epochs.load_state_dict(state)
+
     def __iter__(self) -> DistributedIterator:
         layout = self._layout
-        iterators = [iter(dataset) for dataset in self._datasets]
-        per_worker = len(iterators) == 1
-        exhausted = [False] * len(iterators)
+        tracker = self._epochs.begin()
+        iterators: list[Any] = []
+        per_worker = len(self._datasets) == 1
+        exhausted = [False] * len(self._datasets)
         last: list[Any] = [_END]
 
         def pull(source: int) -> Any:
@@ -397,16 +492,34 @@ class DistributedDatasetsFromFunction:
                 exhausted[source] = True
                 return _END
 
-        def next_step() -> Any:
+        def step_elements() -> list[Any]:
             if per_worker:
                 # Each local replica takes the next element in turn; once the pipeline
                 # runs dry, the rest of the step is padded and the next step stops.
-                elements = [pull(0) for _ in range(layout.num_local)]
-            else:
-                elements = [pull(i) for i in range(layout.num_local)]
+                return [pull(0) for _ in range(layout.num_local)]
+            return [pull(i) for i in range(layout.num_local)]
+
+        def skip(made: list[Any], saved: Any) -> tuple[list[Any], int, int, int]:
+            iterators.extend(made)
+            steps = 0
+            while steps < saved.steps and any(e is not _END for e in step_elements()):
+                steps += 1
+            return iterators, steps, 0, 0
+
+        def next_step() -> Any:
+            if not tracker.started:
+                made = tracker.open(lambda: [iter(d) for d in self._datasets], skip)
+                if made is None:
+                    exhausted[:] = [True] * len(exhausted)
+                elif not iterators:
+                    iterators.extend(made)
+            elements = step_elements()
             present = [e for e in elements if e is not _END]
             if _no_data_anywhere(self._step_sync, bool(present)):
+                tracker.end()
                 raise StopIteration
+            if present:
+                tracker.advance(0)
             template = present[0] if present else _empty_step(last[0])
             last[0] = template
             per_replica = [
@@ -414,7 +527,7 @@ class DistributedDatasetsFromFunction:
             ]
             return layout.regroup(per_replica)
 
-        return DistributedIterator(next_step)
+        return DistributedIterator(next_step, tracker)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,314 @@
+"""`Checkpoint`: TF's `tf.train.Checkpoint` for crossdevice programs.
+
+Every keyword argument is an object to track (`trackable`); attributes assigned later
+are tracked too. A checkpoint also holds, without being asked, the global random state
+of every worker (`global_random`: NumPy, Python, torch and CUDA generators, which also
+seed the per-replica torch streams), so that a restored run draws what the saved one
+would have drawn.
+
+A save is one collective step of the job and one write: every worker captures the state
+(reading sync-on-read variables and gathering random states are collectives), only the
+chief writes (`storage`: DCP or `.npz`, written aside and renamed into place), and it
+writes off the training thread (`writer`). `save` returns once the state is staged: one
+in-memory copy. A second save, a restore and `sync()` wait for the write in flight.
+
+A restore reads the whole checkpoint, checks every value against its object (shapes and
+dtypes, module keys) before it loads anything, then loads. Values whose object is not
+tracked yet wait for it: assigning `ckpt.name = obj` later restores into `obj` then
+(TF's restore-on-create).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from crossdevice._arrays import global_random, is_torch
+from crossdevice._core import context
+from crossdevice._strategies.context import get_strategy, has_strategy
+from crossdevice._train import job, storage, trackable, tree
+from crossdevice._train.state_file import CheckpointState, read_state, write_state
+from crossdevice._train.status import CheckpointLoadStatus, InitializationOnlyStatus
+from crossdevice._train.writer import BackgroundWriter, Stager, wait_for_path
+from crossdevice._values.variables import Variable
+
+__all__ = ["Checkpoint"]
+
+_LOG: Final = logging.getLogger("crossdevice")
+#: Array keys of the workers' random states (no tracked name starts with it).
+_RANDOM: Final = "_crossdevice_random"
+_RESERVED: Final = frozenset({"save_counter", "save", "write", "restore", "read", "sync"})
+
+PathLike = str | os.PathLike[str]
+
+
+class _Counter(Variable):
+    """A plain int64 variable, never mirrored by a strategy in scope: a checkpoint's counter."""
+
+
+def _to_library(array: Any, lib: str) -> Any:
+    if lib == "numpy":
+        return array.numpy() if is_torch(array) else array
+    if is_torch(array):
+        return array
+    import torch
+
+    return torch.from_numpy(np.asarray(array))
+
+
+class Checkpoint:
+    """Groups objects to save and restore together (TF's `tf.train.Checkpoint`).
+
+    Args:
+        **objects: what to track, by name: `crossdevice.Variable`s, torch modules and
+            optimizers (mirrored or not), LR schedulers, `GradScaler`s, distributed
+            datasets and iterators, random generators, anything with `state_dict()` and
+            `load_state_dict()`, and lists, tuples and dicts of these.
+
+    Example:
+        >>> import tempfile, numpy as np, crossdevice
+        >>> step = crossdevice.Variable(np.int64(0))
+        >>> ckpt = crossdevice.train.Checkpoint(step=step)
+        >>> path = ckpt.save(tempfile.mkdtemp() + "/ckpt")
+        >>> _ = step.assign(7)
+        >>> ckpt.restore(path).assert_consumed()
+        CheckpointLoadStatus(..., matched=['step'])
+        >>> int(step.numpy())
+        0
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        self.__dict__.update(
+            _objects={},
+            _pending={},
+            _matched=set(),
+            _writer=BackgroundWriter(),
+            _stager=Stager(),
+            _save_counter=_Counter(
+                np.int64(0), name="save_counter", trainable=False, device="CPU:0"
+            ),
+            # TF builds checkpoints under `strategy.scope()`: that strategy is the job's.
+            _scope_strategy=get_strategy() if has_strategy() else None,
+        )
+        for name, obj in objects.items():
+            setattr(self, name, obj)
+
+    # --- tracking -------------------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _RESERVED or name.startswith("_"):
+            raise AttributeError(
+                f"{name!r} cannot name a tracked object: it is a Checkpoint attribute or "
+                "starts with '_'; choose another name"
+            )
+        trackable.check_trackable(value, name)
+        self._objects[name] = value
+        pending = self._pending.pop(name, None)
+        if pending is not None:  # restore-on-create
+            trackable.validate(value, pending, name)
+            trackable.apply(value, pending)
+            self._matched.add(name)
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"this Checkpoint tracks no {name!r} (it tracks {sorted(objects)!r})")
+
+    @property
+    def save_counter(self) -> Variable:
+        """How many times `save` has run (restored with the checkpoint), an int64 Variable."""
+        return self.__dict__["_save_counter"]
+
+    def _strategy(self) -> Any:
+        """The job's strategy: a tracked object's, the scope's at construction, or now."""
+        strategy = next(
+            (s for s in map(trackable.strategy_of, self._objects.values()) if s is not None),
+            self._scope_strategy or get_strategy(),
+        )
+        if job.worker_position(strategy)[0] == 1 and job.torch_world_size() > 1:
+            raise RuntimeError(
+                f"this process is one of {job.torch_world_size()} workers (torch.distributed), "
+                f"but the checkpoint found no multi-worker strategy (it found {strategy!r}), "
+                "so every worker would write it. Create the Checkpoint under "
+                "`with strategy.scope():` of your MultiWorkerMirroredStrategy, or track an "
+                "object of that strategy"
+            )
+        return strategy
+
+    # --- saving ---------------------------------------------------------------------------
+    def save(self, file_prefix: PathLike, options: Any = None) -> str:
+        """Save to `file_prefix-N` (`N` = `save_counter` after adding one) and record it.
+
+        The directory's `checkpoint` file then names it the latest. Every worker must
+        call it; only the chief writes. The write continues on a background thread after
+        this returns (`sync()` waits for it).
+
+        Args:
+            file_prefix: the path prefix, e.g. `"/tmp/run/ckpt"`.
+            options: accepted for TF compatibility and ignored.
+
+        Returns:
+            The checkpoint's path.
+        """
+        del options
+        self._writer.wait()
+        counter = int(self.save_counter.numpy()) + 1
+        self.save_counter.assign(np.int64(counter), read_value=False)
+        path = Path(f"{os.fspath(file_prefix)}-{counter}")
+        return self._save(path, lambda: _record(path))
+
+    def write(self, file_prefix: PathLike, options: Any = None) -> str:
+        """Save to exactly `file_prefix`, with no counter and no `checkpoint` file (TF's).
+
+        Args:
+            file_prefix: the checkpoint's path.
+            options: accepted for TF compatibility and ignored.
+
+        Returns:
+            The checkpoint's path.
+        """
+        del options
+        return self._save(Path(os.fspath(file_prefix)), None)
+
+    def sync(self) -> None:
+        """Wait until the last save is on disk; raise its error if the write failed."""
+        self._writer.wait()
+
+    def _save(self, path: Path, after: Callable[[], None] | None) -> str:
+        """Save to `path` (all workers); the chief's writer runs `after` once it is durable."""
+        frame = context.current_frame()
+        if frame is not None and frame.replica_context is not None:
+            raise RuntimeError(
+                "a checkpoint is saved between steps: call save() outside strategy.run"
+            )
+        self._writer.wait()
+        strategy = self._strategy()
+        workers, index = job.worker_position(strategy)
+        tmp: Path | None = None
+        error: BaseException | None = None
+        if index == 0:
+            try:
+                tmp = storage.prepare(path)
+            except OSError as err:
+                error = err
+        if workers > 1 and job.any_worker(strategy, error is not None) and error is None:
+            raise RuntimeError(
+                f"the chief could not start writing the checkpoint {str(path)!r}; its error "
+                "says why"
+            )
+        if error is not None:
+            raise error
+        try:
+            arrays: dict[str, Any] = {}
+            objects = {
+                name: tree.encode(trackable.capture(obj), (name,), arrays)
+                for name, obj in self._objects.items()
+            }
+            states = job.gather_states(strategy, global_random.capture())
+            randoms = {f"worker_{w}": state for w, state in enumerate(states)}
+            random_skeleton = tree.encode(randoms, (_RANDOM,), arrays)
+            if tmp is None:
+                return str(path)
+            staged = self._stager.stage(arrays)
+        except BaseException:
+            if tmp is not None:
+                storage.discard(tmp)
+            raise
+        index_data = {
+            "objects": objects,
+            "random": random_skeleton,
+            "save_counter": int(self.save_counter.numpy()),
+            "job": {"workers": workers, "num_replicas_in_sync": strategy.num_replicas_in_sync},
+        }
+
+        def write() -> None:
+            storage.write(tmp, path, index_data, staged)
+            if after is not None:
+                after()
+
+        self._writer.submit(write, str(path))
+        return str(path)
+
+    # --- restoring ------------------------------------------------------------------------
+    def restore(self, save_path: PathLike | None, options: Any = None) -> Any:
+        """Restore every tracked object (and `save_counter`) from a checkpoint.
+
+        Every value is checked against its object before anything is loaded. Values for
+        objects not tracked yet are loaded when they are assigned (`ckpt.name = obj`).
+
+        Args:
+            save_path: a path `save` or a manager returned; None restores nothing.
+            options: accepted for TF compatibility and ignored.
+
+        Returns:
+            A `CheckpointLoadStatus` (`assert_consumed()` and friends); for None an
+            `InitializationOnlyStatus`, whose assertions fail.
+
+        Raises:
+            FileNotFoundError: no checkpoint at `save_path`.
+            ValueError: the checkpoint is incomplete or truncated, or a value does not
+                fit its object (names the key, shapes and dtypes).
+        """
+        del options
+        if save_path is None:
+            return InitializationOnlyStatus()
+        return self._restore(Path(os.fspath(save_path)))
+
+    def read(self, save_path: PathLike, options: Any = None) -> CheckpointLoadStatus:
+        """Restore from a checkpoint `write` made (see `restore`)."""
+        del options
+        return self._restore(Path(os.fspath(save_path)))
+
+    def _restore(self, path: Path) -> CheckpointLoadStatus:
+        self._writer.wait()
+        wait_for_path(str(path))
+        index = storage.read_index(path)
+        arrays = storage.read_arrays(path, index, index.get("arrays", {}))
+        saved = {
+            name: tree.decode(skeleton, arrays, _to_library)
+            for name, skeleton in index.get("objects", {}).items()
+        }
+        present = [name for name in self._objects if name in saved]
+        for name in present:
+            trackable.validate(self._objects[name], saved[name], name)
+        for name in present:
+            trackable.apply(self._objects[name], saved[name])
+        self._restore_random(tree.decode(index.get("random", {}), arrays, _to_library), index)
+        self.save_counter.assign(np.int64(index.get("save_counter", 0)), read_value=False)
+        matched = set(present)
+        self.__dict__["_matched"] = matched
+        self.__dict__["_pending"] = {k: v for k, v in saved.items() if k not in matched}
+        return CheckpointLoadStatus(str(path), lambda: set(self._objects), set(saved), matched)
+
+    def _restore_random(self, randoms: dict[str, Any], index: dict[str, Any]) -> None:
+        if not randoms:
+            return
+        workers, worker = job.worker_position(self._strategy())
+        if len(randoms) != workers:
+            _LOG.info(
+                "the checkpoint was written by %d workers and this job has %d: every worker "
+                "takes worker 0's random state",
+                len(randoms),
+                workers,
+            )
+            worker = 0
+        global_random.restore(randoms[f"worker_{worker}"])
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(self._objects)})"
+
+
+def _record(path: Path) -> None:
+    """Name `path` the latest in its directory's `checkpoint` file (what TF's save does)."""
+    directory = path.parent
+    state = read_state(directory) or CheckpointState()
+    target = str(path)
+    state.paths = [p for p in state.paths if p != target] + [target]
+    state.timestamps = [*state.timestamps, os.path.getmtime(path)][-len(state.paths) :]
+    state.latest = target
+    write_state(directory, state)

@@ -1,0 +1,58 @@
+"""Checkpoints of MultiWorkerMirroredStrategy jobs: written once, restored on any layout."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import crossdevice as cd
+from crossdevice.experimental import RESTART_EXIT_CODE
+from tests.multi_worker.checkpoint_workers import preempted_by_a_dead_peer, train_save_train
+from tests.multi_worker.harness import run_workers
+from tests.train.test_data_position import NUM_EXAMPLES, ShuffledBatches
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def test_2x2_saves_once_and_restores_on_1x4_at_the_next_global_batch(tmp_path: Path) -> None:
+    results = [
+        r.unwrap() for r in run_workers(train_save_train, 2, args=(str(tmp_path), 2), timeout=120)
+    ]
+    assert results[0]["path"] == results[1]["path"]
+    # Written once per job: one checkpoint directory, the chief's.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoint", "ckpt-1"]
+    # Each step's global batch: worker 0's two replicas, then worker 1's.
+    steps = [r0 + r1 for r0, r1 in zip(results[0]["log"], results[1]["log"], strict=True)]
+
+    strategy = cd.MirroredStrategy([f"CPU:{i}" for i in range(4)])
+    with strategy.scope():
+        w = cd.Variable(np.zeros(2, np.float32))
+        seen = cd.Variable(np.float32(0), synchronization="on_read", aggregation="sum")
+    dist = strategy.experimental_distribute_dataset(ShuffledBatches(8))
+    ckpt = cd.train.Checkpoint(w=w, seen=seen, data=dist)
+    np.random.seed(0)
+    ckpt.restore(cd.train.latest_checkpoint(tmp_path)).assert_consumed()
+    chief_w, chief_seen, chief_draw = results[0]["saved"]
+    assert w.numpy().tolist() == chief_w
+    assert float(seen.numpy()) == chief_seen == 32.0  # 4 steps of 8, summed over 4 replicas
+    assert np.random.rand() == chief_draw  # worker 0's random state, on a 1-worker job
+    rest = [
+        [p.tolist() for p in strategy.experimental_local_results(batch["id"])] for batch in dist
+    ]
+    assert rest == steps[4:]  # the same global batches, now split 4 ways in one worker
+    ids = [i for step in steps[:4] + rest for part in step for i in part]
+    assert sorted(ids) == list(range(NUM_EXAMPLES))  # 0 repeated, 0 skipped
+
+
+def test_a_dead_worker_makes_the_survivor_exit_with_the_restart_code(tmp_path: Path) -> None:
+    start = time.monotonic()
+    results = run_workers(preempted_by_a_dead_peer, 2, args=(str(tmp_path),), timeout=90)
+    elapsed = time.monotonic() - start
+    assert results[1].exitcode == -9, results[1].describe()
+    assert results[0].exitcode == RESTART_EXIT_CODE, results[0].describe()
+    assert "exiting with code 42 so the launcher restarts" in results[0].output
+    assert elapsed < 60
+    assert Path(cd.train.latest_checkpoint(tmp_path)).name == "ckpt-1"

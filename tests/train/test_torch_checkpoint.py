@@ -1,0 +1,193 @@
+"""Checkpoints of torch state: DCP on disk, mirrored modules, schedulers, bad restores."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import crossdevice as cd
+from tests.frameworks.helpers import bn_dropout_model, mirrored
+
+pytestmark = pytest.mark.torch
+
+
+def _prepared(torch: Any, strategy: Any, seed: int = 0) -> tuple[Any, Any]:
+    import crossdevice.torch as cdt
+
+    torch.manual_seed(seed)
+    with strategy.scope():
+        model = bn_dropout_model(torch)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return cdt.prepare(model, optimizer)
+
+
+def _batches(torch: Any, steps: int) -> list[tuple[Any, Any]]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(8, 1, 8, 8, generator=generator),
+            torch.randint(0, 10, (8,), generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _train(
+    torch: Any, strategy: Any, model: Any, optimizer: Any, batches: Any, scheduler: Any = None
+) -> None:
+    import crossdevice.torch as cdt
+
+    def step(x: Any, y: Any) -> None:
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        optimizer.zero_grad()
+        cdt.compute_average_loss(losses, 8).backward()
+        optimizer.step()
+
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(x, y))
+        if scheduler is not None:
+            scheduler.step()
+
+
+def test_torch_state_is_written_as_dcp_that_torch_reads(torch_module: Any, tmp_path: Path) -> None:
+    torch = torch_module
+    import torch.distributed.checkpoint as dcp
+
+    strategy = mirrored(2)
+    model, optimizer = _prepared(torch, strategy)
+    _train(torch, strategy, model, optimizer, _batches(torch, 2))
+    step = cd.Variable(np.int64(2))
+    ckpt = cd.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+    path = Path(ckpt.save(tmp_path / "ckpt"))
+    ckpt.sync()
+    assert {p.name for p in path.iterdir()} == {".metadata", "__0_0.distcp", "crossdevice.json"}
+    index = json.loads((path / "crossdevice.json").read_text())
+    assert index["storage"] == "dcp"
+    assert index["arrays"]["step"] == {"shape": [], "dtype": "int64", "lib": "numpy"}
+    # A torch user loads the model's tensors from it by their usual names, with DCP.
+    plain = bn_dropout_model(torch)
+    state = {"model": plain.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore"
+        )  # DCP's "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=str(path))
+    for name, value in model.state_dict().items():
+        assert torch.equal(state["model"][name], value), name
+    step.assign(0)
+    ckpt.restore(path).assert_consumed()  # a 0-d NumPy value comes back 0-d from DCP
+    assert int(step.numpy()) == 2
+
+
+@pytest.mark.parametrize("mode", ["threads", "cooperative"])
+def test_training_continues_bitwise_after_a_restore(
+    torch_module: Any, tmp_path: Path, mode: str
+) -> None:
+    from tests.strategies.conftest import replica_execution
+
+    torch = torch_module
+    batches = _batches(torch, 6)
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        model, optimizer = _prepared(torch, strategy)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        ckpt = cd.train.Checkpoint(model=model, optimizer=optimizer, scheduler=scheduler)
+        _train(torch, strategy, model, optimizer, batches[:3], scheduler)
+        torch.manual_seed(11)  # dropout draws from here on depend on it
+        path = ckpt.save(tmp_path / "ckpt")
+        _train(torch, strategy, model, optimizer, batches[3:], scheduler)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+        other = mirrored(2)
+        model2, optimizer2 = _prepared(torch, other, seed=5)  # other initial values
+        scheduler2 = torch.optim.lr_scheduler.StepLR(optimizer2, step_size=2, gamma=0.5)
+        cd.train.Checkpoint(model=model2, optimizer=optimizer2, scheduler=scheduler2).restore(
+            path
+        ).assert_consumed()
+        assert scheduler2.last_epoch == 3
+        _train(torch, other, model2, optimizer2, batches[3:], scheduler2)
+    for name, value in model2.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    for replica in model2.replicas:
+        for name, value in replica.state_dict().items():
+            assert torch.equal(value, expected[name]), name
+
+
+def test_grad_scaler_and_plain_modules_round_trip(torch_module: Any, tmp_path: Path) -> None:
+    torch = torch_module
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    linear = torch.nn.Linear(3, 2)
+    generator = torch.Generator().manual_seed(4)
+    ckpt = cd.train.Checkpoint(scaler=scaler, linear=linear, generator=generator)
+    path = ckpt.write(tmp_path / "w")
+    expected = torch.rand(3, generator=generator)
+    weight = linear.weight.detach().clone()
+    with torch.no_grad():
+        linear.weight.zero_()
+    scaler.scale(torch.ones(1))  # makes its scale tensor
+    scaler.update(new_scale=7.0)
+    ckpt.read(path).assert_consumed()
+    assert scaler.get_scale() == 1024.0
+    assert torch.equal(linear.weight, weight)
+    assert torch.equal(torch.rand(3, generator=generator), expected)
+
+
+def test_restoring_into_a_model_of_another_shape_names_the_key(
+    torch_module: Any, tmp_path: Path
+) -> None:
+    torch = torch_module
+    ckpt = cd.train.Checkpoint(model=torch.nn.Linear(4, 3), bias=cd.Variable(1.0))
+    path = ckpt.write(tmp_path / "c")
+    other = torch.nn.Linear(5, 3)
+    before = other.weight.detach().clone()
+    bias = cd.Variable(9.0)
+    with pytest.raises(
+        ValueError,
+        match=r"cannot restore model.weight: the checkpoint holds shape \(3, 4\) dtype float32, "
+        r"the module has shape \(3, 5\)",
+    ):
+        cd.train.Checkpoint(bias=bias, model=other).read(path)
+    assert torch.equal(other.weight, before)
+    assert float(bias.numpy()) == 9.0
+    deeper = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['0.bias', '0.weight'\]"):
+        cd.train.Checkpoint(model=deeper).read(path)
+
+
+def test_a_truncated_dcp_file_is_refused(torch_module: Any, tmp_path: Path) -> None:
+    ckpt = cd.train.Checkpoint(model=torch_module.nn.Linear(64, 64))
+    path = Path(ckpt.write(tmp_path / "c"))
+    ckpt.sync()
+    data = path / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"truncated or damaged: '__0_0.distcp' has 1000 bytes"):
+        ckpt.read(path)
+
+
+def test_a_shuffling_dataloader_resumes_its_epoch_on_another_layout(
+    torch_module: Any, tmp_path: Path
+) -> None:
+    torch = torch_module
+    ids = torch.arange(48)
+    loader = torch.utils.data.DataLoader(ids, batch_size=8, shuffle=True)
+    torch.manual_seed(0)
+    strategy = mirrored(4)
+    dist = strategy.experimental_distribute_dataset(loader)
+    ckpt = cd.train.Checkpoint(data=dist)
+    it = iter(dist)
+    seen = [torch.cat(strategy.experimental_local_results(next(it))) for _ in range(2)]
+    path = ckpt.save(tmp_path / "ckpt")
+    rest = [torch.cat(strategy.experimental_local_results(step)) for step in it]
+
+    torch.manual_seed(99)
+    other = mirrored(2)
+    again = other.experimental_distribute_dataset(loader)
+    cd.train.Checkpoint(data=again).restore(path)
+    resumed = [torch.cat(other.experimental_local_results(step)) for step in again]
+    assert [t.tolist() for t in resumed] == [t.tolist() for t in rest]
+    assert sorted(torch.cat(seen + resumed).tolist()) == list(range(48))
