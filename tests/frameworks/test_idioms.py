@@ -218,15 +218,23 @@ def test_in_place_initialisation_after_prepare_reaches_every_replica(
         assert training == 0.0
 
 
-def test_parameter_groups_added_after_prepare_reach_every_replica(torch: Any, cdt: Any) -> None:
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copies"])
+def test_parameter_groups_added_after_prepare_reach_every_replica(
+    torch: Any, cdt: Any, shared: bool
+) -> None:
     strategy = mirrored(2)
     with strategy.scope():
         net = mlp(torch)
-        model, optimizer = cdt.prepare(net, torch.optim.SGD(net[0].parameters(), lr=0.1))
+        model, optimizer = cdt.prepare(
+            net, torch.optim.SGD(net[0].parameters(), lr=0.1), share_storage=shared
+        )
     optimizer.add_param_group({"params": list(model[2].parameters()), "lr": 0.3})
     for replica, replica_optimizer in zip(model.replicas, optimizer.replicas, strict=True):
-        assert replica_optimizer.param_groups[1]["params"] == list(replica[2].parameters())
-        assert replica_optimizer.param_groups[1]["lr"] == 0.3
+        owner = model.replicas[0] if shared else replica  # one optimizer over replica 0's
+        group = replica_optimizer.param_groups[1]
+        assert all(a is b for a, b in zip(group["params"], owner[2].parameters(), strict=True))
+        assert group["lr"] == 0.3
+    assert len(optimizer.replicas[0].param_groups) == 2  # added once
     with pytest.raises(ValueError, match="belongs to no mirrored module"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
 

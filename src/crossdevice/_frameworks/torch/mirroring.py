@@ -29,6 +29,7 @@ __all__ = [
     "ReplicaMirror",
     "compile_replicas",
     "compiled_context",
+    "copy_replicas",
     "make_replicas",
     "recompile_copy",
 ]
@@ -61,15 +62,56 @@ def recompile_copy(original: torch.nn.Module, copy_: torch.nn.Module) -> None:
 
 
 def make_replicas(
-    module: torch.nn.Module, devices: Sequence[torch.device]
+    module: torch.nn.Module, devices: Sequence[torch.device], shared: bool = False
 ) -> list[torch.nn.Module]:
-    """`module` moved to `devices[0]`, and a deep copy on each other device."""
+    """`module` moved to `devices[0]`, and a deep copy on each other device.
+
+    With `shared`, the copies' parameters are aliases of replica 0's (`alias`): their
+    own `Parameter` objects over the same storage; buffers are copied.
+    """
     replicas = [module.to(devices[0])]
     for device in devices[1:]:
-        replica = copy.deepcopy(module).to(device)
+        memo: dict[int, Any] = {}
+        if shared:
+            memo = {id(p): alias(p) for p in module.parameters()}
+        replica = copy.deepcopy(module, memo).to(device)
         recompile_copy(module, replica)
         replicas.append(replica)
     return replicas
+
+
+def copy_replicas(
+    replicas: Sequence[torch.nn.Module], memo: dict[int, Any], shared: bool
+) -> list[torch.nn.Module]:
+    """Deep copies of every replica's module (`copy.deepcopy` of a mirrored module).
+
+    With `shared`, the copies' parameters alias the first copy's, as the originals did.
+    """
+    first = copy.deepcopy(replicas[0], memo)
+    recompile_copy(replicas[0], first)
+    copies = [first]
+    for replica in replicas[1:]:
+        if shared:
+            for own, new in zip(replica.parameters(), first.parameters(), strict=True):
+                memo[id(own)] = alias(new)
+        duplicate = copy.deepcopy(replica, memo)
+        recompile_copy(replica, duplicate)
+        copies.append(duplicate)
+    return copies
+
+
+def alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A new `Parameter` over `param`'s storage, with its own version counter and `.grad`.
+
+    Autograd, hooks and `.grad` stay per replica; values are stored once. Its own version
+    counter tells an in-place write through it from one through `param` (`ReplicaMirror`).
+    """
+    made = torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), False)
+    with torch.no_grad():
+        made.set_(param.untyped_storage(), param.storage_offset(), param.size(), param.stride())
+    made.requires_grad_(param.requires_grad)
+    made.__dict__.update(param.__dict__)  # attributes a library set on the parameter
+    return made
 
 
 def compile_replicas(replicas: Sequence[torch.nn.Module], context: Any) -> None:
@@ -83,12 +125,22 @@ class ReplicaMirror:
 
     Gradient buckets follow the `requires_grad` flags by themselves (`GradientSync`).
 
+    With shared storage the values need no copying; instead an in-place write to a
+    parameter inside `strategy.run` (not in a `merge_fn`) is an error naming it: every
+    replica would apply its own write to the one tensor.
+
     Args:
         replicas: every local replica's module.
         buffers: their buffer aggregation, told when buffers are set from replica 0.
+        shared: the replicas' parameters share replica 0's storage (`alias`).
     """
 
-    def __init__(self, replicas: Sequence[torch.nn.Module], buffers: BufferSync) -> None:
+    def __init__(
+        self, replicas: Sequence[torch.nn.Module], buffers: BufferSync, shared: bool = False
+    ) -> None:
+        self._shared = shared and len(replicas) > 1
+        self._names = [name for name, _ in replicas[0].named_parameters()]
+        self._running: list[list[int]] = []  # every replica's parameter versions in run
         self._replicas = list(replicas)
         self._params = [list(r.parameters()) for r in replicas]
         self._modules = [list(r.modules()) for r in replicas]
@@ -110,14 +162,47 @@ class ReplicaMirror:
         )
 
     def enter_cross_replica(self) -> None:
-        """Remember replica 0's state (the replicas agree on it now)."""
-        if len(self._replicas) > 1:
-            self._record = self._state()
+        """Remember replica 0's state (the replicas agree on it now).
+
+        Raises:
+            RuntimeError: with shared storage, code inside `strategy.run` changed a
+                parameter in place.
+        """
+        if len(self._replicas) == 1:
+            return
+        if self._shared and self._running:
+            self._check_unchanged()
+        self._record = self._state()
+
+    def _versions(self) -> list[list[int]]:
+        return [[p._version for p in params] for params in self._params]
+
+    def _check_unchanged(self) -> None:
+        now = self._versions()
+        for replica, (before, after) in enumerate(zip(self._running, now, strict=True)):
+            for k, (a, b) in enumerate(zip(before, after, strict=True)):
+                if a != b:
+                    self._running = []
+                    raise RuntimeError(
+                        f"parameter {self._names[k]!r} of a mirrored module was changed in "
+                        f"place inside strategy.run (replica {replica}'s copy): the replicas "
+                        "store parameters once, so every replica's write lands on the same "
+                        "tensor. Change parameters outside strategy.run, or once for all "
+                        "replicas with crossdevice.torch.call_once(fn) (the optimizer's "
+                        "step does); or prepare the model with share_storage=False"
+                    )
 
     def leave_cross_replica(self) -> None:
         """Copy whatever cross-replica code changed on replica 0 to every other replica."""
         if len(self._replicas) == 1:
             return
+        try:
+            self._propagate()
+        finally:
+            if self._shared:
+                self._running = self._versions()
+
+    def _propagate(self) -> None:
         now = self._state()
         if now == self._record:
             return
@@ -125,7 +210,7 @@ class ReplicaMirror:
         old_versions, old_flags, old_buffers, old_training = self._record
         with torch.no_grad():
             for k, (v, old) in enumerate(zip(versions, old_versions, strict=True)):
-                if v != old:
+                if v != old and not self._shared:  # shared values need no copy
                     source = self._params[0][k]
                     for params in self._params[1:]:
                         params[k].copy_(source)

@@ -17,7 +17,6 @@ during backward (`gradients.py`), buffers combine after each forward as declared
 
 from __future__ import annotations
 
-import copy
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -33,8 +32,8 @@ from crossdevice._frameworks.torch.mirroring import (
     ReplicaMirror,
     compile_replicas,
     compiled_context,
+    copy_replicas,
     make_replicas,
-    recompile_copy,
 )
 from crossdevice._frameworks.torch.replicas import (
     local_replica_index,
@@ -76,6 +75,9 @@ class MirroredModule(torch.nn.Module):
             None for cores // local replicas, 0 to leave torch's setting alone.
         autocast: run every forward pass under `torch.autocast` with this dtype
             (`prepare`'s `mixed_precision`).
+        share_storage: store the parameters once for all replicas (each replica keeps
+            its own `Parameter` objects over that storage, its own autograd and
+            `.grad`); None: when every local replica is on the CPU. See `prepare`.
 
     Raises:
         TypeError: `module` is not a torch module, or is mirrored already.
@@ -104,6 +106,7 @@ class MirroredModule(torch.nn.Module):
         buffer_aggregation: Mapping[str, str] | None = None,
         threads_per_replica: int | None = None,
         autocast: torch.dtype | None = None,
+        share_storage: bool | None = None,
     ) -> None:
         module, compiled = _unwrap_compiled(module)
         _check_mirrorable(module)
@@ -115,11 +118,13 @@ class MirroredModule(torch.nn.Module):
         op = as_reduce_op(gradient_reduction)
         aggregations = resolve_aggregations(module, buffer_aggregation, sync_buffers)
         super().__init__()
-        replicas = make_replicas(module, torch_devices(strategy))
+        devices = torch_devices(strategy)
+        shared = _sharing(share_storage, devices)
+        replicas = make_replicas(module, devices, shared)
         if compiled is not None:
             compile_replicas(replicas, compiled)
         _broadcast_from_chief(strategy, replicas)
-        self._setup(strategy, replicas, op, bucket_cap_bytes, aggregations, autocast)
+        self._setup(strategy, replicas, op, bucket_cap_bytes, aggregations, autocast, shared)
         apply_thread_policy(len(replicas), threads_per_replica)
 
     def _setup(
@@ -129,14 +134,16 @@ class MirroredModule(torch.nn.Module):
         op: ReduceOp,
         bucket_cap_bytes: int,
         aggregations: dict[str, str | None],
-        autocast: torch.dtype | None = None,
+        autocast: torch.dtype | None,
+        shared: bool,
     ) -> None:
         # Plain attributes, not submodules: nn.Module's own traversal would otherwise
         # list every replica's parameters.
         state = self.__dict__
         state["_strategy"] = strategy
         state["_replicas"] = replicas
-        state["_options"] = (op, bucket_cap_bytes, aggregations, autocast)
+        state["_options"] = (op, bucket_cap_bytes, aggregations, autocast, shared)
+        state["_shared"] = shared
         state["_autocast"] = None if autocast is None else (torch_devices(strategy), autocast)
         names = [name for name, _ in replicas[0].named_parameters()]
         sync = GradientSync(
@@ -150,7 +157,7 @@ class MirroredModule(torch.nn.Module):
         state["_gradients"] = sync
         buffers = BufferSync(replicas, aggregations)
         state["_buffer_sync"] = buffers
-        mirror = ReplicaMirror(replicas, buffers)
+        mirror = ReplicaMirror(replicas, buffers, shared)
         state["_mirror"] = mirror
         backward.register(strategy, sync)
         strategy.extended._sections.add(mirror)
@@ -216,6 +223,11 @@ class MirroredModule(torch.nn.Module):
                 "around the backward passes that only accumulate"
             )
         return self.__dict__["_gradients"].no_sync(index)
+
+    @property
+    def shares_storage(self) -> bool:
+        """Whether the replicas' parameters are stored once (see `prepare`)."""
+        return self.__dict__["_shared"]
 
     @property
     def gradient_buckets(self) -> list[int]:
@@ -425,12 +437,7 @@ class MirroredModule(torch.nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> MirroredModule:
         """A mirrored module on the same strategy over deep copies of every replica."""
         self._require_cross_replica("deep copy")
-        replicas = self.__dict__["_replicas"]
-        copies = []
-        for replica in replicas:
-            duplicate = copy.deepcopy(replica, memo)
-            recompile_copy(replica, duplicate)
-            copies.append(duplicate)
+        copies = copy_replicas(self.__dict__["_replicas"], memo, self.__dict__["_shared"])
         new = MirroredModule.__new__(MirroredModule)
         torch.nn.Module.__init__(new)
         new._setup(self.__dict__["_strategy"], copies, *self.__dict__["_options"])
@@ -496,6 +503,18 @@ def _ready_for_dynamo() -> None:
 
 
 torch_patches.on_dynamo(_ready_for_dynamo)
+
+
+def _sharing(share_storage: bool | None, devices: list[torch.device]) -> bool:
+    if share_storage is not None and not isinstance(share_storage, bool):
+        raise TypeError(f"share_storage must be None, True or False, got {share_storage!r}")
+    on_host = all(d.type == "cpu" for d in devices)
+    if share_storage and not on_host:
+        raise ValueError(
+            "share_storage=True needs every local replica on the CPU (one address space); "
+            f"the replicas are on {[str(d) for d in devices]}"
+        )
+    return on_host and len(devices) > 1 if share_storage is None else share_storage
 
 
 def _unwrap_compiled(module: Any) -> tuple[Any, Any]:

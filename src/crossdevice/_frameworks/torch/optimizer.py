@@ -19,6 +19,7 @@ reduced across replicas like the gradients, so every replica takes the same deci
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,11 +28,12 @@ import torch
 from crossdevice._arrays import torch_guard
 from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
-from crossdevice._frameworks.torch.replicas import local_replica_index
+from crossdevice._frameworks.torch.replicas import local_replica_index, local_replicas
+from crossdevice._frameworks.torch.threads import all_cores
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
 
-__all__ = ["MirroredOptimizer"]
+__all__ = ["MirroredOptimizer", "needs_closure"]
 
 # Where one parameter lives: (its module's gradient sync, its index there).
 _Where = tuple[GradientSync, int]
@@ -89,9 +91,17 @@ class MirroredOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:
             self._check_params(group["params"])
         replicas = len(modules[0].replicas)
-        optimizers = [optimizer] + [self._replica_copy(optimizer, i) for i in range(1, replicas)]
-        for i, replica_optimizer in enumerate(optimizers):
-            torch_guard.mark(replica_optimizer, strategy, i)
+        shared = _shared(modules, optimizer)
+        self.__dict__["_shared"] = shared
+        if shared:
+            # Parameters stored once: one optimizer, one state, one step per step.
+            optimizers = [optimizer] * replicas
+            torch_guard.mark(optimizer, strategy, None)
+        else:
+            optimizers = [optimizer]
+            optimizers += [self._replica_copy(optimizer, i) for i in range(1, replicas)]
+            for i, replica_optimizer in enumerate(optimizers):
+                torch_guard.mark(replica_optimizer, strategy, i)
         self.__dict__["_optimizers"] = optimizers
         self.defaults = optimizer.defaults
 
@@ -122,6 +132,24 @@ class MirroredOptimizer(torch.optim.Optimizer):
         # State tensors go where the replica's parameters are (load_state_dict's rules).
         duplicate.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         return duplicate
+
+    def gradients_of(self, replica: int) -> Any:
+        """What holds replica `replica`'s gradients of this optimizer's parameters.
+
+        Its own optimizer; with shared storage (one optimizer), a stable object whose
+        `param_groups` list that replica's parameters (for `GradScaler.unscale_`).
+        """
+        if not self.__dict__["_shared"]:
+            return self.__dict__["_optimizers"][replica]
+        views = self.__dict__.setdefault("_views", {})
+        view = views.get(replica)
+        if view is None:
+            view = views[replica] = _GradientView()
+        groups = self.__dict__["_optimizers"][0].param_groups
+        view.param_groups = [
+            {**g, "params": [self._replica(p, replica) for p in g["params"]]} for g in groups
+        ]
+        return view
 
     @property
     def replicas(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -189,7 +217,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 )
             index = 0
         optimizer = optimizers[index]
-        if index:
+        if index and not self.__dict__["_shared"]:
             # Schedulers change replica 0's groups; every replica follows them.
             for source, target in zip(
                 optimizers[0].param_groups, optimizer.param_groups, strict=True
@@ -203,9 +231,20 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 by_hand = sync.check_step(index, indices)
                 if by_hand:
                     sync.reduce_by_hand(index, by_hand)
-        if closure is not None and strategy.num_replicas_in_sync > 1:
-            closure = _reduced_closure(closure, next(iter(groups)).op)
-        result = optimizer.step(closure)
+        if self.__dict__["_shared"] and local_replicas(strategy) > 1:
+            if closure is not None:
+                raise RuntimeError(
+                    "a step closure evaluates the model on each replica, and these replicas "
+                    "store their parameters once (one step for all): prepare the model "
+                    "with share_storage=False to step with a closure"
+                )
+            ctx = get_replica_context()
+            assert ctx is not None
+            result = ctx.merge_call(_step_once, args=(optimizer,))
+        else:
+            if closure is not None and strategy.num_replicas_in_sync > 1:
+                closure = _reduced_closure(closure, next(iter(groups)).op)
+            result = optimizer.step(closure)
         for sync, indices in groups.items():
             sync.new_step(index, indices)
         return result
@@ -215,9 +254,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
         index = self._index()
         optimizers = self.__dict__["_optimizers"]
         for r in range(len(optimizers)) if index is None else [index]:
-            optimizers[r].zero_grad(set_to_none)
             for sync, indices in self._by_sync().items():
+                if self.__dict__["_shared"]:
+                    _zero([sync.params(r)[k] for k in indices], set_to_none)
                 sync.new_step(r, indices)
+            if not self.__dict__["_shared"]:
+                optimizers[r].zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The running replica's `state_dict` (replica 0's in cross-replica context)."""
@@ -227,7 +269,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """Load `state_dict` into every replica's optimizer (outside `strategy.run`)."""
         if self._index() is not None:
             raise RuntimeError("load the optimizer's state outside strategy.run")
-        for optimizer in self.__dict__["_optimizers"]:
+        for optimizer in dict.fromkeys(self.__dict__["_optimizers"]):  # once if shared
             optimizer.load_state_dict(copy.deepcopy(state_dict))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -241,7 +283,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         params = param_group.get("params")
         params = [params] if isinstance(params, torch.Tensor) else list(params or ())
         self._check_params(params)
-        for r, optimizer in enumerate(self.__dict__["_optimizers"]):
+        optimizers = self.__dict__["_optimizers"]
+        for r, optimizer in enumerate(optimizers[:1] if self.__dict__["_shared"] else optimizers):
             group = dict(param_group)
             group["params"] = [self._replica(p, r) for p in params]
             optimizer.add_param_group(group)
@@ -253,6 +296,61 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         optimizers = self.__dict__["_optimizers"]
         return f"MirroredOptimizer({len(optimizers)} replicas):\n{optimizers[0]!r}"
+
+
+class _GradientView:
+    """One replica's parameters in an optimizer's groups (`gradients_of`)."""
+
+    param_groups: list[dict[str, Any]]
+
+
+def _shared(modules: Sequence[MirroredModule], optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the modules store their parameters once; refuses a mix, and closures."""
+    sharing = {m.shares_storage for m in modules}
+    if len(sharing) > 1:
+        raise ValueError(
+            "one optimizer over mirrored modules that store their parameters once and "
+            "modules that copy them per replica: prepare them alike (share_storage=)"
+        )
+    shared = sharing.pop()
+    if shared and needs_closure(optimizer):
+        raise ValueError(
+            f"{type(optimizer).__name__}.step needs a closure, which evaluates the model on "
+            "each replica, and the model stores its parameters once for all replicas (one "
+            "step for all): prepare it with share_storage=False"
+        )
+    return shared
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` requires a closure (LBFGS)."""
+    parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _step_once(strategy: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """The one optimizer step of replicas that store parameters once (in a merge_fn).
+
+    The replicas wait meanwhile: torch may use every core (`threads.all_cores`).
+    """
+    del strategy
+    with all_cores():
+        return optimizer.step()
+
+
+def _zero(params: Sequence[torch.Tensor], set_to_none: bool) -> None:
+    """`Optimizer.zero_grad` for one replica's parameters."""
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
+            else:
+                param.grad.requires_grad_(False)
+            param.grad.zero_()
 
 
 def _reduced_closure(closure: Callable[[], Any], op: Any) -> Callable[[], Any]:

@@ -11,7 +11,7 @@ from crossdevice._arrays import torch_guard
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._frameworks.torch.gradients import DEFAULT_BUCKET_CAP_BYTES
 from crossdevice._frameworks.torch.module import MirroredModule
-from crossdevice._frameworks.torch.optimizer import MirroredOptimizer
+from crossdevice._frameworks.torch.optimizer import MirroredOptimizer, needs_closure
 from crossdevice._frameworks.torch.replicas import strategy_or_current
 from crossdevice._frameworks.torch.scaler import mirror_scaler
 from crossdevice._strategies.base import Strategy
@@ -29,6 +29,7 @@ def prepare(
     threads_per_replica: int | None = None,
     scaler: Any = None,
     mixed_precision: str | None = None,
+    share_storage: bool | None = None,
 ) -> Any:
     """Mirror modules and optimizers on a strategy; returns them in the order given.
 
@@ -58,6 +59,13 @@ def prepare(
             place: keep using it): every replica agrees on its inf checks and scale.
         mixed_precision: `"bf16"` or `"fp16"`: the modules' forward passes run under
             `torch.autocast` with that dtype; `"fp16"` needs a `scaler`.
+        share_storage: store parameters and optimizer state once for all replicas, and
+            step the optimizer once per step (replicas wait for it). Each replica keeps
+            its own `Parameter` objects over that storage, so autograd, `.grad` and hooks
+            stay per replica. None (the default): when every local replica is on the
+            CPU, unless an optimizer's step needs a closure (LBFGS evaluates the model
+            on every replica). In-place writes to parameters inside `strategy.run`
+            (outside a `merge_fn`) are then errors: every replica would make them.
 
     Returns:
         The mirrored object for one argument, else a tuple in argument order.
@@ -91,6 +99,8 @@ def prepare(
     for each in scalers:
         mirror_scaler(each, strategy, len(strategy.extended.worker_devices))
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    if share_storage is None and any(needs_closure(o) for o in optimizers):
+        share_storage = False
     if not any(not isinstance(o, MirroredOptimizer) for o in optimizers):
         for obj in objects:
             if isinstance(obj, MirroredModule):
@@ -115,6 +125,7 @@ def prepare(
                 buffer_aggregation=buffer_aggregation,
                 threads_per_replica=threads_per_replica,
                 autocast=autocast,
+                share_storage=share_storage,
             )
             modules.append(mirrored)
             out.append(mirrored)

@@ -16,7 +16,7 @@ from crossdevice._core import context
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_strategy
 
-__all__ = ["local_replica_index", "strategy_or_current", "torch_devices"]
+__all__ = ["local_replica_index", "local_replicas", "strategy_or_current", "torch_devices"]
 
 
 def strategy_or_current(strategy: Strategy | None, what: str) -> Strategy:
@@ -69,3 +69,8 @@ def torch_devices(strategy: Strategy) -> list[torch.device]:
     """The torch device of each local replica of `strategy` (host replicas: `cpu`)."""
     backend: Any = get_torch_backend()
     return [backend.torch_device(d) for d in strategy.extended.worker_devices]
+
+
+def local_replicas(strategy: Strategy) -> int:
+    """How many replicas of `strategy` this process runs."""
+    return len(strategy.extended.worker_devices)

@@ -47,14 +47,14 @@ class MirroredGradScaler(torch.amp.GradScaler):
         index = local_replica_index(self.__dict__["_crossdevice_strategy"])
         return self.__dict__["_crossdevice_replicas"][0 if index is None else index]
 
-    def _replica_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+    def _replica_optimizer(self, optimizer: Any) -> Any:
         if not isinstance(optimizer, MirroredOptimizer):
             raise TypeError(
                 "a mirrored GradScaler steps the MirroredOptimizer that prepare returned, got "
                 f"{type(optimizer).__name__}: {optimizer!r}"
             )
         index = local_replica_index(self.__dict__["_crossdevice_strategy"])
-        return optimizer.replicas[0 if index is None else index]
+        return optimizer.gradients_of(0 if index is None else index)
 
     def scale(self, outputs: Any) -> Any:
         """The running replica's `GradScaler.scale(outputs)`."""

@@ -11,12 +11,14 @@ setting alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["apply_thread_policy", "default_threads_per_replica"]
+__all__ = ["all_cores", "apply_thread_policy", "default_threads_per_replica"]
 
 _LOG = logging.getLogger("crossdevice.torch")
 
@@ -68,3 +70,22 @@ def apply_thread_policy(local_replicas: int, threads_per_replica: int | None) ->
             target,
         )
     return target
+
+
+@contextlib.contextmanager
+def all_cores() -> Iterator[None]:
+    """Torch's intra-op threads raised to every core while the block runs.
+
+    For work done once while every replica waits (the one optimizer step of replicas
+    that store their parameters once): the cores the replicas share are idle then.
+    """
+    current = torch.get_num_threads()
+    cores = default_threads_per_replica(1)
+    if cores <= current:
+        yield
+        return
+    torch.set_num_threads(cores)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(current)

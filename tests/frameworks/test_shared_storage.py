@@ -1,0 +1,145 @@
+"""Host replicas store the parameters and the optimizer state once.
+
+With every local replica on the CPU, a prepared model's replicas have their own
+`Parameter` objects over one storage, and the optimizer steps once per step while the
+replicas wait. The results are bitwise those of per-replica copies (share_storage=False),
+on threads and on cooperative replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import crossdevice as cd
+from tests.frameworks.helpers import (
+    bn_dropout_model,
+    global_batches,
+    global_loss,
+    load_example,
+    mirrored,
+    mlp,
+)
+from tests.strategies.conftest import replica_execution
+
+MODES = ["threads", "cooperative"]
+
+
+def _train(torch: Any, cdt: Any, make: Any, data: list[Any], mode: str, shared: bool) -> Any:
+    with replica_execution(mode):
+        torch.manual_seed(0)
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = make()
+            model, optimizer = cdt.prepare(
+                net, torch.optim.Adam(net.parameters(), lr=1e-2), share_storage=shared
+            )
+        batch = len(data[0][1])
+
+        def step(x: Any, y: Any) -> Any:
+            optimizer.zero_grad()
+            per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+            cdt.compute_average_loss(per_example, batch).backward()
+            optimizer.step()
+
+        torch.manual_seed(1)
+        for x, y in strategy.experimental_distribute_dataset(data):
+            strategy.run(step, args=(x, y))
+    assert model.shares_storage is shared
+    return model, optimizer
+
+
+def _images(torch: Any, steps: int, shape: tuple[int, ...]) -> list[Any]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(16, *shape, generator=generator),
+            torch.randint(0, 10, (16,), generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+MODELS = {
+    "mlp": (mlp, lambda torch: global_batches(torch, 50)),
+    "bn_dropout": (
+        bn_dropout_model,
+        lambda torch: _images(torch, 50, (1, 8, 8)),
+    ),
+    "example_cnn": (
+        lambda torch: load_example("custom_training_loop").create_model(),
+        lambda torch: _images(torch, 50, (1, 8, 8)),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_shared_storage_trains_bitwise_like_per_replica_copies(
+    torch: Any, cdt: Any, name: str, mode: str
+) -> None:
+    make_model, make_data = MODELS[name]
+    data = make_data(torch)
+    shared, shared_optimizer = _train(torch, cdt, lambda: make_model(torch), data, mode, True)
+    copies, _ = _train(torch, cdt, lambda: make_model(torch), data, mode, False)
+    for a, b in zip(
+        shared.replicas[0].state_dict().values(),
+        copies.replicas[0].state_dict().values(),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    first = [p.data_ptr() for p in shared.replicas[0].parameters()]
+    for replica in shared.replicas[1:]:  # one storage, several Parameter objects
+        assert [p.data_ptr() for p in replica.parameters()] == first
+        assert all(
+            a is not b
+            for a, b in zip(replica.parameters(), shared.replicas[0].parameters(), strict=True)
+        )
+    assert len({id(o) for o in shared_optimizer.replicas}) == 1  # one optimizer, one state
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_in_place_write_to_a_shared_parameter_inside_run_is_an_error(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        x, y = global_batches(torch, 1)[0]
+
+        def decay_by_hand() -> None:
+            optimizer.zero_grad()
+            global_loss(torch, model, x, y).backward()
+            optimizer.step()
+            with torch.no_grad():
+                model[0].weight.mul_(0.99)  # every replica would scale the one tensor
+
+        with pytest.raises(
+            RuntimeError, match=r"parameter '0\.weight' .* changed in place inside strategy\.run"
+        ):
+            strategy.run(decay_by_hand)
+
+        def once() -> None:  # the same change, made once for all replicas
+            cdt.call_once(lambda: model[0].weight.data.mul_(0.5))
+
+        before = model[0].weight.detach().clone()
+        strategy.run(once)
+        assert torch.equal(model.replicas[1][0].weight, before * 0.5)
+
+
+def test_an_optimizer_that_needs_a_closure_keeps_per_replica_copies(torch: Any, cdt: Any) -> None:
+    strategy = mirrored(2)
+    with strategy.scope():
+        net = mlp(torch)
+        model, _ = cdt.prepare(net, torch.optim.LBFGS(net.parameters()))
+        assert not model.shares_storage
+        other = mlp(torch)
+        with pytest.raises(ValueError, match=r"LBFGS\.step needs a closure.*share_storage=False"):
+            cdt.prepare(other, torch.optim.LBFGS(other.parameters()), share_storage=True)
+        with pytest.raises(TypeError, match="share_storage must be None, True or False"):
+            cdt.prepare(mlp(torch), share_storage="yes")
+    assert cd.get_replica_context() is not None
