@@ -117,8 +117,9 @@ def _ddp_worker(rank: int, port: int, steps: int, warmup: int, out: str) -> None
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     share = GLOBAL_BATCH // REPLICAS
     times = []
-    for i, (x, y) in enumerate(_batches(torch, steps + warmup)):
-        x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+    for i, (inputs, targets) in enumerate(_batches(torch, steps + warmup)):
+        x = inputs[rank * share : (rank + 1) * share]
+        y = targets[rank * share : (rank + 1) * share]
         dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad()
