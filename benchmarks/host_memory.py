@@ -219,9 +219,8 @@ def main() -> None:
             )
             results[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
     base = results.get("torch")
-    print(
-        f"{'':8} {'step s (median)':>16} {'peak RSS GB':>12} {'step / torch':>13} {'RSS / torch':>12}"
-    )
+    header = ("step s (median)", "peak RSS GB", "step / torch", "RSS / torch")
+    print(f"{'':8} {header[0]:>16} {header[1]:>12} {header[2]:>13} {header[3]:>12}")
     for kind, runs in results.items():
         step = statistics.median(r["step"] for r in runs)
         peak = statistics.median(r["peak_mb"] for r in runs) / 1024
