@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from crossdevice._collectives.rendezvous import Rendezvous, is_rendezvous_error
-from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._comm.local.thread import ThreadCommunicator
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
+from crossdevice._sync.rendezvous import Rendezvous, is_rendezvous_error
 from tests.collectives.replicas import run_replicas
 
 COUNTS = (1, 2, 3, 4, 8)

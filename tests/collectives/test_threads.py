@@ -13,10 +13,10 @@ import numpy as np
 import optree
 import pytest
 
-from crossdevice._collectives import host_all_reduce as host_all_reduce_module
-from crossdevice._collectives import host_reduce as host_reduce_module
-from crossdevice._collectives import threads as threads_module
-from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._comm.local import host_all_reduce as host_all_reduce_module
+from crossdevice._comm.local import host_reduce as host_reduce_module
+from crossdevice._comm.local import thread as threads_module
+from crossdevice._comm.local.thread import ThreadCommunicator
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from tests.collectives.replicas import raise_first, run_replicas
 from tests.conftest import Backend

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from crossdevice._collectives import algorithms
+from crossdevice._comm.devices import algorithms
 from crossdevice._core.devices import num_gpus
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import VariableAggregation

@@ -34,7 +34,7 @@ def bench(rank: int, world_size: int, repeats: int) -> dict[int, dict[str, Any]]
     import torch
     import torch.distributed as dist
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
     from crossdevice._core.options import CommunicationOptions
 
     comm = ProcessGroupCommunicator()

@@ -162,7 +162,7 @@ def lost_worker(
 ) -> dict[str, Any]:
     """Good all-reduces, then `culprit` is killed (SIGKILL) or stalls; the others reduce."""
     import crossdevice as cd
-    from crossdevice._collectives import pg_base
+    from crossdevice._comm.workers import pg_base
 
     if timeout is None:
         pg_base.DEFAULT_TIMEOUT_SECONDS = 3.0  # type: ignore[misc]  # the default, shortened

@@ -26,7 +26,7 @@ def all_reduces(rank: int, world_size: int, disable_on: int | None) -> dict[str,
     """
     import torch
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     if rank == disable_on:
         os.environ["CROSSDEVICE_SHARED_MEMORY"] = "0"
@@ -110,8 +110,8 @@ def leaves_midway(rank: int, world_size: int, culprit: int) -> dict[str, Any]:
 
     import torch
 
-    from crossdevice._collectives import shared_memory
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers import shared_memory
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     x = np.full(5_000_000, float(rank + 1), np.float32)  # 20 MB: three 8 MiB rounds
     out: dict[str, Any] = {}
@@ -149,7 +149,7 @@ def leaves_midway(rank: int, world_size: int, culprit: int) -> dict[str, Any]:
 
 def min_bytes_settings(rank: int, world_size: int, values: list[str | None]) -> Any:
     """Build a communicator with this rank's `CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`."""
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     if values[rank] is not None:
         os.environ["CROSSDEVICE_SHARED_MEMORY_MIN_BYTES"] = str(values[rank])

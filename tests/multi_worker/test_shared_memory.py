@@ -1,4 +1,4 @@
-"""Workers of one host all-reduce through shared memory (`_collectives/shared_memory.py`).
+"""Workers of one host all-reduce through shared memory (`_comm/workers/shared_memory.py`).
 
 The results must be the in-order sums, bitwise equal on every worker, with the inputs
 untouched and nothing left in /dev/shm; when any worker cannot share memory every worker
@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from crossdevice._collectives import shared_memory as shm  # noqa: E402
+from crossdevice._comm.workers import shared_memory as shm  # noqa: E402
 from tests.multi_worker import shm_workers  # noqa: E402
 from tests.multi_worker.harness import run_workers  # noqa: E402
 from tests.multi_worker.workers import value_of  # noqa: E402

@@ -35,7 +35,7 @@ def collectives(rank: int, world_size: int) -> dict[str, Any]:
     """Every collective once with NumPy values and once with torch tensors."""
     import torch
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     out: dict[str, Any] = {}
     with ProcessGroupCommunicator() as comm:
@@ -116,7 +116,7 @@ def collectives(rank: int, world_size: int) -> dict[str, Any]:
 
 def stall_or_die(rank: int, world_size: int, culprit: int, how: str, timeout: float) -> Any:
     """One warm-up all_reduce, then `culprit` stalls or dies while the others all_reduce."""
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
     from crossdevice._core.options import CommunicationOptions
 
     comm = ProcessGroupCommunicator(options=CommunicationOptions(timeout_seconds=timeout))
@@ -156,7 +156,7 @@ def join_existing(rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
     from crossdevice._core.cluster import resolve_cluster
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # env://
@@ -208,7 +208,7 @@ def cuda_collectives(rank: int, world_size: int, implementation: str) -> dict[st
     """CUDA tensors through NCCL (`AUTO`) or staged through Gloo on the host (`RING`)."""
     import torch
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
     from crossdevice._core.options import CommunicationOptions
 
     torch.cuda.set_device(rank % torch.cuda.device_count())

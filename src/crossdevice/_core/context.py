@@ -86,7 +86,7 @@ def swap_stack(stack: list[Frame]) -> list[Frame]:
     """Replace this thread's context stack, returning the old one.
 
     Cooperative replicas share their thread: each has its own stack, swapped in while it
-    runs (`crossdevice._core.cooperative`).
+    runs (`crossdevice._sync.waiting`).
     """
     old = _LOCAL.stack
     _LOCAL.stack = stack

@@ -26,7 +26,7 @@ import numpy as np
 
 from crossdevice._arrays import NUMPY, backend_for, is_torch
 from crossdevice._arrays.buffer_pool import BufferPool
-from crossdevice._collectives import algorithms
+from crossdevice._comm.devices import algorithms
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device import inputs, results
@@ -109,14 +109,14 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _signature(self, op: ReduceOp, arrays: Sequence[Any], site: object) -> Any:
         # The fingerprint sees the values as the strategy reduces them (op, shapes,
         # dtypes), not only the packs' byte counts: (2, 3) against (3, 2) is a mismatch.
-        from crossdevice._collectives.fingerprint import cached_digest
-        from crossdevice._collectives.torch_dist import Signature
+        from crossdevice._comm.workers.communicator import Signature
+        from crossdevice._comm.workers.fingerprint import cached_digest
 
         shapes = tuple((tuple(backend_for(x).shape(x)), str(x.dtype)) for x in arrays)
         try:
             structure = cached_digest((site,))
         except TypeError:  # an unhashable site: digest it afresh
-            from crossdevice._collectives.fingerprint import digest
+            from crossdevice._comm.workers.fingerprint import digest
 
             structure = digest((site,))
         return Signature(op.name.lower(), cached_digest(shapes), structure)
@@ -178,7 +178,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         # recycled pack (one per dtype, about bytes_per_pack each) that has room for the
         # inline fingerprint, so the pack costs no copy beyond the local sum itself (with
         # one replica, the API's copy) and one Gloo op per pack carries data and check.
-        from crossdevice._collectives.wire import group_by_size
+        from crossdevice._comm.workers.wire import group_by_size
 
         comm = self._communicator
         groups: dict[np.dtype, list[int]] = {}

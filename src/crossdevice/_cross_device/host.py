@@ -2,7 +2,7 @@
 
 An all-reduce between logical CPU devices is a reduction in one address space, bounded by
 memory bandwidth (docs/design.md §4). This op hands it to the blocked, multi-threaded host
-all-reduce (`crossdevice._collectives.threads`): arrays grouped by dtype, small ones
+all-reduce (`crossdevice._comm.local.thread`): arrays grouped by dtype, small ones
 packed, large ones summed in cache-sized blocks by a pool of threads, every input byte
 read once, adds in replica order (bitwise equal to `x0 + x1 + ...`), one read-only result
 buffer shared by every replica. Inside `strategy.run`, `ReplicaContext.all_reduce` goes
@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any, final
 
 from crossdevice._arrays import is_torch
-from crossdevice._collectives.rendezvous import Rendezvous
 from crossdevice._core.devices import device_type
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -26,6 +25,7 @@ from crossdevice._cross_device import inputs
 from crossdevice._cross_device.base import CrossDeviceOps
 from crossdevice._cross_device.destinations import devices_match, get_devices_from
 from crossdevice._cross_device.reduce_to_one import ReductionToOneDevice
+from crossdevice._sync.rendezvous import Rendezvous
 from crossdevice._values.values import DistributedValues, Mirrored
 
 __all__ = ["HostAllReduce"]
@@ -60,7 +60,7 @@ class HostAllReduce(CrossDeviceOps):
         """Replica-context all-reduces on the replicas' own threads, without a merge_call."""
         if len(devices) < 2 or not all(device_type(d) == "CPU" for d in devices):
             return None
-        from crossdevice._collectives.threads import ThreadCommunicator
+        from crossdevice._comm.local.thread import ThreadCommunicator
 
         return ThreadCommunicator(len(devices), name=rendezvous.name, rendezvous=rendezvous)
 
@@ -92,7 +92,7 @@ class HostAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
     ) -> list[Any]:
         """One packed host all-reduce for every pair that is one; the rest as TF does."""
-        from crossdevice._collectives.host_all_reduce import all_reduce_host
+        from crossdevice._comm.local.host_all_reduce import all_reduce_host
 
         hosted = [
             i

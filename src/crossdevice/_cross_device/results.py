@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from crossdevice._arrays import NUMPY, backend_for, is_torch
-from crossdevice._collectives import algorithms
+from crossdevice._comm.devices import algorithms
 from crossdevice._values.values import Mirrored
 
 __all__ = ["aliases", "mirror", "owned", "simple_broadcast"]

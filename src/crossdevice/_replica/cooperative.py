@@ -1,7 +1,7 @@
 """`CooperativeScheduler`: a step's replicas as greenlets taking turns on the caller's thread.
 
 The wait primitive they park in (`block`) and why this mode exists are in
-`crossdevice._core.cooperative`; this module is the scheduler that runs the replicas,
+`crossdevice._sync.waiting`; this module is the scheduler that runs the replicas,
 resumes each one whose gate was released, and switches each replica's thread-local state
 (context stack, device scope, torch grad mode) in and out with it.
 """
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from crossdevice._core import context, devices
-from crossdevice._core.cooperative import greenlet_module, swap_hub, torch_c
 from crossdevice._core.errors import ReplicaAbortedError
+from crossdevice._sync.waiting import greenlet_module, swap_hub, torch_c
 
 __all__ = ["CooperativeScheduler", "ReplicaState"]
 

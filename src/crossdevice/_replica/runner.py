@@ -7,7 +7,7 @@ parallel (NumPy and torch release the GIL in their kernels).
 
 Rules (docs/design.md §3):
 * `merge_call` and every in-process collective are rounds of one `Rendezvous`
-  (`crossdevice._collectives.rendezvous`): replicas that call different things, or that
+  (`crossdevice._sync.rendezvous`): replicas that call different things, or that
   return while their peers wait, get an error at once, naming what each one called.
 * An exception anywhere (a replica, `merge_fn`) breaks the run: peers blocked in the
   rendezvous are released with `ReplicaAbortedError`, every replica is joined, and the
@@ -42,12 +42,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from crossdevice._collectives.rendezvous import Rendezvous, is_rendezvous_error
 from crossdevice._core import context, devices
-from crossdevice._core import cooperative as cooperative_module
 from crossdevice._core.errors import ReplicaAbortedError
 from crossdevice._replica import cuda_streams, execution, thread_state
 from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
+from crossdevice._sync import waiting
+from crossdevice._sync.rendezvous import Rendezvous, is_rendezvous_error
 
 __all__ = ["ReplicaRunner"]
 
@@ -102,7 +102,7 @@ class ReplicaRunner:
         rendezvous: Rendezvous | None = None,
     ) -> None:
         self._n = num_replicas
-        self._cooperative_ok = cooperative and num_replicas > 1 and cooperative_module.available()
+        self._cooperative_ok = cooperative and num_replicas > 1 and waiting.available()
         self._tuner = execution.Tuner(name)
         self._scheduler: CooperativeScheduler | None = None
         self._make_frame = make_frame
@@ -175,7 +175,7 @@ class ReplicaRunner:
         if self._merging is not None and self._merging == threading.get_ident():
             # strategy.run inside a merge_fn: every replica of this run waits in that
             # merge_call, so a second set of replicas runs the nested call.
-            with cooperative_module.blocking():
+            with waiting.blocking():
                 return self._nested_runner().run(fn, per_replica_args, merge_timeout)
         with self._run_lock:
             if self._abandoned is not None:
@@ -344,7 +344,7 @@ class ReplicaRunner:
             if (
                 replica_id == 0
                 and isinstance(exc, KeyboardInterrupt)
-                and not cooperative_module.in_cooperative_replica()
+                and not waiting.in_cooperative_replica()
             ):
                 self._interrupted_at = time.monotonic()  # the caller's own Ctrl-C
             self._fail(replica_id, exc)
@@ -408,7 +408,7 @@ class ReplicaRunner:
         # the others fresh ones; each its device scope; every one the caller's torch state
         # (grad mode is switched per replica; inference mode and autocast are the
         # thread's, that is the caller's).
-        grad = cooperative_module.grad_enabled()
+        grad = waiting.grad_enabled()
         states = [
             ReplicaState(caller_stack if i == 0 else [], [self._devices[i]], grad)
             for i in range(self._n)

@@ -17,8 +17,7 @@ import numpy as np
 
 from crossdevice._arrays import backend_for, is_array
 from crossdevice._arrays.numpy_backend import NUMPY
-from crossdevice._collectives import algorithms
-from crossdevice._collectives.rendezvous import describe_leaves
+from crossdevice._comm.devices import algorithms
 from crossdevice._core import context, nest, validate
 from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope, local_host_device
 from crossdevice._core.errors import ArgumentAssertionError
@@ -28,6 +27,7 @@ from crossdevice._cross_device import inputs
 from crossdevice._input.input_context import ValueContext
 from crossdevice._replica.cuda_streams import cuda_device
 from crossdevice._strategies.context import get_replica_context, require_cross_replica
+from crossdevice._sync.rendezvous import describe_leaves
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica

@@ -235,7 +235,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         local = canonical_devices(_local_devices(devices, cluster), "devices")
         communicator = None
         if cluster is not None or _torch_distributed_initialized():
-            from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+            from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
             communicator = ProcessGroupCommunicator(cluster, options=options)
             if communicator.world_size == 1:

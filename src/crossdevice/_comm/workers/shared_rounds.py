@@ -16,15 +16,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from crossdevice._collectives.calls import (
+from crossdevice._comm.workers.calls import (
     MIN_WAIT_SECONDS,
     POLL_SECONDS,
     Call,
     PeersFailedError,
 )
-from crossdevice._collectives.shared_memory import SharedSlots, plan_rounds, uses_shared_memory
-from crossdevice._collectives.speculation import Layout, RoomPool
-from crossdevice._collectives.worker_health import HealthBoard, PeerFailure
+from crossdevice._comm.workers.health import HealthBoard, PeerFailure
+from crossdevice._comm.workers.shared_memory import SharedSlots, plan_rounds, uses_shared_memory
+from crossdevice._comm.workers.speculation import Layout, RoomPool
 
 __all__ = ["SharedRounds"]
 

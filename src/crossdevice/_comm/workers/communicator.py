@@ -58,8 +58,9 @@ except ImportError:  # pragma: no cover - exercised only without torch
         "`pip install torch==2.13.0` (CPU build) then `pip install crossdevice[torch]`"
     ) from None
 
-from crossdevice._collectives import fingerprint as fp
-from crossdevice._collectives.pg_base import (
+from crossdevice._comm.workers import fingerprint as fp
+from crossdevice._comm.workers.health import HealthBoard
+from crossdevice._comm.workers.pg_base import (
     _BACKSTOP_SLACK_SECONDS,
     DEFAULT_INIT_TIMEOUT_SECONDS,
     DEFAULT_TIMEOUT_SECONDS,
@@ -68,13 +69,7 @@ from crossdevice._collectives.pg_base import (
     Signature,
     _numel,
 )
-from crossdevice._collectives.process_group_start import (
-    check_joined_group,
-    health_store,
-    start_cluster_group,
-    store_host,
-)
-from crossdevice._collectives.speculation import (
+from crossdevice._comm.workers.speculation import (
     Filler,
     Layout,
     LazyPacks,
@@ -84,8 +79,14 @@ from crossdevice._collectives.speculation import (
     host_layout,
     layout_digest,
 )
-from crossdevice._collectives.value_checks import check_broadcast, check_gather
-from crossdevice._collectives.wire import (
+from crossdevice._comm.workers.start import (
+    check_joined_group,
+    health_store,
+    start_cluster_group,
+    store_host,
+)
+from crossdevice._comm.workers.value_checks import check_broadcast, check_gather
+from crossdevice._comm.workers.wire import (
     DTYPE_CODES,
     Wire,
     describe_wires,
@@ -97,7 +98,6 @@ from crossdevice._collectives.wire import (
     replace_wires,
     wire_dtype,
 )
-from crossdevice._collectives.worker_health import HealthBoard
 from crossdevice._core.cluster import Cluster, resolve_cluster
 from crossdevice._core.options import CommunicationImplementation, CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op

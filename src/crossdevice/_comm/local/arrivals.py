@@ -17,10 +17,10 @@ import numpy as np
 
 from crossdevice._arrays import is_torch
 from crossdevice._arrays.numpy_backend import NUMPY
-from crossdevice._collectives.host_reduce import Plan, describe_sig
-from crossdevice._collectives.rendezvous import Rendezvous
-from crossdevice._collectives.rounds import Round
+from crossdevice._comm.local.host_reduce import Plan, describe_sig
 from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._sync.rendezvous import Rendezvous
+from crossdevice._sync.rounds import Round
 
 __all__ = ["NUMERIC_KINDS", "ONE_NUMPY", "CollectiveArrival", "host_view", "no_torch", "validate"]
 

@@ -23,12 +23,17 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
+
+from crossdevice._cli.bench.common import (
+    RAW_IN_PLACE,
+    Measurement,
+    parse_size,
+)
 
 __all__ = [
     "Measurement",
@@ -45,39 +50,14 @@ __all__ = [
 NO_CUDA_EXIT: Final = 2
 #: Sizes per GPU when `--cuda-sizes` is not given.
 DEFAULT_SIZES: Final = "1M,16M,64M,256M"
-#: The baseline of the ratio column.
-RAW_IN_PLACE: Final = "torch.cuda.nccl.all_reduce (in place)"
-RAW_OUT_OF_PLACE: Final = "torch.cuda.nccl.all_reduce (out of place)"
-TORCH_DIST: Final = "torch.distributed nccl (world 1)"
 _HEADER: Final = (
     f"{'size':>12} {'count':>11} {'type':>6} {'redop':>5}  {'implementation':<44}"
     f" {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'x nccl':>7}"
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Measurement:
-    """One timed implementation at one size and op.
-
-    Attributes:
-        impl: the implementation's name.
-        op: `"sum"` or `"mean"`.
-        nbytes: bytes per GPU.
-        seconds: the median time of one call, or None when it could not run.
-        note: why it could not run (or a remark).
-    """
-
-    impl: str
-    op: str
-    nbytes: int
-    seconds: float | None
-    note: str = ""
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `--cuda` and its options to the `bench` parser (`-n`/`-w` are shared)."""
-    from crossdevice._cli.bench import parse_size
-
     add = parser.add_argument
     add("--cuda", action="store_true", help="benchmark the cross-device ops on CUDA GPUs")
     add(
@@ -222,7 +202,7 @@ def run_cuda(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         print(no_cuda_message("torch.cuda.is_available() is False"), file=sys.stderr)
         return NO_CUDA_EXIT
-    from crossdevice._cli.bench_cuda_cases import measure_all
+    from crossdevice._cli.bench.cuda_cases import measure_all
 
     iters, warmup, repeats = int(args.iters), int(args.warmup_iters), int(args.repeats)
     if iters < 1 or warmup < 0 or repeats < 1:

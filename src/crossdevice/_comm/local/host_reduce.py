@@ -6,8 +6,8 @@ group, large ones are reduced in place from the caller's memory. `reduce_pieces`
 replicas' inputs in replica order, `((x0 + x1) + x2) + ...` element by element, so results
 are bitwise reproducible and equal to the naive in-order chain whatever the thread timing.
 
-No locks and no waiting here: the rendezvous (`crossdevice._collectives.rendezvous`) and
-the communicator (`crossdevice._collectives.threads`) decide who runs which piece.
+No locks and no waiting here: the rendezvous (`crossdevice._sync.rendezvous`) and
+the communicator (`crossdevice._comm.local.thread`) decide who runs which piece.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ a wait past `timeout` raises `CollectiveTimeoutError` naming the call, its seque
 and the replicas that did not arrive, and breaks the rendezvous until `reset()` (its peers
 are released with the same error rather than left waiting).
 
-Every wait goes through `crossdevice._core.cooperative.block`, so the rules are the same
+Every wait goes through `crossdevice._sync.waiting.block`, so the rules are the same
 for replica threads and for cooperative replicas (greenlets on the caller's thread).
 
 Waits use one raw lock per waiter (a *gate*, held while the waiter sleeps, released once
@@ -53,12 +53,12 @@ from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from crossdevice._collectives.rounds import Arrival as Arrival
-from crossdevice._collectives.rounds import Handler as Handler
-from crossdevice._collectives.rounds import Round as Round
-from crossdevice._collectives.rounds import describe_leaves as describe_leaves
-from crossdevice._core.cooperative import block
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
+from crossdevice._sync.rounds import Arrival as Arrival
+from crossdevice._sync.rounds import Handler as Handler
+from crossdevice._sync.rounds import Round as Round
+from crossdevice._sync.rounds import describe_leaves as describe_leaves
+from crossdevice._sync.waiting import block
 
 __all__ = [
     "MERGE_CALL_MISMATCH",

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from crossdevice._arrays import backend_for, is_torch
-from crossdevice._collectives import nccl_calls
+from crossdevice._comm.devices import nccl_calls
 from crossdevice._core.reduce_op import ReduceOp
 
 __all__ = [

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import numpy as np
 
 from crossdevice._arrays import backend_for
-from crossdevice._collectives.arrivals import CollectiveArrival
-from crossdevice._collectives.host_reduce import ALIGN_BYTES, PARALLEL_MIN_BYTES
-from crossdevice._collectives.rounds import Round
+from crossdevice._comm.local.arrivals import CollectiveArrival
+from crossdevice._comm.local.host_reduce import ALIGN_BYTES, PARALLEL_MIN_BYTES
+from crossdevice._sync.rounds import Round
 
 __all__ = ["setup_broadcast", "setup_gather"]
 

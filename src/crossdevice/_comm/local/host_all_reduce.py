@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._comm.local.thread import ThreadCommunicator
 from crossdevice._core.reduce_op import ReduceOp
 
 __all__ = ["all_reduce_host"]

@@ -20,84 +20,23 @@ import argparse
 import importlib.metadata
 import json
 import platform
-import re
 import statistics
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
 from crossdevice._arrays import host_kernels
-from crossdevice._cli.bench_impls import IMPLEMENTATIONS, ReplicaThreads, _Case
-from crossdevice._collectives.bandwidth import (
+from crossdevice._cli.bench.bandwidth import (
     MemoryBandwidth,
     all_reduce_limit_seconds,
     measure_memory_bandwidth,
 )
+from crossdevice._cli.bench.common import DTYPES, REDOPS, parse_size, sizes_between
+from crossdevice._cli.bench.impls import IMPLEMENTATIONS, _Case
 from crossdevice._core.reduce_op import ReduceOp
 
-__all__ = [
-    "IMPLEMENTATIONS",
-    "ReplicaThreads",
-    "parse_size",
-    "register",
-    "run",
-    "sizes_between",
-]
-
-#: nccl-tests' data type names (and NumPy's) -> NumPy dtype name; bfloat16 needs torch.
-DTYPES: Final = {
-    "int8": "int8",
-    "char": "int8",
-    "uint8": "uint8",
-    "int32": "int32",
-    "int": "int32",
-    "uint32": "uint32",
-    "int64": "int64",
-    "uint64": "uint64",
-    "half": "float16",
-    "float16": "float16",
-    "float": "float32",
-    "float32": "float32",
-    "double": "float64",
-    "float64": "float64",
-    "bfloat16": "bfloat16",
-}
-
-#: nccl-tests' reduce op names -> ReduceOp (prod, min and max are not tf.distribute ops).
-REDOPS: Final = {"sum": ReduceOp.SUM, "avg": ReduceOp.MEAN, "mean": ReduceOp.MEAN}
-
-_SIZE_RE: Final = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """A byte count with an optional K, M or G suffix (powers of 1024, as nccl-tests).
-
-    Example:
-        >>> parse_size("64M")
-        67108864
-    """
-    match = _SIZE_RE.match(str(text))
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"expected a byte count such as 8, 1K, 64M or 1G, received {text!r}"
-        )
-    scale = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[match.group(2).upper()]
-    return int(match.group(1)) * scale
-
-
-def sizes_between(min_bytes: int, max_bytes: int, factor: int, step: int) -> list[int]:
-    """The sizes nccl-tests visits: times `factor` from `min_bytes`, or plus `step`."""
-    if min_bytes < 1 or max_bytes < min_bytes:
-        raise ValueError(
-            f"expected 1 <= minbytes <= maxbytes, received -b {min_bytes} -e {max_bytes}"
-        )
-    sizes = []
-    size = min_bytes
-    while size <= max_bytes:
-        sizes.append(size)
-        size = size * factor if factor > 1 else size + step
-    return sizes
+__all__ = ["register", "run"]
 
 
 def register(subparsers: Any) -> None:
@@ -146,7 +85,7 @@ def register(subparsers: Any) -> None:
         help="all-reduce across worker processes instead: launch with `torchrun "
         "--standalone --nproc-per-node 2 -m crossdevice bench --multi-worker`",
     )
-    from crossdevice._cli.bench_cuda import add_arguments  # --cuda: GPUs against raw NCCL
+    from crossdevice._cli.bench.cuda import add_arguments  # --cuda: GPUs against raw NCCL
 
     add_arguments(parser)
     parser.set_defaults(func=run)
@@ -284,15 +223,15 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         if getattr(args, "multi_worker", False):
             raise SystemExit("crossdevice bench: --plot draws single-process runs only")
-        from crossdevice._cli.bench_plot import require_matplotlib
+        from crossdevice._cli.bench.plot import require_matplotlib
 
         require_matplotlib()  # before the benchmark, not after minutes of it
     if getattr(args, "cuda", False):
-        from crossdevice._cli.bench_cuda import run_cuda
+        from crossdevice._cli.bench.cuda import run_cuda
 
         return run_cuda(args)
     if getattr(args, "multi_worker", False):
-        from crossdevice._cli.bench_workers import run_multi_worker
+        from crossdevice._cli.bench.workers import run_multi_worker
 
         return run_multi_worker(args)
     n = int(args.replicas)
@@ -375,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
                 indent=2,
             )
     if getattr(args, "plot", None):
-        from crossdevice._cli.bench_plot import plot_rows
+        from crossdevice._cli.bench.plot import plot_rows
 
         plot_rows(
             rows,

@@ -14,7 +14,7 @@ of them alike:
 * `strategy`: `MultiWorkerMirroredStrategy.extended.reduce_to` of a per-replica value to
   its own device, the path `ReplicaContext.all_reduce` takes (local sum, cross-worker
   all-reduce, local broadcast). Workers on one host reduce through shared memory
-  (`_collectives/shared_memory.py`);
+  (`_comm/workers/shared_memory.py`);
 * `strategy-gloo`: the same on a strategy built with `CROSSDEVICE_SHARED_MEMORY=0`, as
   workers on different hosts run it (every byte through Gloo, plus the API's copy).
 
@@ -50,7 +50,7 @@ def run_multi_worker(args: argparse.Namespace) -> int:
     import torch
 
     import crossdevice
-    from crossdevice._cli.bench import DTYPES, REDOPS, sizes_between
+    from crossdevice._cli.bench.common import DTYPES, REDOPS, sizes_between
 
     strategy = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
     extended: Any = strategy.extended

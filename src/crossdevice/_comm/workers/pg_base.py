@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from crossdevice._arrays import NUMPY, is_torch
-from crossdevice._collectives import fingerprint as fp
-from crossdevice._collectives.calls import MIN_WAIT_SECONDS as _MIN_WAIT_SECONDS
-from crossdevice._collectives.calls import POLL_SECONDS as _POLL_SECONDS
-from crossdevice._collectives.calls import Call as _Call
-from crossdevice._collectives.calls import PeersFailedError as _PeersFailedError
-from crossdevice._collectives.shared_rounds import SharedRounds
-from crossdevice._collectives.speculation import (
+from crossdevice._comm.workers import fingerprint as fp
+from crossdevice._comm.workers.calls import MIN_WAIT_SECONDS as _MIN_WAIT_SECONDS
+from crossdevice._comm.workers.calls import POLL_SECONDS as _POLL_SECONDS
+from crossdevice._comm.workers.calls import Call as _Call
+from crossdevice._comm.workers.calls import PeersFailedError as _PeersFailedError
+from crossdevice._comm.workers.health import HealthBoard
+from crossdevice._comm.workers.shared_rounds import SharedRounds
+from crossdevice._comm.workers.speculation import (
     MAX_INLINE_WORKERS,
     Layout,
     Predictor,
@@ -37,13 +38,12 @@ from crossdevice._collectives.speculation import (
     inline_agrees,
     speculative_ops,
 )
-from crossdevice._collectives.wire import (
+from crossdevice._comm.workers.wire import (
     DTYPE_CODES,
     Wire,
     needs_view,
     wire_dtype,
 )
-from crossdevice._collectives.worker_health import HealthBoard
 from crossdevice._core.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -504,7 +504,7 @@ class CommunicatorBase(SharedRounds):
         if not failures and not timed_out:
             # The process group failed (a connection closed): find out who, for up to a
             # dead worker's heartbeat timeout.
-            from crossdevice._collectives.worker_health import DEAD_AFTER_SECONDS
+            from crossdevice._comm.workers.health import DEAD_AFTER_SECONDS
 
             deadline = time.monotonic() + DEAD_AFTER_SECONDS + 1.0
             while not failures and time.monotonic() < deadline:

@@ -26,7 +26,7 @@ from typing import Any, Final
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from crossdevice._collectives.pg_base import _DIAGNOSIS_STORE_TIMEOUT_SECONDS
+from crossdevice._comm.workers.pg_base import _DIAGNOSIS_STORE_TIMEOUT_SECONDS
 from crossdevice._core.cluster import Cluster
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any, Final
 import numpy as np
 
 from crossdevice._arrays import host_kernels
-from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._comm.local.thread import ThreadCommunicator
 from crossdevice._core.reduce_op import ReduceOp
 
 __all__ = ["IMPLEMENTATIONS", "ReplicaThreads"]

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from crossdevice._arrays.buffer_pool import BufferPool
-from crossdevice._collectives.fingerprint import digest
+from crossdevice._comm.workers.fingerprint import digest
 
 __all__ = [
     "APART_MIN_BYTES",

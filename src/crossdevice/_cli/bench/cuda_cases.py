@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from crossdevice._cli.bench_cuda import (
+from crossdevice._cli.bench.common import (
     RAW_IN_PLACE,
     RAW_OUT_OF_PLACE,
     TORCH_DIST,
     Measurement,
 )
-from crossdevice._collectives import nccl_calls
+from crossdevice._comm.devices import nccl_calls
 from crossdevice._core.devices import canonicalize, num_gpus
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device import (

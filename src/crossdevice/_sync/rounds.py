@@ -1,7 +1,7 @@
 """What a round of the `Rendezvous` is: the replicas' arrivals, who completes it, its results.
 
 Each call every replica of a strategy makes (a `merge_call`, a collective) is one `Round`
-of the strategy's rendezvous (`crossdevice._collectives.rendezvous`). A replica brings an
+of the strategy's rendezvous (`crossdevice._sync.rendezvous`). A replica brings an
 `Arrival`; the last one to arrive has the arrivals' `Handler` validate and complete the
 round; `describe_leaves` shows what a replica passed in the error messages that name
 each replica's call.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from crossdevice._core import nest
 
 if TYPE_CHECKING:
-    from crossdevice._collectives.rendezvous import Rendezvous
+    from crossdevice._sync.rendezvous import Rendezvous
 
 __all__ = ["Arrival", "Handler", "Round", "describe_leaves"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from crossdevice._collectives import fingerprint as fp
-from crossdevice._collectives.wire import DTYPE_CODES, dtype_name
+from crossdevice._comm.workers import fingerprint as fp
+from crossdevice._comm.workers.wire import DTYPE_CODES, dtype_name
 
 __all__ = ["check_broadcast", "check_gather"]
 

@@ -1,10 +1,10 @@
 """`ThreadCommunicator`: collectives between the replicas of one process.
 
 Every replica of a strategy calls the same collectives in the same order; each call is a
-round of the strategy's `Rendezvous` (`crossdevice._collectives.rendezvous`), the same one
+round of the strategy's `Rendezvous` (`crossdevice._sync.rendezvous`), the same one
 its `merge_call`s go through. The last replica to arrive validates the round (the same
 collective, reduce op, structure, shapes and dtypes everywhere) and plans it
-(`crossdevice._collectives.host_reduce`). Then:
+(`crossdevice._comm.local.host_reduce`). Then:
 
 * small rounds: the last arriver computes the whole result itself and releases everyone
   (one rendezvous: the cost of a scalar all-reduce is a few thread wake-ups);
@@ -40,7 +40,7 @@ from crossdevice._arrays import backend_for
 from crossdevice._arrays.buffer_pool import BufferPool
 from crossdevice._arrays.host_kernels import available_cpus, plain_sum, run_parallel
 from crossdevice._arrays.numpy_backend import NUMPY
-from crossdevice._collectives.arrivals import (
+from crossdevice._comm.local.arrivals import (
     NUMERIC_KINDS,
     ONE_NUMPY,
     CollectiveArrival,
@@ -48,8 +48,8 @@ from crossdevice._collectives.arrivals import (
     no_torch,
     validate,
 )
-from crossdevice._collectives.copies import setup_broadcast, setup_gather
-from crossdevice._collectives.host_reduce import (
+from crossdevice._comm.local.copies import setup_broadcast, setup_gather
+from crossdevice._comm.local.host_reduce import (
     PACK_BELOW_BYTES,
     PARALLEL_MIN_BYTES,
     PIECE_MAX_BYTES,
@@ -58,9 +58,9 @@ from crossdevice._collectives.host_reduce import (
     make_plan,
     reduce_pieces,
 )
-from crossdevice._collectives.rendezvous import Rendezvous
-from crossdevice._collectives.rounds import Round, describe_leaves
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+from crossdevice._sync.rendezvous import Rendezvous
+from crossdevice._sync.rounds import Round, describe_leaves
 
 __all__ = [
     "PACK_BELOW_BYTES",

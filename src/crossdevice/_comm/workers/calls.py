@@ -8,7 +8,7 @@ from typing import Final
 
 import torch
 
-from crossdevice._collectives.worker_health import PeerFailure
+from crossdevice._comm.workers.health import PeerFailure
 
 __all__ = ["MIN_WAIT_SECONDS", "POLL_SECONDS", "Call", "PeersFailedError"]
 
