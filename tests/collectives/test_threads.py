@@ -6,7 +6,9 @@ bounded, so a hang fails the test instead of stalling the suite.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,8 +17,8 @@ import pytest
 
 from crossdevice._comm.local import host_all_reduce as host_all_reduce_module
 from crossdevice._comm.local import host_reduce as host_reduce_module
-from crossdevice._comm.local import thread as threads_module
 from crossdevice._comm.local.thread import ThreadCommunicator
+from crossdevice._core import tuning
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from tests.collectives.replicas import raise_first, run_replicas
 from tests.conftest import Backend
@@ -43,12 +45,13 @@ def same_bits(a: Any, b: np.ndarray) -> bool:
 
 
 @pytest.fixture(params=["one-thread", "sharded"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run once with the last-arriver path and once with every replica reducing a slice."""
     if request.param == "sharded":
-        monkeypatch.setattr(threads_module, "PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(threads_module, "POOL_MIN_BYTES", 0)
-    return str(request.param)
+        with tuning.overridden(shared_work_min_bytes=0, pool_min_bytes=0):
+            yield str(request.param)
+    else:
+        yield str(request.param)
 
 
 def replica_data(n: int, shapes: list[tuple[int, ...]], dtype: Any, seed: int = 0) -> list[Any]:
@@ -181,7 +184,7 @@ def test_results_survive_later_collectives(path: str) -> None:
 def test_large_output_buffers_are_recycled_once_released(path: str) -> None:
     n = 2
     comm = ThreadCommunicator(n)
-    data = replica_data(n, [(threads_module.POOL_MIN_BYTES // 4 + 3,)], np.float32)
+    data = replica_data(n, [(tuning.TUNING.pool_min_bytes // 4 + 3,)], np.float32)
     addresses = set()
     for _ in range(4):
         results, errors = run_replicas(n, lambda r: comm.all_reduce(r, data[r], "sum"))
@@ -368,7 +371,9 @@ def test_a_replica_that_never_arrives_times_out_by_name() -> None:
 def test_a_failure_inside_one_replicas_share_releases_the_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(threads_module, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(
+        tuning, "TUNING", dataclasses.replace(tuning.TUNING, shared_work_min_bytes=0)
+    )
     real = host_reduce_module.sum_slice
     failure = MemoryError("injected")
 
@@ -483,6 +488,3 @@ def test_all_reduce_host_validates() -> None:
         host_all_reduce_module.all_reduce_host([], "sum")
     with pytest.raises(ValueError, match=r"expected shape \(2,\)"):
         host_all_reduce_module.all_reduce_host([[np.ones(2)], [np.ones(3)]], "sum")
-    comm = ThreadCommunicator(2)
-    with pytest.raises(ValueError, match="one list of arrays per replica"):
-        comm.cross_replica_all_reduce([[np.ones(2)]], "sum")

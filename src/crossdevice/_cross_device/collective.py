@@ -27,6 +27,7 @@ import numpy as np
 from crossdevice._arrays import NUMPY, backend_for, is_torch
 from crossdevice._arrays.buffer_pool import BufferPool
 from crossdevice._comm.devices import algorithms
+from crossdevice._core import tuning
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device import inputs, results
@@ -34,7 +35,7 @@ from crossdevice._cross_device.base import CrossDeviceOps
 from crossdevice._cross_device.destinations import get_devices_from
 from crossdevice._values.values import DistributedValues
 
-__all__ = ["DONATE_MIN_BYTES", "CollectiveAllReduce", "call_site"]
+__all__ = ["CollectiveAllReduce", "call_site"]
 
 _PACKAGE_DIR: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THREADING_FILE: Final = threading.__file__
@@ -66,14 +67,6 @@ def call_site() -> tuple[str, str, int] | None:
     return None
 
 
-#: Local sums of at least this many bytes go to the cross-worker all-reduce as they are
-#: (reduced in place) instead of being packed: packing copies them once more, which cost
-#: +37% over a direct torch.distributed.all_reduce of a 1 MiB float32 buffer on 2 workers
-#: against +3.6% for the donated buffer, while the per-collective cost packing saves
-#: (~10 us) is about 1% of that all-reduce (measured on the 2-core dev machine).
-DONATE_MIN_BYTES: Final = 1024 * 1024
-
-
 @final
 class CollectiveAllReduce(CrossDeviceOps):
     """All-reduce across workers through a `ProcessGroupCommunicator` (None: one worker).
@@ -101,7 +94,7 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     def _local_sum(self, arrays: Sequence[Any]) -> Any:
         first = arrays[0]
-        if isinstance(first, np.ndarray) and first.nbytes >= DONATE_MIN_BYTES:
+        if isinstance(first, np.ndarray) and first.nbytes >= tuning.TUNING.donate_min_bytes:
             out = self._pool.take(first.dtype, first.size).reshape(first.shape)
             return NUMPY.sum_n(arrays, out=out)
         return algorithms.sum_n(arrays)
@@ -142,7 +135,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         large = [
             i
             for i, arrays in enumerate(components)
-            if backend_for(arrays[0]).nbytes(arrays[0]) >= DONATE_MIN_BYTES
+            if backend_for(arrays[0]).nbytes(arrays[0]) >= tuning.TUNING.donate_min_bytes
         ]
         small = sorted(set(range(len(values))) - set(large))
         out: list[Any] = [None] * len(values)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, final
 
 from crossdevice._arrays import is_torch
+from crossdevice._arrays.buffer_pool import BufferPool
 from crossdevice._core.devices import device_type
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -52,6 +53,7 @@ class HostAllReduce(CrossDeviceOps):
 
     def __init__(self) -> None:
         self._fallback = ReductionToOneDevice()
+        self._pool = BufferPool()
 
     def __repr__(self) -> str:
         return "HostAllReduce()"
@@ -107,7 +109,7 @@ class HostAllReduce(CrossDeviceOps):
             # Validated like every other op (naming the components), converted once.
             arrays = [inputs.component_arrays(value_destination_pairs[i][0]) for i in members]
             per_replica = [[a[r] for a in arrays] for r in range(len(devices))]
-            reduced = all_reduce_host(per_replica, reduce_op)
+            reduced = all_reduce_host(per_replica, reduce_op, self._pool)
             for k, i in enumerate(members):
                 out[i] = _mirrored(
                     [reduced[r][k] for r in range(len(devices))],

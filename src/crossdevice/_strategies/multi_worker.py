@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, final
 
-from crossdevice._core import context, nest
+from crossdevice._core import context, nest, tuning
 from crossdevice._core.cluster import Cluster, cluster_from_resolver, resolve_cluster
 from crossdevice._core.devices import DeviceSpec, canonicalize, num_gpus
 from crossdevice._core.errors import (
@@ -30,12 +30,6 @@ from crossdevice._strategies.replicated import ReplicatedExtended, canonical_dev
 from crossdevice._values.values import DistributedValues, PerReplica
 
 __all__ = ["MultiWorkerMirroredStrategy"]
-
-#: Local replicas wait for a merge (whose cross-worker collective may wait on peers)
-#: this much longer than the cross-worker timeout, so the cross-worker error, which
-#: names the missing ranks, is the one raised (not "local replicas [0, 1] did not
-#: arrive", which names this worker's own replicas).
-_LOCAL_MERGE_SLACK_SECONDS: Final = 15.0
 
 #: Errors every worker raises together: no need to tell the peers.
 _SHARED_ERRORS: Final = (CollectiveMismatchError, CollectiveTimeoutError, WorkerFailedError)
@@ -107,7 +101,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
         communicator = self._worker_communicator
         if communicator is None:
             return super()._merge_timeout()
-        return float(communicator.timeout) + _LOCAL_MERGE_SLACK_SECONDS
+        return float(communicator.timeout) + tuning.TUNING.local_merge_slack_seconds
 
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

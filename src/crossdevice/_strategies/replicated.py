@@ -21,7 +21,8 @@ from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._replica.runner import ReplicaRunner
 from crossdevice._strategies.base import Strategy, StrategyExtended, as_reducible_leaf
-from crossdevice._strategies.context import ReplicaContext
+from crossdevice._strategies.replica import ReplicaContext
+from crossdevice._sync.call import CallSignature
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
@@ -250,12 +251,11 @@ class ReplicatedExtended(StrategyExtended):
         replica_id: int,
         merge_fn: Callable[..., Any],
         args: tuple[Any, ...],
-        call: tuple[Any, ...],
-        description: Callable[[], str],
+        call: CallSignature,
     ) -> Any:
         n = len(self._devices)
         if n == 1:
-            return super()._merge_call_checked(replica_id, merge_fn, args, call, description)
+            return super()._merge_call_checked(replica_id, merge_fn, args, call)
         strategy = self._container_strategy_ref
         devices = self._devices
 
@@ -266,7 +266,7 @@ class ReplicatedExtended(StrategyExtended):
             return [select_replica(i, result) for i in range(n)]
 
         local_id = replica_id - self._replica_id_offset
-        return self._get_runner().merge_call(local_id, merge, args, call, description)
+        return self._get_runner().merge_call(local_id, merge, args, call)
 
     # --- reductions ----------------------------------------------------------------------
     def _merged_options(self, options: CommunicationOptions | None) -> CommunicationOptions | None:

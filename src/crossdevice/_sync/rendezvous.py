@@ -54,21 +54,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
-from crossdevice._sync.rounds import Arrival as Arrival
-from crossdevice._sync.rounds import Handler as Handler
-from crossdevice._sync.rounds import Round as Round
-from crossdevice._sync.rounds import describe_leaves as describe_leaves
+from crossdevice._sync.call import CallSignature
+from crossdevice._sync.rounds import Round
 from crossdevice._sync.waiting import block
 
-__all__ = [
-    "MERGE_CALL_MISMATCH",
-    "Arrival",
-    "Handler",
-    "Rendezvous",
-    "Round",
-    "describe_leaves",
-    "is_rendezvous_error",
-]
+__all__ = ["MERGE_CALL_MISMATCH", "Rendezvous", "is_rendezvous_error"]
 
 MERGE_CALL_MISMATCH: Final = (
     "Some replicas made a different number of replica_context().merge_call() calls (or "
@@ -80,6 +70,9 @@ MERGE_CALL_MISMATCH: Final = (
 #: Marks an error the rendezvous raised in every replica (replicas that disagree), so the
 #: runner can prefer the error a user's code raised (`is_rendezvous_error`).
 _MARK: Final = "_crossdevice_rendezvous_error"
+
+#: A user's `merge_call`: nothing to agree on but the call itself.
+_USER_MERGE: Final = CallSignature("merge_call")
 
 
 def is_rendezvous_error(exc: BaseException) -> bool:
@@ -107,7 +100,7 @@ class Rendezvous:
         #: sleeper's wait, one per wait, released once to wake it.
         self._sleepers: list[tuple[int, Any]] = []
         self._seq = 0
-        self._round = Round(0, num_replicas)
+        self._round = Round(0, num_replicas, name)
         self._aborted: BaseException | None = None
         self._broken: str | None = None
         self._mismatch: str | None = None
@@ -152,7 +145,7 @@ class Rendezvous:
             last = rnd.count == self._n
             if last:
                 self._seq += 1
-                self._round = Round(self._seq, self._n)
+                self._round = Round(self._seq, self._n, self._name)
             else:
                 if self._departed:
                     self._check_departed_locked(rnd)
@@ -223,8 +216,7 @@ class Rendezvous:
         replica_id: int,
         merge: Callable[[list[Any]], Sequence[Any]],
         value: Any,
-        call: tuple[Any, ...] = ("merge_call",),
-        description: Callable[[], str] | None = None,
+        call: CallSignature = _USER_MERGE,
         timeout: float | None = None,
     ) -> Any:
         """A `merge_call` round: `merge(inputs)` runs once and returns one output each.
@@ -235,22 +227,14 @@ class Rendezvous:
                 replica order; returns the value for each replica (replica 0's `merge`
                 runs, as TF runs the first replica's `merge_fn`).
             value: this replica's input.
-            call: what the replicas must agree on: `("merge_call",)` for a user's
+            call: what the replicas must agree on: a plain `merge_call` for a user's
                 merge_call, or the kind, reduce op, structure and leaf signatures of a
-                collective that goes through merge_call.
-            description: what this replica called, for error messages (`call[0]` if None).
+                collective that goes through merge_call (its `describe` names it in
+                error messages).
             timeout: seconds to wait for the peers (None: until they come or fail).
         """
-        arrival = _MergeArrival(str(call[0]), call, description, value, merge)
+        arrival = _MergeArrival(call, value, merge)
         return self.arrive(replica_id, arrival, timeout)
-
-    def describe_calls(self, rnd: Round) -> str:
-        """`replica 0: all_reduce(SUM, float32[3]) #4; replica 1: merge_call #4`."""
-        return "; ".join(
-            f"replica {r}: {a.handler.describe(a)} #{rnd.seq}"
-            for r, a in enumerate(rnd.arrivals)
-            if a is not None
-        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -284,7 +268,7 @@ class Rendezvous:
             self._mismatch = None
             self._round.cancelled = True
             self._seq += 1
-            self._round = Round(self._seq, self._n)
+            self._round = Round(self._seq, self._n, self._name)
             self._wake_locked()
 
     def finish(self, replica_id: int) -> None:
@@ -316,11 +300,11 @@ class Rendezvous:
                     rnd.set_error(
                         RuntimeError,
                         f"{self._name}: the replicas called different collectives: "
-                        f"{self.describe_calls(rnd)}. Every replica must make the same "
+                        f"{rnd.describe_calls()}. Every replica must make the same "
                         "merge_call, all_reduce and all_gather calls in the same order.",
                     )
                     return
-            handler.complete(self, rnd, replica_id)
+            handler.complete(rnd, replica_id)
         except BaseException as exc:
             rnd.failure, rnd.failure_replica = exc, replica_id
             rnd.work = None
@@ -497,21 +481,15 @@ class Rendezvous:
 class _MergeArrival:
     """A replica's `merge_call`: its input, its `merge`, and what it must agree on."""
 
-    __slots__ = ("call", "description", "kind", "merge", "value")
+    __slots__ = ("call", "kind", "merge", "value")
 
     handler: _MergeHandler
 
     def __init__(
-        self,
-        kind: str,
-        call: tuple[Any, ...],
-        description: Callable[[], str] | None,
-        value: Any,
-        merge: Callable[[list[Any]], Sequence[Any]],
+        self, call: CallSignature, value: Any, merge: Callable[[list[Any]], Sequence[Any]]
     ) -> None:
-        self.kind = kind
+        self.kind = call.kind
         self.call = call
-        self.description = description
         self.value = value
         self.merge = merge
 
@@ -520,17 +498,17 @@ class _MergeHandler:
     """Completes merge_call rounds: the same call everywhere, then `merge` once."""
 
     def describe(self, arrival: _MergeArrival) -> str:
-        return arrival.kind if arrival.description is None else arrival.description()
+        return arrival.call.describe()
 
-    def complete(self, rendezvous: Rendezvous, rnd: Round, replica_id: int) -> None:
+    def complete(self, rnd: Round, replica_id: int) -> None:
         del replica_id
         arrivals: list[_MergeArrival] = rnd.arrivals
         first = arrivals[0]
         if any(a.call != first.call for a in arrivals):
             rnd.set_error(
                 ValueError,
-                f"{rendezvous.name}: the replicas' {first.kind} calls disagree: "
-                f"{rendezvous.describe_calls(rnd)}. Every replica must pass the same reduce "
+                f"{rnd.name}: the replicas' {first.kind} calls disagree: "
+                f"{rnd.describe_calls()}. Every replica must pass the same reduce "
                 "op, nest structure, shapes and dtypes.",
             )
             return

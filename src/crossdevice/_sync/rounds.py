@@ -3,21 +3,16 @@
 Each call every replica of a strategy makes (a `merge_call`, a collective) is one `Round`
 of the strategy's rendezvous (`crossdevice._sync.rendezvous`). A replica brings an
 `Arrival`; the last one to arrive has the arrivals' `Handler` validate and complete the
-round; `describe_leaves` shows what a replica passed in the error messages that name
-each replica's call.
+round. A handler needs nothing from the rendezvous but the round: the round carries the
+rendezvous' name and says what each replica called (`describe_calls`) for error messages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from crossdevice._core import nest
-
-if TYPE_CHECKING:
-    from crossdevice._sync.rendezvous import Rendezvous
-
-__all__ = ["Arrival", "Handler", "Round", "describe_leaves"]
+__all__ = ["Arrival", "Handler", "Round"]
 
 
 class Arrival(Protocol):
@@ -38,7 +33,7 @@ class Handler(Protocol):
     def describe(self, arrival: Any) -> str:
         """What `arrival` asked for, as an error message shows it: `all_reduce(SUM, float32[3])`."""
 
-    def complete(self, rendezvous: Rendezvous, rnd: Round, replica_id: int) -> None:
+    def complete(self, rnd: Round, replica_id: int) -> None:
         """Run by the last arriver: validate (`rnd.set_error`), compute, or set `rnd.work`."""
 
     def finalize(self, rnd: Round) -> None:
@@ -63,6 +58,7 @@ class Round:
         "finished",
         "held",
         "kind",
+        "name",
         "outputs",
         "plan",
         "ready",
@@ -73,8 +69,10 @@ class Round:
         "zero_left",
     )
 
-    def __init__(self, seq: int, n: int) -> None:
+    def __init__(self, seq: int, n: int, name: str = "Rendezvous") -> None:
         self.seq = seq
+        #: the rendezvous' name, for error messages.
+        self.name = name
         self.arrivals: list[Any] = [None] * n
         self.count = 0
         self.kind = ""
@@ -102,32 +100,10 @@ class Round:
         """Make every replica of this round raise `kind(message)`."""
         self.error = (kind, message)
 
-
-def describe_leaves(sig: Sequence[tuple[Any, Any]], structure: Any = None) -> str:
-    """`float32[3]` for one leaf, `[float32[3], int64[]]` for several, in `structure`'s shape.
-
-    Args:
-        sig: (shape, dtype) per leaf.
-        structure: the nest's structure (an optree spec), or None for a flat list.
-    """
-    leaves = [_Leaf(f"{dtype}{list(shape)}") for shape, dtype in sig]
-    if structure is not None:
-        try:
-            return repr(nest.unflatten(structure, leaves))
-        except (ValueError, TypeError):  # pragma: no cover - a spec that does not fit
-            pass
-    if len(leaves) == 1:
-        return repr(leaves[0])
-    return repr(leaves)
-
-
-class _Leaf:
-    """Shows a leaf's signature without quotes inside a nest's repr."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
+    def describe_calls(self) -> str:
+        """`replica 0: all_reduce(SUM, float32[3]) #4; replica 1: merge_call #4`."""
+        return "; ".join(
+            f"replica {r}: {a.handler.describe(a)} #{self.seq}"
+            for r, a in enumerate(self.arrivals)
+            if a is not None
+        )

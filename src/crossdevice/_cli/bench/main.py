@@ -34,6 +34,7 @@ from crossdevice._cli.bench.bandwidth import (
 )
 from crossdevice._cli.bench.common import DTYPES, REDOPS, parse_size, sizes_between
 from crossdevice._cli.bench.impls import IMPLEMENTATIONS, _Case
+from crossdevice._core import tuning
 from crossdevice._core.reduce_op import ReduceOp
 
 __all__ = ["register", "run"]
@@ -182,7 +183,7 @@ def _kernel_description() -> str:
     if native.available():
         return (
             f"compiled fused sum, {native.instruction_set()} loop (non-temporal stores for "
-            f"results of {native.STREAM_MIN_BYTES >> 20} MiB or more)"
+            f"results of {tuning.TUNING.stream_min_bytes >> 20} MiB or more)"
         )
     return "NumPy blocked chain (compiled kernel not built, or CROSSDEVICE_NATIVE=0)"
 

@@ -11,7 +11,7 @@ sides, raised in every replica.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 
@@ -19,10 +19,32 @@ from crossdevice._arrays import is_torch
 from crossdevice._arrays.numpy_backend import NUMPY
 from crossdevice._comm.local.host_reduce import Plan, describe_sig
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._sync.rendezvous import Rendezvous
-from crossdevice._sync.rounds import Round
 
-__all__ = ["NUMERIC_KINDS", "ONE_NUMPY", "CollectiveArrival", "host_view", "no_torch", "validate"]
+__all__ = [
+    "NUMERIC_KINDS",
+    "ONE_NUMPY",
+    "Call",
+    "CollectiveArrival",
+    "host_view",
+    "no_torch",
+    "validate",
+]
+
+
+class Call(Protocol):
+    """The call the arrivals were made for, as error messages name it (a `Round` is one)."""
+
+    @property
+    def name(self) -> str:
+        """Who reports: the rendezvous' name, or the function's."""
+
+    @property
+    def seq(self) -> int:
+        """The call's number."""
+
+    def describe_calls(self) -> str:
+        """What each replica called."""
+
 
 #: dtype kinds NumPy adds on the host fast path.
 NUMERIC_KINDS: Final = frozenset("iufc")
@@ -71,7 +93,7 @@ def host_view(value: Any) -> tuple[Any, np.ndarray | None, bool]:
     return value, arr, is_torch(value)
 
 
-def validate(rendezvous: Rendezvous, rnd: Round, arrivals: list[CollectiveArrival]) -> str | None:
+def validate(rnd: Call, arrivals: list[CollectiveArrival]) -> str | None:
     """Whether the replicas' arrivals agree: None, or what differs (for a ValueError)."""
     first = arrivals[0]
     if first.kind == "all_reduce":
@@ -83,11 +105,11 @@ def validate(rendezvous: Rendezvous, rnd: Round, arrivals: list[CollectiveArriva
                 break
         else:
             return None
-    name = rendezvous.name
+    name = rnd.name
     if any(a.structure != first.structure for a in arrivals):
         return (
             f"{name}: {first.kind} #{rnd.seq}: the replicas passed different nest "
-            f"structures: {rendezvous.describe_calls(rnd)}. Every replica must pass the "
+            f"structures: {rnd.describe_calls()}. Every replica must pass the "
             "same structure."
         )
     if first.kind == "all_reduce":
@@ -96,7 +118,7 @@ def validate(rendezvous: Rendezvous, rnd: Round, arrivals: list[CollectiveArriva
                 return (
                     f"{name}: all_reduce #{rnd.seq}: replica 0 reduces with "
                     f"{first.op} but replica {r} with {a.op}; use one reduce op "
-                    f"everywhere ({rendezvous.describe_calls(rnd)})."
+                    f"everywhere ({rnd.describe_calls()})."
                 )
             if a.sig != first.sig:
                 return _sig_mismatch(name, rnd, first, r, a)
@@ -127,7 +149,7 @@ def validate(rendezvous: Rendezvous, rnd: Round, arrivals: list[CollectiveArriva
 
 
 def _sig_mismatch(
-    name: str, rnd: Round, first: CollectiveArrival, r: int, a: CollectiveArrival
+    name: str, rnd: Call, first: CollectiveArrival, r: int, a: CollectiveArrival
 ) -> str:
     head = f"{name}: all_reduce #{rnd.seq}:"
     if len(a.sig) != len(first.sig):
@@ -145,7 +167,7 @@ def _sig_mismatch(
     return f"{head} replica {r}'s arrays differ from replica 0's"  # pragma: no cover
 
 
-def _validate_gather(name: str, rnd: Round, arrivals: list[CollectiveArrival]) -> str | None:
+def _validate_gather(name: str, rnd: Call, arrivals: list[CollectiveArrival]) -> str | None:
     head = f"{name}: all_gather #{rnd.seq}:"
     axis = arrivals[0].extra
     shape0, dtype0 = arrivals[0].sig[0]

@@ -15,7 +15,8 @@ import numpy as np
 
 from crossdevice._arrays import backend_for
 from crossdevice._comm.local.arrivals import CollectiveArrival
-from crossdevice._comm.local.host_reduce import ALIGN_BYTES, PARALLEL_MIN_BYTES
+from crossdevice._comm.local.host_reduce import ALIGN_BYTES
+from crossdevice._core import tuning
 from crossdevice._sync.rounds import Round
 
 __all__ = ["setup_broadcast", "setup_gather"]
@@ -51,7 +52,7 @@ def setup_gather(
 
     rnd.outputs = [flat]
     _share_single(rnd, arrivals, out)
-    if size * flat.itemsize < PARALLEL_MIN_BYTES or n == 1:
+    if size * flat.itemsize < tuning.TUNING.shared_work_min_bytes or n == 1:
         for r in range(n):
             copy(r)
     else:
@@ -78,7 +79,7 @@ def setup_broadcast(
     rnd.outputs = [flat]
     _share_single(rnd, arrivals, out)
     src_flat = src.reshape(-1)
-    if src.nbytes < PARALLEL_MIN_BYTES or n == 1:
+    if src.nbytes < tuning.TUNING.shared_work_min_bytes or n == 1:
         np.copyto(flat, src_flat)
         return
     align = max(1, ALIGN_BYTES // src.itemsize)

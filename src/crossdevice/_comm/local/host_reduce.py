@@ -19,15 +19,11 @@ from typing import Any, Final
 
 import numpy as np
 
-from crossdevice._arrays.host_kernels import BLOCK_BYTES, sum_slice
-from crossdevice._arrays.native import STREAM_MIN_BYTES
+from crossdevice._arrays.host_kernels import sum_slice
+from crossdevice._core import tuning
 
 __all__ = [
     "ALIGN_BYTES",
-    "PACK_BELOW_BYTES",
-    "PARALLEL_MIN_BYTES",
-    "PIECE_MAX_BYTES",
-    "PIECE_MIN_BYTES",
     "Plan",
     "Segment",
     "describe_sig",
@@ -35,29 +31,6 @@ __all__ = [
     "reduce_pieces",
 ]
 
-#: Rounds with fewer bytes per replica than this are computed by the last arriving
-#: replica alone; from here on every replica reduces pieces of the work (a second
-#: rendezvous and four threads on two cores cost more than they save below it).
-#: Measured, 4 replicas on the 2-core dev machine (float32, one array, median of 7):
-#: 1 MiB one-thread 360 us vs sharded 531 us; 2 MiB 489 vs 608 us; 4 MiB 1181 vs 1071 us;
-#: 16 MiB 4.69 vs 3.30 ms; a second run at 4 MiB gave 0.94 ms sharded, 0.49 ms for the
-#: reduction alone on one thread (the inputs fit in the 32 MiB L3).
-PARALLEL_MIN_BYTES: Final = 8 * 1024 * 1024
-
-#: Bounds of the pieces the replicas take turns reducing (a quarter of an equal share per
-#: replica, within these bounds): small enough to balance four replicas on two busy cores,
-#: large enough that the ~10 us of Python per piece stays below 1% of its time.
-PIECE_MIN_BYTES: Final = 256 * 1024
-PIECE_MAX_BYTES: Final = 4 * 1024 * 1024
-
-
-#: Arrays smaller than this are packed, per replica, into one flat buffer per dtype before
-#: the reduction: one `np.concatenate` per replica replaces a few ufunc calls per array.
-#: Above it the array is reduced in place from the caller's memory (packing would copy
-#: every byte once more). Measured, 4 replicas, one all_reduce of a list (medians): 160 x
-#: 1 KiB unpacked 1274 us, packed below 16 KiB 549 us, below 64 KiB 675 us; 100 x 4 B
-#: 1227 / 557 / 613 us; 50 x 8 KiB 602 / 667 / 656 us.
-PACK_BELOW_BYTES: Final = 16 * 1024
 
 #: Cache-line alignment of the replicas' slice boundaries (no false sharing).
 ALIGN_BYTES: Final = 64
@@ -135,7 +108,11 @@ def make_plan(sig: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> Plan:
     group_sizes: list[int] = []
     total = 0
     for g, (dtype, indices) in enumerate(zip(dtypes, members, strict=True)):
-        small = [i for i in indices if math.prod(sig[i][0]) * dtype.itemsize < PACK_BELOW_BYTES]
+        small = [
+            i
+            for i in indices
+            if math.prod(sig[i][0]) * dtype.itemsize < tuning.TUNING.pack_below_bytes
+        ]
         large = [i for i in indices if i not in small]
         offset = 0
         for i in small:
@@ -204,8 +181,8 @@ def reduce_pieces(
         # Sharded pieces are cut into L2-sized blocks: with every replica thread
         # reducing a piece at once, whole pieces would crowd each other out of the
         # shared L3 (measured, 198 MB in 4 MiB pieces: 60-84 ms whole, 49 ms blocked).
-        block = BLOCK_BYTES // dtype.itemsize if blocked else None
-        stream = outputs[seg.group].nbytes >= STREAM_MIN_BYTES
+        block = tuning.TUNING.block_bytes // dtype.itemsize if blocked else None
+        stream = outputs[seg.group].nbytes >= tuning.TUNING.stream_min_bytes
         sum_slice(
             inputs,
             out,

@@ -28,55 +28,29 @@ immutable too; copy a result before mutating it).
 
 from __future__ import annotations
 
-import itertools
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
 from crossdevice._arrays import backend_for
 from crossdevice._arrays.buffer_pool import BufferPool
-from crossdevice._arrays.host_kernels import available_cpus, plain_sum, run_parallel
-from crossdevice._arrays.numpy_backend import NUMPY
 from crossdevice._comm.local.arrivals import (
     NUMERIC_KINDS,
     ONE_NUMPY,
     CollectiveArrival,
     host_view,
-    no_torch,
     validate,
 )
 from crossdevice._comm.local.copies import setup_broadcast, setup_gather
-from crossdevice._comm.local.host_reduce import (
-    PACK_BELOW_BYTES,
-    PARALLEL_MIN_BYTES,
-    PIECE_MAX_BYTES,
-    PIECE_MIN_BYTES,
-    Plan,
-    make_plan,
-    reduce_pieces,
-)
+from crossdevice._comm.local.reduction import Packs, Reduction, arrive, plan_for
+from crossdevice._core import tuning
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+from crossdevice._sync.call import describe_leaves
 from crossdevice._sync.rendezvous import Rendezvous
-from crossdevice._sync.rounds import Round, describe_leaves
+from crossdevice._sync.rounds import Round
 
-__all__ = [
-    "PACK_BELOW_BYTES",
-    "PARALLEL_MIN_BYTES",
-    "POOL_MIN_BYTES",
-    "ThreadCommunicator",
-]
-
-#: Output buffers of at least this many bytes are recycled once nobody holds a view of
-#: them (`BufferPool`): a fresh large allocation is zero-filled page by page by the
-#: kernel on first touch (on the dev VM the first all-reduce of 198 MB took 0.74 s,
-#: almost all page faults; with the recycled buffer it takes about 50 ms).
-POOL_MIN_BYTES: Final = 1024 * 1024
-
-#: Plans cached per input signature.
-_PLAN_CACHE_SIZE: Final = 64
+__all__ = ["ThreadCommunicator"]
 
 
 class ThreadCommunicator:
@@ -122,13 +96,8 @@ class ThreadCommunicator:
         self._n = num_replicas
         self._name = name
         self._rendezvous = rendezvous
-        self._lock = threading.Lock()
-        self._plans: OrderedDict[Any, Plan] = OrderedDict()
         self._pool = BufferPool()
-        self._cross_lock = threading.Lock()
-        self._pack_buffers: list[dict[tuple[np.dtype, int], np.ndarray]] = [
-            {} for _ in range(num_replicas)
-        ]
+        self._packs = [Packs() for _ in range(num_replicas)]
 
     @property
     def rendezvous(self) -> Rendezvous:
@@ -217,7 +186,7 @@ class ThreadCommunicator:
             values = [array]
             sig = ((array.shape, array.dtype),)
             # One array is never packed (`make_plan`): nothing to copy before arriving.
-            plan = self._plans.get(sig) or self._plan(sig)
+            plan = plan_for(sig)
             # Positional (no packs, extra or structure): keywords cost a third of the call.
             arrival = CollectiveArrival(
                 "all_reduce", values, values, sig, ONE_NUMPY, op, plan, None, None, None, self
@@ -270,48 +239,6 @@ class ThreadCommunicator:
         arrival.extra = root
         return self._rendezvous.arrive(replica_id, arrival, timeout)[0]
 
-    def cross_replica_all_reduce(
-        self, per_replica: Sequence[Sequence[Any]], reduce_op: ReduceOp | str
-    ) -> list[list[Any]]:
-        """All-reduce every replica's arrays from one thread (cross-replica context).
-
-        The same validation, packing, in-order blocked adds and shared results as
-        `all_reduce`, for a caller that holds every replica's values (a `CrossDeviceOps`
-        reducing a `PerReplica` outside `strategy.run`). Large rounds are split across the
-        host kernels' worker pool instead of the replica threads. Calls are serialised;
-        do not mix them with replica-thread calls on the same communicator (use
-        `all_reduce_host`, which keeps one communicator per replica count for this).
-
-        Args:
-            per_replica: `num_replicas` lists of arrays, one list per replica.
-            reduce_op: `ReduceOp.SUM`, `ReduceOp.MEAN` or their names.
-
-        Returns:
-            One list of results per replica (shared buffers, as `all_reduce`).
-        """
-        op = as_reduce_op(reduce_op)
-        if len(per_replica) != self._n:
-            raise ValueError(
-                f"{self._name}: expected one list of arrays per replica ({self._n}), "
-                f"received {len(per_replica)}"
-            )
-        with self._cross_lock:
-            rnd = Round(-1, self._n)
-            rnd.arrivals = [
-                self._prepare_reduce(r, list(values), op) for r, values in enumerate(per_replica)
-            ]
-            rnd.count = self._n
-            self.complete(self._rendezvous, rnd, 0)
-            if rnd.error is not None:
-                kind, message = rnd.error
-                raise kind(message)
-            work = rnd.work
-            if work is not None:
-                rnd.work = None
-                run_parallel(work)
-                self.finalize(rnd)
-            return [self.result(rnd, r) for r in range(self._n)]
-
     # ------------------------------------------------------------------ preparation
 
     def _check_replica(self, replica_id: int) -> None:
@@ -330,43 +257,7 @@ class ThreadCommunicator:
     def _prepare_reduce(
         self, replica_id: int, values: list[Any], op: ReduceOp
     ) -> CollectiveArrival:
-        if all(
-            type(v) is np.ndarray and v.flags.c_contiguous and v.dtype.kind in NUMERIC_KINDS
-            for v in values
-        ):
-            # Fast path (contiguous NumPy arrays, the common case): no per-array dispatch.
-            sig_fast = tuple([(v.shape, v.dtype) for v in values])
-            arrival = CollectiveArrival(
-                "all_reduce", values, values, sig_fast, no_torch(len(values)), op, handler=self
-            )
-            return self._plan_and_pack(replica_id, arrival)
-        hosts: list[np.ndarray] | None = []
-        torch_mask: list[bool] = []
-        sig: list[Any] = []
-        for i, raw in enumerate(values):
-            value, arr, from_torch = host_view(raw)
-            values[i] = value
-            torch_mask.append(from_torch)
-            if arr is None:
-                hosts = None
-                be = backend_for(value)
-                sig.append((be.shape(value), be.dtype_name(value)))
-            else:
-                if hosts is not None:
-                    hosts.append(arr)
-                sig.append((arr.shape, arr.dtype))
-        arrival = CollectiveArrival(
-            "all_reduce", values, hosts, tuple(sig), tuple(torch_mask), op, handler=self
-        )
-        return self._plan_and_pack(replica_id, arrival)
-
-    def _plan_and_pack(self, replica_id: int, arrival: CollectiveArrival) -> CollectiveArrival:
-        if arrival.arrays is not None:
-            plan = self._plan(arrival.sig)
-            arrival.plan = plan
-            if any(plan.packed):
-                arrival.packs = self._pack(replica_id, plan, arrival.arrays)
-        return arrival
+        return arrive(values, op, self._packs[replica_id], self)
 
     def _prepare_single(self, kind: str, value: Any) -> CollectiveArrival:
         value, arr, from_torch = host_view(value)
@@ -377,40 +268,6 @@ class ThreadCommunicator:
         return CollectiveArrival(
             kind, [value], [arr], ((arr.shape, arr.dtype),), (from_torch,), handler=self
         )
-
-    def _plan(self, sig: tuple[Any, ...]) -> Plan:
-        plan = self._plans.get(sig)
-        if plan is None:
-            plan = make_plan(sig)
-            with self._lock:
-                self._plans[sig] = plan
-                while len(self._plans) > _PLAN_CACHE_SIZE:
-                    self._plans.popitem(last=False)
-        return plan
-
-    def _pack(
-        self, replica_id: int, plan: Plan, hosts: list[np.ndarray]
-    ) -> list[np.ndarray | None]:
-        """Copy this replica's small arrays into its reusable per-dtype pack buffers.
-
-        The buffer of round k+1 may reuse round k's: every replica has finished reading
-        round k's inputs before any replica leaves round k.
-        """
-        buffers = self._pack_buffers[replica_id]
-        packs: list[np.ndarray | None] = []
-        for g, members in enumerate(plan.packed):
-            if not members:
-                packs.append(None)
-                continue
-            key = (plan.dtypes[g], plan.pack_sizes[g])
-            buf = buffers.get(key)
-            if buf is None:
-                if len(buffers) >= 8:
-                    buffers.clear()
-                buf = buffers[key] = np.empty(plan.pack_sizes[g], dtype=plan.dtypes[g])
-            np.concatenate([hosts[i] for i in members], axis=None, out=buf)
-            packs.append(buf)
-        return packs
 
     # ------------------------------------------------------------------ rounds
 
@@ -424,147 +281,35 @@ class ThreadCommunicator:
             return f"all_gather(axis={arrival.extra!r}, {leaves})"
         return f"broadcast(root={arrival.extra!r}, {leaves if arrival.values else None})"
 
-    def complete(self, rendezvous: Rendezvous, rnd: Round, replica_id: int) -> None:
+    def complete(self, rnd: Round, replica_id: int) -> None:
         """Run by the last arriver: validate, plan, and compute or hand out the work."""
         del replica_id
         arrivals: list[CollectiveArrival] = rnd.arrivals
         first = arrivals[0]
         rnd.kind = first.kind
-        error = validate(rendezvous, rnd, arrivals)
+        error = validate(rnd, arrivals)
         if error is not None:
             rnd.set_error(ValueError, error)
             return
         if first.kind == "all_reduce":
-            self._setup_reduce(rnd, arrivals)
+            reduction = Reduction(arrivals, self._output)
+            rnd.plan, rnd.work = reduction, reduction.work
         elif first.kind == "all_gather":
             setup_gather(rnd, arrivals, self._output)
         else:
             setup_broadcast(rnd, arrivals, self._output)
 
+    def finalize(self, rnd: Round) -> None:
+        """After a round's shared work: build its shared results."""
+        if isinstance(rnd.plan, Reduction):
+            rnd.plan.finish()
+
     def result(self, rnd: Round, replica_id: int) -> list[Any]:
         """Replica `replica_id`'s results of a completed round (shared buffers)."""
         if rnd.kind == "all_reduce":
-            return list(rnd.results[rnd.arrivals[replica_id].torch_mask])
+            reduction: Reduction = rnd.plan
+            return reduction.result(rnd.arrivals[replica_id].torch_mask)
         return list(rnd.results[self._result_key(rnd, replica_id)])
-
-    # all_reduce ---------------------------------------------------------------
-
-    def _setup_reduce(self, rnd: Round, arrivals: list[CollectiveArrival]) -> None:
-        first = arrivals[0]
-        op = first.op
-        tensors = False
-        for a in arrivals:
-            if a.arrays is None:
-                self._fallback_reduce(rnd, arrivals, op)
-                return
-            tensors = tensors or a.torch_mask[0]
-        plan = first.plan
-        assert plan is not None
-        if len(plan.placements) == 1 and plan.total_bytes < PACK_BELOW_BYTES and not tensors:
-            self._reduce_one_small(rnd, arrivals, plan)
-            return
-        rnd.plan = plan
-        rnd.outputs = [
-            self._output(dt, size) for dt, size in zip(plan.dtypes, plan.group_sizes, strict=True)
-        ]
-        if plan.total_bytes < PARALLEL_MIN_BYTES or self._n == 1:
-            self._reduce_pieces(
-                rnd, arrivals, [(i, 0, s.length) for i, s in enumerate(plan.segments)]
-            )
-            self.finalize(rnd)
-            return
-        piece_bytes = min(PIECE_MAX_BYTES, max(PIECE_MIN_BYTES, plan.total_bytes // (4 * self._n)))
-        pieces = plan.pieces(piece_bytes)
-        # Work sharing: each replica takes the next piece until none is left, so the
-        # replicas that are awake (the last arriver at once, the others as they wake)
-        # share the work, and a replica slowed by another process takes fewer pieces.
-        # next() on an itertools.count is atomic under the GIL.
-        taken = itertools.count()
-        # At most one worker per CPU: more compute-bound threads than cores only evict
-        # each other's accumulator blocks from L2 at every context switch.
-        tickets = itertools.count()
-        workers = available_cpus()
-
-        def work(replica_id: int) -> None:
-            del replica_id
-            if next(tickets) >= workers:
-                return
-            for i in taken:
-                if i >= len(pieces):
-                    return
-                self._reduce_pieces(rnd, arrivals, pieces[i : i + 1], blocked=True)
-
-        rnd.work = work
-
-    def _reduce_one_small(self, rnd: Round, arrivals: list[CollectiveArrival], plan: Plan) -> None:
-        """One small NumPy array per replica (a step's loss or metric): the plain chain.
-
-        `plain_sum`: the same adds in the same order as `sum_slice` (bitwise equal),
-        without the flat-buffer bookkeeping that pays off only for many or large arrays.
-        """
-        dtype = plan.dtypes[0]
-        inputs = [a.arrays[0] for a in arrivals]  # type: ignore[index]
-        out = plain_sum(inputs, np.empty(plan.placements[0][3], dtype=dtype))
-        mean = arrivals[0].op is ReduceOp.MEAN
-        if mean and dtype.kind not in "fc":
-            # An integer mean is a float (NumPy's true_divide), for 0-d a NumPy scalar.
-            rnd.results[ONE_NUMPY] = [NUMPY.freeze(NUMPY.divide(out, self._n))]
-            return
-        if mean:
-            np.true_divide(out, self._n, out=out)
-        out.flags.writeable = False  # one buffer, shared by every replica
-        rnd.results[ONE_NUMPY] = [out]
-
-    def _reduce_pieces(
-        self,
-        rnd: Round,
-        arrivals: list[CollectiveArrival],
-        pieces: Sequence[tuple[int, int, int]],
-        blocked: bool = False,
-    ) -> None:
-        reduce_pieces(
-            rnd.plan,
-            rnd.outputs,
-            [a.arrays for a in arrivals],  # type: ignore[misc]
-            [a.packs for a in arrivals],
-            arrivals[0].op is ReduceOp.MEAN,
-            pieces,
-            blocked,
-        )
-
-    def finalize(self, rnd: Round) -> None:
-        """Build the shared results (views of the outputs), once per library pattern."""
-        if rnd.plan is None:
-            return
-        plan = rnd.plan
-        arrivals: list[CollectiveArrival] = rnd.arrivals
-        mean = arrivals[0].op is ReduceOp.MEAN
-        readonly = []
-        for out in rnd.outputs:
-            view = out.view()
-            view.flags.writeable = False
-            readonly.append(view)
-        torch_flat: list[Any] = [None] * len(rnd.outputs)
-        for a in arrivals:
-            key = a.torch_mask
-            if key in rnd.results:
-                continue
-            values: list[Any] = []
-            for i, (g, offset, size, shape) in enumerate(plan.placements):
-                if key[i]:
-                    if torch_flat[g] is None:
-                        import torch
-
-                        torch_flat[g] = torch.from_numpy(rnd.outputs[g])
-                    value = torch_flat[g][offset : offset + size].view(shape)
-                    if mean and plan.dtypes[g].kind in "iu":
-                        value = torch.true_divide(value, self._n)
-                else:
-                    value = readonly[g][offset : offset + size].reshape(shape)
-                    if mean and plan.dtypes[g].kind in "iu":
-                        value = NUMPY.freeze(NUMPY.divide(value, self._n))
-                values.append(value)
-            rnd.results[key] = values
 
     def _result_key(self, rnd: Round, replica_id: int) -> Any:
         if rnd.kind == "broadcast":
@@ -576,25 +321,10 @@ class ThreadCommunicator:
             return arrival.torch_mask
         return rnd.arrivals[replica_id].torch_mask
 
-    def _fallback_reduce(
-        self, rnd: Round, arrivals: list[CollectiveArrival], op: ReduceOp | None
-    ) -> None:
-        """Values NumPy cannot add here (CUDA, bfloat16, bool...): their library, in order."""
-        results: list[Any] = []
-        for i in range(len(arrivals[0].values)):
-            column = [a.values[i] for a in arrivals]
-            be = backend_for(column[0])
-            total = be.sum_n(column)
-            if op is ReduceOp.MEAN:
-                total = be.divide(total, self._n)
-            results.append(be.freeze(total))
-        for a in arrivals:
-            rnd.results.setdefault(a.torch_mask, results)
-
     # ------------------------------------------------------------------ buffers
 
     def _output(self, dtype: np.dtype, size: int) -> np.ndarray:
         """A flat output buffer; large ones are recycled once no result views them."""
-        if size * dtype.itemsize < POOL_MIN_BYTES:
+        if size * dtype.itemsize < tuning.TUNING.pool_min_bytes:
             return np.empty(size, dtype=dtype)
         return self._pool.take(dtype, size)

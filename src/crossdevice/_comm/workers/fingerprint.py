@@ -24,12 +24,13 @@ its table and every size against a bound before anything is allocated from it.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
+
+from crossdevice._sync.call import cached_digest as cached_digest
+from crossdevice._sync.call import digest as digest
 
 __all__ = [
     "HEADER_LEN",
@@ -59,18 +60,6 @@ _ALWAYS: Final = ("seq", "kind", "op", "local_replicas", "structure")
 #: Fields that must also agree for reductions (all_gather and broadcast sizes may differ
 #: by design; their own checks compare rank, dtype, axis, root and shapes).
 _REDUCTION: Final = ("buffers", "nbytes", "dtypes", "shapes", "layout", "cuda")
-
-
-def digest(value: object) -> int:
-    """A 56-bit digest of `repr(value)`: equal on every worker for equal values."""
-    data = hashlib.blake2b(repr(value).encode(), digest_size=7).digest()
-    return int.from_bytes(data, "little")
-
-
-@functools.lru_cache(maxsize=1024)
-def cached_digest(value: tuple[object, ...]) -> int:
-    """`digest` of a hashable tuple, remembered: a training step's shapes repeat."""
-    return digest(value)
 
 
 @dataclasses.dataclass(frozen=True)
