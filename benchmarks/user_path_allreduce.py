@@ -68,7 +68,7 @@ def _worker(args: argparse.Namespace) -> None:
         gloo = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
     shm = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
     rank, world = dist.get_rank(), dist.get_world_size()
-    transport = "shared memory" if shm.extended._worker_communicator._shared else "Gloo"
+    transport = "shared memory" if shm.extended._worker_communicator.shared_memory else "Gloo"
 
     def step(x: Any) -> Any:
         return crossdevice.get_replica_context().all_reduce("sum", x)

@@ -9,8 +9,9 @@ measurement) that chose it: `reason(name)` and `benchmark(name)` read them back.
         ...
 
 Not here: sizes fixed by a format (a fingerprint's 672-byte header, a shared-memory
-segment's layout), bounds on hostile input (`MAX_PEER_BYTES`, `MAX_TF_CONFIG_BYTES`), and
-hardware constants (a 64-byte cache line). Measurements quoted are from the 2-core AMD EPYC
+segment's layout and its 8 MiB slots), bounds on hostile input (`MAX_PEER_BYTES`,
+`MAX_TF_CONFIG_BYTES`), and hardware constants (a 64-byte cache line). Measurements quoted
+are from the 2-core AMD EPYC
 dev VM (32 MiB L3) unless said otherwise; the torch training layer keeps its own bucket
 sizes (`_frameworks/torch`).
 """
@@ -137,12 +138,6 @@ class Tuning:
         32 * MiB,
         "The chunk of a pipelined in-place all-reduce (see pipeline_min_bytes).",
         "python -m tests.multi_worker.bench_all_reduce",
-    )
-    shared_memory_slot_bytes: int = _knob(
-        8 * MiB,
-        "Bytes of one shared-memory round; two per worker, so each reserves 16 MiB of "
-        "/dev/shm (Docker's default /dev/shm is 64 MiB). Read when a communicator connects.",
-        "crossdevice bench --multi-worker -b 1M -e 64M",
     )
     shared_memory_min_bytes: int = _knob(
         0,

@@ -85,17 +85,24 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
     ) -> Any:
-        if self._worker_communicator is not None:
-            from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
+        if self._worker_communicator is None:
+            return super()._replica_all_reduce(replica_id, op, value, options)
+        from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
 
-            ops = self._cross_device_ops
-            if isinstance(ops, CollectiveAllReduce):
-                # The user's line, read on the replica's own thread, and the value's nest
-                # structure ({'a': x} and [x] have the same leaves: the fingerprint's
-                # shapes alone would pass them). Every local replica writes the same
-                # value, and the merge reads it once all have arrived.
-                ops.replica_call_site = (call_site(), nest.structure_repr(value))
-        return super()._replica_all_reduce(replica_id, op, value, options)
+        ops = self._cross_device_ops
+        if not isinstance(ops, CollectiveAllReduce):  # pragma: no cover - always ours
+            return super()._replica_all_reduce(replica_id, op, value, options)
+        # The user's line, read on the replica's own thread, and the value's nest
+        # structure ({'a': x} and [x] have the same leaves: the fingerprint's shapes
+        # alone would pass them): what the workers compare besides the values.
+        site = (call_site(), nest.structure_repr(value))
+        merged = self._options.merge(options)
+
+        def merge_fn(strategy: Any, *per_replica: Any) -> list[Any]:
+            del strategy
+            return ops.reduce_values(op, per_replica, per_replica, merged, site)
+
+        return self._merge_leaves(replica_id, value, merge_fn, "all_reduce", op.name, None)
 
     def _merge_timeout(self) -> float | None:
         communicator = self._worker_communicator

@@ -68,7 +68,7 @@ def run_multi_worker(args: argparse.Namespace) -> int:
     op = REDOPS[args.op]
     chief = comm.rank == 0
     if chief:
-        transport = "shared memory" if comm._shared is not None else "Gloo"
+        transport = "shared memory" if comm.shared_memory is not None else "Gloo"
         print(
             f"# crossdevice bench --multi-worker: {comm.world_size} workers, 1 replica each; "
             f"`strategy` all-reduces through {transport}, `strategy-gloo` through Gloo"
@@ -99,7 +99,7 @@ def _measure(
     from crossdevice._values.values import PerReplica
 
     comm = extended._worker_communicator
-    rank, world, group = comm.rank, comm.world_size, comm._host_group
+    rank, world, group = comm.rank, comm.world_size, comm.host_group
     count = max(size // dtype.itemsize, 1)
     mine = np.full(count, rank + 1, dtype=dtype)
     expected = np.full(count, world * (world + 1) / 2, dtype=dtype)

@@ -20,6 +20,7 @@ from typing import Any, Final
 import numpy as np
 
 from crossdevice._arrays.host_kernels import sum_slice
+from crossdevice._arrays.packing import group_by_key
 from crossdevice._core import tuning
 
 __all__ = [
@@ -94,13 +95,8 @@ class Plan:
 
 
 def make_plan(sig: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> Plan:
-    dtypes: list[np.dtype] = []
-    members: list[list[int]] = []
-    for i, (_, dtype) in enumerate(sig):
-        if dtype not in dtypes:
-            dtypes.append(dtype)
-            members.append([])
-        members[dtypes.index(dtype)].append(i)
+    members = group_by_key([dtype for _, dtype in sig])
+    dtypes = [sig[group[0]][1] for group in members]
     placements: list[tuple[int, int, int, tuple[int, ...]]] = [((0, 0, 0, ()))] * len(sig)
     packed: list[tuple[int, ...]] = []
     pack_sizes: list[int] = []

@@ -1,25 +1,17 @@
-"""One collective in flight, and how its waits are sliced: shared by the communicator parts."""
+"""One collective in flight, and what every part of a communicator knows about it.
+
+A `Call` is one numbered collective: its name, number and deadline. A `Standing` is the
+communicator's state that its parts share (integrity, health, transports): this worker's
+rank, the workers' replica counts, and why the communicator refuses collectives.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Final
+from collections.abc import Sequence
 
-import torch
-
-from crossdevice._comm.workers.health import PeerFailure
-
-__all__ = ["MIN_WAIT_SECONDS", "POLL_SECONDS", "Call", "PeersFailedError"]
-
-#: How long one wait on a process group's work (or a shared-memory round) lasts before
-#: the store is consulted about failed and dead peers. Work that completes in time pays
-#: nothing extra.
-POLL_SECONDS: Final = 0.25
-
-#: Shortest wait asked of a work: c10d counts whole milliseconds, and 0 ms means "the
-#: group's own timeout" (measured: a 0.27 ms wait blocked until Gloo's timeout).
-MIN_WAIT_SECONDS: Final = 0.005
+__all__ = ["Call", "PeerFailure", "PeersFailedError", "Standing", "WaitFailedError"]
 
 
 @dataclasses.dataclass
@@ -30,9 +22,6 @@ class Call:
     seq: int
     timeout: float
     started: float
-    speculated: bool = False  # its data went with the fingerprints (speculation.py)
-    #: The results, when the data went through shared memory (one per non-empty buffer).
-    outputs: list[torch.Tensor] | None = None
 
     @property
     def label(self) -> str:
@@ -44,9 +33,61 @@ class Call:
         return self.started + self.timeout - time.monotonic()
 
 
+@dataclasses.dataclass
+class Standing:
+    """What every part of one communicator knows: who this worker is, whether it is broken.
+
+    Attributes:
+        rank: this worker's rank.
+        world_size: number of workers.
+        replicas: every rank's local replica count, once agreed (None before).
+        broken: why the communicator refuses collectives (None: it does not).
+    """
+
+    rank: int
+    world_size: int
+    replicas: list[int] | None = None
+    broken: str | None = None
+
+    def local_count(self) -> int:
+        """This worker's local replica count (0 before it was agreed)."""
+        return 0 if self.replicas is None else self.replicas[self.rank]
+
+    def replica_ids(self, ranks: Sequence[int]) -> str:
+        """` (global replicas [2, 3])` when the replica counts are known."""
+        if self.replicas is None:
+            return ""
+        ids: list[int] = []
+        for rank in ranks:
+            start = sum(self.replicas[:rank])
+            ids.extend(range(start, start + self.replicas[rank]))
+        return f" (global replicas {ids})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerFailure:
+    """A worker that failed: its rank and what we know about why."""
+
+    rank: int
+    reason: str  # "raised ValueError: ..." or "stopped sending heartbeats ..."
+    died: bool  # dead (no heartbeat, store gone) rather than aborted by an exception
+
+
 class PeersFailedError(Exception):
     """Internal: the store says peers failed while we waited."""
 
     def __init__(self, failures: list[PeerFailure]) -> None:
         super().__init__(", ".join(f.reason for f in failures))
         self.failures = failures
+
+
+class WaitFailedError(Exception):
+    """Internal: a wait ended without its collective (timeout, failed peers, a broken link).
+
+    `cause` is what ended it: a TimeoutError, a `PeersFailedError`, or the process group's
+    own error. The communicator turns it into the error that names the ranks at fault.
+    """
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause

@@ -20,7 +20,7 @@ every worker. Two parity sets make one barrier per round enough: a worker writes
 of parity p again only after the next round's barrier, which no worker passes before
 every worker has finished reading that slot. The waits are futex waits on the peers'
 counters, bounded by the collective's timeout and interrupted every
-`calls.POLL_SECONDS` to consult the health board, so a dead or failed peer is
+`TUNING.poll_seconds` to consult the health board, so a dead or failed peer is
 reported as for Gloo. A worker that leaves the rounds midway (its fill raised, an
 interrupt, a failed wait, its step's abort) sets a poison mark in its segment and wakes
 its peers, who raise `WorkerFailedError` naming it instead of summing slots it never
@@ -61,10 +61,10 @@ import numpy as np
 import torch
 
 from crossdevice._arrays import host_kernels
+from crossdevice._core import tuning
 
 __all__ = [
     "ENV_VAR",
-    "MIN_BYTES",
     "MIN_BYTES_ENV_VAR",
     "SLOT_BYTES",
     "Round",
@@ -76,15 +76,11 @@ __all__ = [
 
 #: `CROSSDEVICE_SHARED_MEMORY=0` keeps every all-reduce on Gloo.
 ENV_VAR: Final = "CROSSDEVICE_SHARED_MEMORY"
-#: The smallest all-reduce (bytes) sent through shared memory, `MIN_BYTES` by default.
+#: The smallest all-reduce (bytes) sent through shared memory (default: the tuning's).
 MIN_BYTES_ENV_VAR: Final = "CROSSDEVICE_SHARED_MEMORY_MIN_BYTES"
 #: Bytes of one slot: a round's data. Two per worker (the parities), so each worker
 #: reserves 2 x SLOT_BYTES of `/dev/shm` (Docker's default `/dev/shm` is 64 MiB).
 SLOT_BYTES: Final = 8 * 1024 * 1024
-#: Layouts smaller than this stay on Gloo. None by default: a shared round of 4 bytes to
-#: 64 KiB took 0.12-0.17 ms against 1.4 ms for the same all-reduce on Gloo (2 workers,
-#: 2-core host), so every predicted host all-reduce of a summed dtype goes through it.
-MIN_BYTES: Final = 0
 _SUMMED_DTYPES: Final = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 _ALIGN: Final = 64
 _NAME_BYTES: Final = 96
@@ -141,10 +137,10 @@ def uses_shared_memory(layout: Sequence[tuple[torch.dtype, int]], min_bytes: int
 
 
 def min_bytes_from_env() -> int:
-    """`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES` (default `MIN_BYTES`), checked."""
+    """`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES` (default `TUNING.shared_memory_min_bytes`), checked."""
     raw = os.environ.get(MIN_BYTES_ENV_VAR)
     if raw is None or not raw.strip():
-        return MIN_BYTES
+        return tuning.TUNING.shared_memory_min_bytes
     try:
         value = int(raw)
     except ValueError:
@@ -152,7 +148,7 @@ def min_bytes_from_env() -> int:
     if value < 0:
         raise ValueError(
             f"{MIN_BYTES_ENV_VAR} must be a byte count >= 0, got {raw!r}; unset it for the "
-            f"default ({MIN_BYTES})"
+            f"default ({tuning.TUNING.shared_memory_min_bytes})"
         )
     return value
 
@@ -165,7 +161,7 @@ class SharedSlots:
     fingerprint header per parity, then one data slot per parity.
     """
 
-    def __init__(self, rank: int, maps: list[mmap.mmap], min_bytes: int = MIN_BYTES) -> None:
+    def __init__(self, rank: int, maps: list[mmap.mmap], min_bytes: int = 0) -> None:
         self.min_bytes = min_bytes
         self._rank = rank
         self._maps = maps

@@ -48,32 +48,25 @@ import numpy as np
 import torch
 
 from crossdevice._arrays.buffer_pool import BufferPool
-from crossdevice._comm.workers.fingerprint import digest
+from crossdevice._comm.workers.transport import Layout
+from crossdevice._core import tuning
+from crossdevice._sync.call import digest
 
 __all__ = [
-    "APART_MIN_BYTES",
-    "CHUNK_BYTES",
     "INLINE_DTYPES",
     "INLINE_SLOTS",
     "MAX_ENTRIES",
     "MAX_INLINE_WORKERS",
-    "PIPELINE_MIN_BYTES",
     "Filler",
-    "Layout",
-    "LazyPacks",
     "Op",
     "Predictor",
     "RoomPool",
     "header_apart",
-    "host_layout",
     "inline_agrees",
     "inline_header",
     "layout_digest",
     "speculative_ops",
 ]
-
-#: One buffer's wire dtype and element count, in order: what Gloo sees.
-Layout = tuple[tuple[torch.dtype, int], ...]
 
 #: Histories remembered. A training step has a handful of distinct collectives; the
 #: table stops learning (every worker alike, it is the same history) once full.
@@ -85,12 +78,6 @@ INLINE_SLOTS: Final = 2 * _LIMBS
 #: (float32: below 2**24).
 INLINE_DTYPES: Final = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 MAX_INLINE_WORKERS: Final = 256
-#: A first buffer this large keeps no header behind it: its inline header travels in a
-#: small float64 all-reduce of its own, issued just before the data, so that a donated
-#: buffer is reduced where it lies instead of being copied next to room for the header.
-#: On the 2-core host a copy costs 10-38% of the all-reduce of its bytes, the extra
-#: small op about 0.4 ms (3% of a 16 MiB all-reduce, 40% of a 1 MiB one).
-APART_MIN_BYTES: Final = 8 * 1024 * 1024
 
 
 class Predictor:
@@ -151,17 +138,16 @@ class Predictor:
 
 
 def header_apart(layout: Layout) -> bool:
-    """Whether `layout`'s inline header travels apart (`APART_MIN_BYTES`), not behind it."""
+    """Whether `layout`'s inline header travels apart, not behind its first buffer.
+
+    A first buffer of `TUNING.header_apart_min_bytes` or more keeps no header behind
+    it: its header travels in a small float64 all-reduce of its own, issued just before
+    the data, so that a donated buffer is reduced where it lies instead of being copied
+    next to room for the header.
+    """
     dtype, numel = layout[0]
-    return numel * dtype.itemsize >= APART_MIN_BYTES
+    return numel * dtype.itemsize >= tuning.TUNING.header_apart_min_bytes
 
-
-#: Buffers this large are all-reduced in chunks of `CHUNK_BYTES`, each sent as soon as
-#: it is filled, so the copy (or local sum) of the next chunk runs while the previous
-#: one travels. Raw Gloo, 2-core host, copy then all-reduce of 64 MiB: +38% over the
-#: all-reduce alone; in 32 MiB chunks +16%; in 4-8 MiB chunks +31-36% (per-op costs).
-PIPELINE_MIN_BYTES: Final = 48 * 1024 * 1024
-CHUNK_BYTES: Final = 32 * 1024 * 1024
 
 #: One op of the predicted all-reduce: the tensor to send and the data range it holds,
 #: (buffer, start, stop), or None for the header's own op.
@@ -169,38 +155,38 @@ Op = tuple[torch.Tensor, tuple[int, int, int] | None]
 
 
 def speculative_ops(
-    layout: Layout, tensors: list[torch.Tensor], header: np.ndarray
-) -> tuple[list[Op], torch.Tensor, list[int]]:
+    layout: Layout, tensors: list[torch.Tensor], header: np.ndarray | None
+) -> tuple[list[Op], torch.Tensor | None, list[int] | None]:
     """What to all-reduce, in order, for `layout`: (ops, the header's slots, its values).
 
     `tensors` are the data buffers (the first with room behind it unless the header
-    travels apart); `header` is this worker's encoded fingerprint. The split into ops is
-    a function of `layout` alone, so every worker sends the same ops.
+    travels apart); `header` is this worker's encoded fingerprint (None: no inline
+    header, the fingerprints were agreed before). Buffers of
+    `TUNING.pipeline_min_bytes` or more leave in chunks of `TUNING.chunk_bytes`, each
+    sent as soon as it is filled. The split into ops is a function of `layout` alone, so
+    every worker sends the same ops.
     """
-    mine = inline_header(header)
     ops: list[Op] = []
-    if header_apart(layout):
-        slots = torch.tensor(mine, dtype=torch.float64)
-        ops.append((slots, None))
-    else:
-        slots = tensors[0][-INLINE_SLOTS:]
-        slots.copy_(torch.tensor(mine, dtype=slots.dtype))
+    mine: list[int] | None = None
+    slots: torch.Tensor | None = None
+    if header is not None:
+        mine = inline_header(header)
+        if header_apart(layout):
+            slots = torch.tensor(mine, dtype=torch.float64)
+            ops.append((slots, None))
+        else:
+            slots = tensors[0][-INLINE_SLOTS:]
+            slots.copy_(torch.tensor(mine, dtype=slots.dtype))
+    cut = tuning.TUNING
     for index, ((dtype, numel), tensor) in enumerate(zip(layout, tensors, strict=True)):
         step = numel
-        if numel * dtype.itemsize >= PIPELINE_MIN_BYTES:
-            step = CHUNK_BYTES // dtype.itemsize
+        if numel * dtype.itemsize >= cut.pipeline_min_bytes:
+            step = cut.chunk_bytes // dtype.itemsize
         for start in range(0, numel, step):
             stop = min(start + step, numel)
             end = tensor.numel() if stop == numel else stop  # the last takes any room
             ops.append((tensor[start:end], (index, start, stop)))
     return ops, slots, mine
-
-
-def host_layout(tensors: list[torch.Tensor]) -> Layout | None:
-    """The layout of the non-empty `tensors`, None when any lives on CUDA (NCCL's)."""
-    if any(t.is_cuda for t in tensors):
-        return None
-    return tuple((t.dtype, t.numel()) for t in tensors if t.numel())
 
 
 @functools.lru_cache(maxsize=256)
@@ -266,62 +252,18 @@ class RoomPool:
         return torch.cat(tensors, out=self.buffer(tensors[0].dtype, total)[:total])
 
 
-class LazyPacks:
-    """Flat packs of tensors, each filled only as the communicator sends it.
-
-    Host packs of NumPy dtypes are recycled `RoomPool` buffers whose contents `fill`
-    copies from the tensors range by range: into the pack just before Gloo sends it,
-    or straight into a shared-memory slot (then the pack itself is never written: one
-    copy instead of two). Other packs (CUDA, bfloat16) are concatenated at once.
-
-    Args:
-        rooms: where the host packs come from.
-        groups: the tensors of each pack, flat, in order.
-    """
-
-    def __init__(self, rooms: RoomPool, groups: list[list[torch.Tensor]]) -> None:
-        self.flats: list[torch.Tensor] = []
-        self._parts: list[list[np.ndarray] | None] = []
-        for tensors in groups:
-            total = sum(t.numel() for t in tensors)
-            flat = None
-            if all(t.device.type == "cpu" for t in tensors):
-                flat = rooms.buffer(tensors[0].dtype, total)[:total]
-            if flat is not None and rooms.room_of(flat) is not None:
-                self.flats.append(flat)
-                self._parts.append([t.reshape(-1).numpy() for t in tensors])
-            else:
-                self.flats.append(rooms.pack(tensors))
-                self._parts.append(None)
-
-    def fill(self, k: int, start: int, stop: int, out: np.ndarray | None = None) -> None:
-        """Write elements `start:stop` of pack `k` into it (or into `out`)."""
-        parts = self._parts[k]
-        if parts is None:  # packed already
-            if out is not None:  # byte for byte: bfloat16 has no NumPy dtype
-                data = self.flats[k][start:stop].view(torch.uint8).numpy()
-                np.copyto(out.view(np.uint8), data)
-            return
-        dest = self.flats[k][start:stop].numpy() if out is None else out
-        offset = 0
-        for part in parts:
-            a, b = max(start, offset), min(stop, offset + part.size)
-            if a < b:
-                np.copyto(dest[a - start : b - start], part[a - offset : b - offset])
-            offset += part.size
-
-
 class Filler:
     """Runs a caller's `fill(i, start, stop)` once per range: by chunks, or all at once.
 
     Args:
         fill: writes elements `start:stop` of buffer `i` (or, given `out=`, into that
-            flat array of `stop - start` elements instead); None: nothing to write.
+            flat array of `stop - start` elements instead) and returns whether it wrote;
+            None: nothing to write.
         sizes: every buffer's element count (empty buffers are not sent, so the ops'
             buffer numbers count the non-empty ones only).
     """
 
-    def __init__(self, fill: Callable[..., None] | None, sizes: list[int]) -> None:
+    def __init__(self, fill: Callable[..., bool] | None, sizes: list[int]) -> None:
         self._fill = fill
         self._done = fill is None
         self._sizes = sizes
@@ -338,12 +280,11 @@ class Filler:
         """Fill a range of the `j`-th non-empty buffer (one op's data), unless all done.
 
         With `out`, the range is written there instead of into the buffer (shared
-        memory's slots). Returns whether anything was written.
+        memory's slots). Returns whether anything was written (the caller's `fill` says:
+        a buffer that holds its data already, as a caller's own array does, is not).
         """
         if self._fill is None or self._done:
             return False
         if out is None:
-            self._fill(self._live[j], start, stop)
-        else:
-            self._fill(self._live[j], start, stop, out=out)
-        return True
+            return bool(self._fill(self._live[j], start, stop))
+        return bool(self._fill(self._live[j], start, stop, out=out))

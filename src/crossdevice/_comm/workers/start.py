@@ -26,7 +26,7 @@ from typing import Any, Final
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from crossdevice._comm.workers.pg_base import _DIAGNOSIS_STORE_TIMEOUT_SECONDS
+from crossdevice._core import tuning
 from crossdevice._core.cluster import Cluster
 
 __all__ = [
@@ -182,6 +182,6 @@ def health_store(namespace: str) -> Any:
             base.host,
             base.port,
             is_master=False,
-            timeout=datetime.timedelta(seconds=_DIAGNOSIS_STORE_TIMEOUT_SECONDS),
+            timeout=datetime.timedelta(seconds=tuning.TUNING.diagnosis_store_timeout_seconds),
         )
     return PrefixStore(f"crossdevice/{namespace}/health/", store)

@@ -12,19 +12,18 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from crossdevice._arrays import backend_for, is_torch
+from crossdevice._arrays import NUMPY, backend_for, is_torch
 
 __all__ = [
     "DTYPE_CODES",
     "Wire",
     "describe_wires",
     "divide",
+    "donation",
     "dtype_name",
-    "group_by_size",
     "is_single_array",
     "mean_count",
-    "own_all",
-    "replace_wires",
+    "to_wire",
     "wire_dtype",
 ]
 
@@ -78,12 +77,6 @@ class Wire:
     shape: tuple[int, ...] = ()  # the caller's shape (before packing)
     owned: bool = False  # `tensor` is a fresh copy, not the caller's memory
 
-    def own(self) -> None:
-        """Make `tensor` a fresh copy (the API never modifies inputs it was not given)."""
-        if not self.owned:
-            self.tensor = self.tensor.clone()
-            self.owned = True
-
     def result(self, tensor: torch.Tensor) -> Any:
         """`tensor` (wire dtype, wire device) as a value of the caller's kind and dtype."""
         if tensor.dtype != self.dtype:
@@ -121,6 +114,32 @@ def is_single_array(value: object) -> bool:
     return is_torch(value) or isinstance(value, np.ndarray)
 
 
+def donation(values: Sequence[Any], donate: bool | Sequence[bool], fills: bool) -> list[bool]:
+    """One donate flag per value of an all-reduce; errors for what cannot be reduced so.
+
+    Raises:
+        TypeError: a single array where a list of them is expected.
+        ValueError: a flag count that is not the value count, or a fill with nothing
+            donated to fill.
+    """
+    if is_single_array(values):
+        raise TypeError(
+            "all_reduce takes a list of buffers, got a single array; wrap it: all_reduce([x], ...)"
+        )
+    donated = [donate] * len(values) if isinstance(donate, bool) else list(donate)
+    if len(donated) != len(values):
+        raise ValueError(
+            f"all_reduce: expected one donate flag per value ({len(values)}), got "
+            f"{len(donated)}; pass one bool for all or one per value"
+        )
+    if fills and not any(donated):
+        raise ValueError(
+            f"all_reduce: fill= writes into the buffers, so it needs donate=True, got "
+            f"donate={donate}; pass donate=True"
+        )
+    return donated
+
+
 def divide(value: Any, count: float) -> Any:
     """`value / count`, in place for the floating buffers the collective just made."""
     if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.inexact):
@@ -131,48 +150,40 @@ def divide(value: Any, count: float) -> Any:
     return backend_for(value).divide(value, count)  # type: ignore[arg-type]
 
 
-def own_all(wires: Sequence[Wire]) -> None:
-    """`Wire.own` on each wire."""
-    for wire in wires:
-        wire.own()
+def to_wire(value: Any, *, cuda: bool) -> Wire:
+    """`value` as a contiguous tensor Gloo/NCCL can carry, its memory shared when it can be.
 
-
-def replace_wires(wires: list[Wire], fresh: Sequence[Wire]) -> None:
-    """Swap the template wires for the produced ones (same shapes and dtypes)."""
-    for wire, new in zip(wires, fresh, strict=True):
-        if (new.tensor.shape, new.tensor.dtype) != (wire.tensor.shape, wire.tensor.dtype):
-            raise ValueError(
-                f"all_reduce: produce() made a {dtype_name(new.tensor.dtype)}"
-                f"{tuple(new.tensor.shape)} buffer where the template promised "
-                f"{dtype_name(wire.tensor.dtype)}{tuple(wire.tensor.shape)}"
-            )
-    wires[:] = fresh
-
-
-def group_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
-    """Split value indices into packs of about `bytes_per_pack` bytes, in order.
-
-    TF's `cross_device_utils.group_by_size`: a new pack starts once the current one holds
-    more than `bytes_per_pack` bytes, so every pack but the last has at least that many
-    and a value is never split. `bytes_per_pack=0` puts everything in one pack.
-
-    Example:
-        >>> group_by_size([4, 4, 4, 4, 4], 6)
-        [[0, 1], [2, 3], [4]]
+    `cuda`: CUDA tensors travel on NCCL; without it they are moved to the host (Gloo).
     """
-    if bytes_per_pack < 0:
-        raise ValueError(f"Argument bytes_per_pack must be >=0, Received {bytes_per_pack}.")
-    if bytes_per_pack == 0:
-        return [list(range(len(nbytes)))] if nbytes else []
-    packs: list[list[int]] = []
-    last_size = 0
-    for index, size in enumerate(nbytes):
-        if not packs or last_size > bytes_per_pack:
-            packs.append([])
-            last_size = 0
-        packs[-1].append(index)
-        last_size += size
-    return packs
+    owned = False
+    if is_torch(value):
+        kind = "torch"
+        tensor = value.detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+            owned = True
+    else:
+        kind = "numpy"
+        array = NUMPY.asarray(value)
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            array = np.array(array, order="C", copy=True)
+            owned = True
+        try:
+            tensor = torch.from_numpy(array)
+        except TypeError:
+            raise TypeError(
+                f"cannot communicate a NumPy array of dtype {array.dtype}; expected a "
+                f"numeric or bool dtype torch supports (got {value!r:.80})"
+            ) from None
+    dtype, device, shape = tensor.dtype, tensor.device, tuple(tensor.shape)
+    wdtype = wire_dtype(dtype)
+    if tensor.is_cuda and not cuda:
+        tensor = tensor.cpu()  # no NCCL: CUDA values travel through Gloo on the host
+        owned = True
+    if wdtype != dtype:
+        owned = owned or not needs_view(dtype)
+        tensor = tensor.view(wdtype) if needs_view(dtype) else tensor.to(wdtype)
+    return Wire(tensor, dtype, kind, device, shape, owned)
 
 
 def mean_count(op: Any, divisor: float | None, world_size: int) -> float | None:
