@@ -19,6 +19,7 @@ from typing import Any, final
 
 from crossdevice._arrays import is_torch
 from crossdevice._arrays.buffer_pool import BufferPool
+from crossdevice._arrays.handout import hand_out_each
 from crossdevice._core.devices import device_type
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -144,9 +145,7 @@ def _mirrored(results: Sequence[Any], devices: Sequence[str], destinations: Sequ
     edit on one replica must not change another's value.
     """
     by_device = dict(zip(devices, results, strict=True))
-    ordered = [by_device[d] for d in destinations]
-    if ordered and is_torch(ordered[0]):
-        ordered = [ordered[0]] + [t.clone() for t in ordered[1:]]
+    ordered = hand_out_each([by_device[d] for d in destinations])
     if len(ordered) == 1:
         return ordered[0]
     return Mirrored(ordered, devices=destinations)

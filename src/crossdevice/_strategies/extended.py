@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from crossdevice._arrays import backend_for, is_array
-from crossdevice._arrays.numpy_backend import NUMPY
+from crossdevice._arrays.handout import hand_out_all
 from crossdevice._comm.devices import algorithms
 from crossdevice._core import context, nest, validate
 from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope, local_host_device
@@ -524,9 +524,6 @@ def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Mirrored:
     """
     arrays = inputs.component_arrays(value)
     total = algorithms.reduce_to_one(arrays, local_host_device(), op)
-    if isinstance(total, np.ndarray | np.generic):
-        shared = NUMPY.freeze(np.asarray(total))  # one read-only buffer for every replica
-        return Mirrored([shared] * len(arrays), devices=value._devices)
-    backend = backend_for(total)
-    copies = [total] + [backend.copy(total) for _ in arrays[1:]]
-    return Mirrored(copies, devices=value._devices)
+    if isinstance(total, np.generic):
+        total = np.asarray(total)
+    return Mirrored(hand_out_all(total, len(arrays)), devices=value._devices)

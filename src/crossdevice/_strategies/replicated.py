@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from crossdevice._arrays import is_torch
+from crossdevice._arrays.handout import hand_out
 from crossdevice._core import context, nest
 from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
@@ -161,9 +161,9 @@ class ReplicatedExtended(StrategyExtended):
         reduced = communicator.all_reduce(
             local_id, arrays, op, timeout=self._timeout(options), structure=_compared(structure)
         )
-        # NumPy results are one read-only buffer shared by the replicas; torch has no
-        # read-only tensors, so each replica gets its own (as from HostAllReduce).
-        reduced = [x.clone() if is_torch(x) else x for x in reduced]
+        # The results are views of one buffer every replica sees: NumPy shared read-only,
+        # torch copied by each replica (its peers may read the buffer still).
+        reduced = [hand_out(x, copy=True) for x in reduced]
         return nest.unflatten(structure, reduced)
 
     def _replica_all_gather(
@@ -184,7 +184,7 @@ class ReplicatedExtended(StrategyExtended):
             communicator.all_gather(local_id, x, axis, timeout=timeout, structure=compared)
             for x in arrays
         ]
-        gathered = [x.clone() if is_torch(x) else x for x in gathered]
+        gathered = [hand_out(x, copy=True) for x in gathered]
         return nest.unflatten(structure, gathered)
 
     def _timeout(self, options: CommunicationOptions | None) -> float | None:
