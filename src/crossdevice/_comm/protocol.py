@@ -64,6 +64,25 @@ class ReduceOptions:
         """A copy with `changes`."""
         return dataclasses.replace(self, **changes)
 
+    def divide_by(self, peers: int) -> float | None:
+        """What the sum is divided by: None for SUM, `divisor` or `peers` for MEAN.
+
+        Raises:
+            ValueError: a divisor with SUM, or one that is not a positive number.
+        """
+        mean = self.op is ReduceOp.MEAN
+        divisor = self.divisor
+        if divisor is None:
+            return peers if mean else None
+        if not mean:
+            raise ValueError(
+                f"divisor applies to ReduceOp.MEAN only, got divisor={divisor!r} with "
+                f"{self.op}; pass reduce_op='mean' or drop the divisor"
+            )
+        if isinstance(divisor, bool) or not isinstance(divisor, int | float) or divisor <= 0:
+            raise ValueError(f"divisor must be a positive number, got {divisor!r}")
+        return divisor
+
 
 def _index(value: Any, what: str) -> int:
     """`value` as an int (NumPy integers too); TypeError naming `what` for anything else."""

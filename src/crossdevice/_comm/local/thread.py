@@ -43,6 +43,7 @@ from crossdevice._comm.local.arrivals import (
     validate,
 )
 from crossdevice._comm.local.copies import setup_broadcast, setup_gather
+from crossdevice._comm.local.participant import Participant
 from crossdevice._comm.local.reduction import Packs, Reduction, arrive, plan_for
 from crossdevice._core import tuning
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -103,6 +104,11 @@ class ThreadCommunicator:
     def rendezvous(self) -> Rendezvous:
         """The rendezvous the replicas meet in."""
         return self._rendezvous
+
+    def participant(self, replica_id: int) -> Participant:
+        """Replica `replica_id` of this communicator, as a `Communicator` (the protocol)."""
+        self._check_replica(replica_id)
+        return Participant(self, replica_id)
 
     def abort(self, exc: BaseException) -> None:
         """Release every waiting replica with `ReplicaAbortedError` (`Rendezvous.abort`)."""

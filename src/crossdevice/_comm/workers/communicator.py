@@ -69,7 +69,6 @@ from crossdevice._comm.workers.wire import (
     describe_wires,
     divide,
     donation,
-    mean_count,
     to_wire,
 )
 from crossdevice._core import tuning
@@ -300,7 +299,7 @@ class ProcessGroupCommunicator:
             TypeError: a dtype no process group can carry.
         """
         opts = ReduceOptions.of(options)
-        count = mean_count(opts.op, opts.divisor, self.world_size)
+        count = opts.divide_by(self.world_size)
         donated = donation(values, donate, fill is not None)
         wires = [self._to_wire(v) for v in values]
         live = [w for w in wires if w.tensor.numel()]

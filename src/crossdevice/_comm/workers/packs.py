@@ -17,7 +17,7 @@ import torch
 from crossdevice._arrays.packing import Pack, plan
 from crossdevice._comm.protocol import ReduceOptions
 from crossdevice._comm.workers.speculation import RoomPool
-from crossdevice._comm.workers.wire import Wire, divide, mean_count
+from crossdevice._comm.workers.wire import Wire, divide
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._sync.call import CallSignature
 
@@ -95,7 +95,7 @@ def batch_all_reduce(
     """
     opts = ReduceOptions.of(options)
     wires = [to_wire(v) for v in values]
-    count = mean_count(opts.op, opts.divisor, world_size)
+    count = opts.divide_by(world_size)
     if opts.signature is None:
         leaves = tuple((w.shape, w.dtype) for w in wires)
         opts = opts.replace(signature=CallSignature("all_reduce", opts.op.name, None, leaves))

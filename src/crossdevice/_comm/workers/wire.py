@@ -22,7 +22,6 @@ __all__ = [
     "donation",
     "dtype_name",
     "is_single_array",
-    "mean_count",
     "to_wire",
     "wire_dtype",
 ]
@@ -147,7 +146,7 @@ def divide(value: Any, count: float) -> Any:
         return value
     if is_torch(value) and (value.is_floating_point() or value.is_complex()):
         return value.div_(count)
-    return backend_for(value).divide(value, count)  # type: ignore[arg-type]
+    return backend_for(value).divide(value, count)
 
 
 def to_wire(value: Any, *, cuda: bool) -> Wire:
@@ -184,21 +183,6 @@ def to_wire(value: Any, *, cuda: bool) -> Wire:
         owned = owned or not needs_view(dtype)
         tensor = tensor.view(wdtype) if needs_view(dtype) else tensor.to(wdtype)
     return Wire(tensor, dtype, kind, device, shape, owned)
-
-
-def mean_count(op: Any, divisor: float | None, world_size: int) -> float | None:
-    """What a reduction divides by: None for SUM, `divisor` or `world_size` for MEAN."""
-    mean = op.name == "MEAN"
-    if divisor is not None:
-        if not mean:
-            raise ValueError(
-                f"divisor applies to ReduceOp.MEAN only, got divisor={divisor!r} with {op}"
-                "; pass reduce_op='mean' or drop the divisor"
-            )
-        if isinstance(divisor, bool) or not isinstance(divisor, int | float) or divisor <= 0:
-            raise ValueError(f"divisor must be a positive number, got {divisor!r}")
-        return divisor
-    return world_size if mean else None
 
 
 def describe_wires(wires: Sequence[Wire]) -> str:
