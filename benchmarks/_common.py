@@ -21,7 +21,7 @@ import numpy as np
 import crossdevice
 from benchmarks._workloads import batch_sizes, median_seconds
 from crossdevice._arrays.host_kernels import available_cpus
-from crossdevice._cli.bench import ReplicaThreads
+from crossdevice._cli.bench.impls import ReplicaThreads
 
 __all__ = [
     "REPLICAS",

@@ -23,9 +23,9 @@ import numpy as np
 import crossdevice
 from benchmarks import _common
 from crossdevice._arrays.host_kernels import plain_sum
-from crossdevice._cli.bench import ReplicaThreads
-from crossdevice._collectives.bandwidth import all_reduce_limit_seconds, measure_memory_bandwidth
-from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._cli.bench.bandwidth import all_reduce_limit_seconds, measure_memory_bandwidth
+from crossdevice._cli.bench.impls import ReplicaThreads
+from crossdevice._comm.local.thread import ThreadCommunicator
 from crossdevice._values.values import PerReplica
 
 

@@ -24,8 +24,8 @@ import numpy as np
 
 import crossdevice
 from benchmarks import _common
-from crossdevice._cli.bench import ReplicaThreads
-from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._cli.bench.impls import ReplicaThreads
+from crossdevice._comm.local.thread import ThreadCommunicator
 from crossdevice._values.values import PerReplica
 
 

@@ -53,7 +53,7 @@ def main() -> None:
     tensors = [torch.from_numpy(a.copy()) for a in arrays]
     device = extended.worker_devices[0]
     values = [PerReplica([a], devices=[device]) for a in arrays]
-    group = comm._host_group
+    group = comm.host_group
     flat = torch.zeros(sum(sizes), dtype=torch.float32)
     calls: dict[str, Callable[[], Any]] = {
         "per_tensor": lambda: [dist.all_reduce(t, group=group) for t in tensors],

@@ -27,9 +27,9 @@ import numpy as np
 
 import crossdevice
 from benchmarks import _common
-from crossdevice._cli.bench import ReplicaThreads
-from crossdevice._collectives.threads import ThreadCommunicator
-from crossdevice._core import cooperative
+from crossdevice._cli.bench.impls import ReplicaThreads
+from crossdevice._comm.local.thread import ThreadCommunicator
+from crossdevice._sync import waiting
 
 #: The issue's targets, microseconds (TF measured 10-25x slower).
 TARGETS_US = {"run_trivial": 100.0, "run_scalar_all_reduce": 200.0, "run_1KiB_all_reduce": 150.0}
@@ -98,7 +98,7 @@ def main() -> None:
     print(
         f"per-step overhead, {n} replicas (median of {args.runs} x {args.inner} steps; default "
         f"replica execution {default!r}; "
-        f"cooperative replicas available: {cooperative.available()}, torch imported: "
+        f"cooperative replicas available: {waiting.available()}, torch imported: "
         f"{'torch' in sys.modules}):"
     )
     for key, value in results.items():

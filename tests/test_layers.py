@@ -1,9 +1,11 @@
 """Imports go down the layers of docs/design.md §2, at top level and inside functions alike.
 
-The test reads every module of `src/crossdevice` (its AST, so imports inside functions
-count as much as those at the top) and fails on any import of a crossdevice module from a
-higher layer. Optional third-party imports (torch) are not crossdevice modules and may be
-lazy anywhere; imports within one package (one layer) are free.
+The test reads every module of `src/crossdevice` (its AST, so imports inside functions and
+under `TYPE_CHECKING` count as much as those at the top) and fails on any import of a
+crossdevice module from a higher layer, and on any cycle of imports between modules,
+inside one package too: within a layer, imports go down as well. Optional third-party
+imports (torch) are not crossdevice modules and may be lazy anywhere. No module is
+longer than `MAX_LINES`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ LAYERS: dict[str, float] = {
     "_arrays": 3,
     "_data": 3,
     "_values": 4,
-    "_collectives": 5,
+    "_sync": 2,
+    "_comm": 5,
     "_cross_device": 6,
     "_replica": 7,
     "_input": 8,
@@ -43,6 +46,9 @@ LAYERS: dict[str, float] = {
 
 ROOT = Path(crossdevice.__file__).parent
 
+#: Longest module allowed (docs/design.md: one concept per module, 100-400 lines preferred).
+MAX_LINES = 600
+
 
 def _unit(module: str) -> str:
     """`crossdevice._strategies.base` -> `_strategies`; `crossdevice` -> `__init__`."""
@@ -50,8 +56,12 @@ def _unit(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _imports(path: Path, module: str) -> list[tuple[int, str]]:
-    """(line, imported crossdevice module) for every import in `path`."""
+def _imports(path: Path, module: str, *, names: bool = False) -> list[tuple[int, str]]:
+    """(line, imported crossdevice module) for every import in `path`.
+
+    With `names`, `from package import name` also yields `package.name` (a submodule, when
+    it is one; `_module_of` tells).
+    """
     found = []
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -66,8 +76,8 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
                 target = node.module or ""
             found.append((node.lineno, target))
             # `from crossdevice import _strategies` imports a package by name.
-            if target == "crossdevice":
-                found += [(node.lineno, f"crossdevice.{a.name}") for a in node.names]
+            if target == "crossdevice" or names:
+                found += [(node.lineno, f"{target}.{a.name}") for a in node.names]
     return [(line, name) for line, name in found if name.split(".")[0] == "crossdevice"]
 
 
@@ -109,3 +119,80 @@ def test_the_check_sees_function_level_imports(tmp_path: Path) -> None:
     path = tmp_path / "probe.py"
     path.write_text("def f():\n    from crossdevice._strategies import base\n")
     assert _imports(path, "crossdevice._core.probe") == [(2, "crossdevice._strategies")]
+
+
+def _module_of(name: str, modules: set[str]) -> str | None:
+    """The module `name` (a module, or a name inside one) belongs to."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the crossdevice modules it imports (parent packages left out: importing a
+    submodule imports its parents, which is no dependency of one's own)."""
+    paths = {module: path for path, module in _modules()}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        targets = set()
+        for _, name in _imports(path, module, names=True):
+            target = _module_of(name, set(paths))
+            if target is not None and target != module and not module.startswith(target + "."):
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_anywhere() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle_inside_a_package() -> None:
+    """A cycle between two modules of one package, through a `from package import name`."""
+    graph = {"crossdevice.p.a": {"crossdevice.p.b"}, "crossdevice.p.b": {"crossdevice.p.a"}}
+    assert _cycles(graph) == [["crossdevice.p.a", "crossdevice.p.b"]]
+    assert _cycles({"crossdevice.p.a": {"crossdevice.p.b"}, "crossdevice.p.b": set()}) == []
+
+
+def test_no_module_is_over_the_line_cap() -> None:
+    long = {
+        str(path.relative_to(ROOT.parent)): n
+        for path, _ in _modules()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}

@@ -43,7 +43,6 @@ from crossdevice._input.input_context import InputOptions as InputOptions
 from crossdevice._input.input_context import InputReplicationMode as InputReplicationMode
 from crossdevice._strategies.base import Strategy as Strategy
 from crossdevice._strategies.base import StrategyExtended as StrategyExtended
-from crossdevice._strategies.context import ReplicaContext as ReplicaContext
 from crossdevice._strategies.context import experimental_set_strategy as experimental_set_strategy
 from crossdevice._strategies.context import get_cross_replica_context as get_cross_replica_context
 from crossdevice._strategies.context import get_replica_context as get_replica_context
@@ -56,6 +55,7 @@ from crossdevice._strategies.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from crossdevice._strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from crossdevice._strategies.replica import ReplicaContext as ReplicaContext
 from crossdevice._values.distributed_variables import MirroredVariable as MirroredVariable
 from crossdevice._values.distributed_variables import SyncOnReadVariable as SyncOnReadVariable
 from crossdevice._values.values import DistributedValues as DistributedValues

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from crossdevice._cli import bench
-from crossdevice._collectives.bandwidth import all_reduce_limit_seconds, measure_memory_bandwidth
+from crossdevice._cli.bench.bandwidth import all_reduce_limit_seconds, measure_memory_bandwidth
 
 #: A 1 MiB bandwidth probe keeps these tests fast (the default copies 256 MiB).
 FAST = ["--bw-bytes", "1M", "--replicas", "2"]

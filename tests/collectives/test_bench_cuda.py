@@ -9,12 +9,10 @@ from typing import Any
 
 import pytest
 
-from crossdevice._cli import bench, bench_cuda
-from crossdevice._cli.bench_cuda import (
-    RAW_IN_PLACE,
-    RAW_OUT_OF_PLACE,
-    TORCH_DIST,
-    Measurement,
+from crossdevice._cli import bench
+from crossdevice._cli.bench import cuda as bench_cuda
+from crossdevice._cli.bench.common import RAW_IN_PLACE, RAW_OUT_OF_PLACE, TORCH_DIST, Measurement
+from crossdevice._cli.bench.cuda import (
     bus_bandwidth,
     format_table,
     interleaved_medians,

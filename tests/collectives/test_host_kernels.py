@@ -7,6 +7,7 @@ with streaming stores: once per vector loop this CPU can run (AVX2, SSE2, scalar
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossdevice._arrays import NUMPY, host_kernels, native
+from crossdevice._core import tuning
 from tests.helpers import parametrize
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.complex64]
@@ -42,8 +44,11 @@ def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
             mp.setattr(native, "_KERNEL", None)
         else:
             mp.setattr(native, "_ISA", name.removeprefix("native-"))
-            mp.setattr(host_kernels, "NATIVE_MIN_BYTES", 0)
-            mp.setattr(native, "STREAM_MIN_BYTES", 0)
+            mp.setattr(
+                tuning,
+                "TUNING",
+                dataclasses.replace(tuning.TUNING, native_min_bytes=0, stream_min_bytes=0),
+            )
         yield name
 
 
@@ -97,9 +102,10 @@ def test_sum_slice_in_blocks_is_bitwise_the_naive_chain(
 def test_sum_n_fast_paths_are_bitwise_the_naive_chain(xs: list[np.ndarray]) -> None:
     # Take the blocked, pooled path for tiny arrays, in tiny blocks.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(host_kernels, "BLOCKED_MIN_BYTES", 0)
-        mp.setattr(host_kernels, "PARALLEL_MIN_BYTES", 0)
-        mp.setattr(host_kernels, "BLOCK_BYTES", 16)
+        fast = dataclasses.replace(
+            tuning.TUNING, blocked_min_bytes=0, kernel_parallel_min_bytes=0, block_bytes=16
+        )
+        mp.setattr(tuning, "TUNING", fast)
         assert same_bits(host_kernels.sum_n(xs), naive_chain(xs))
         assert same_bits(NUMPY.sum_n(xs), naive_chain(xs))
 
@@ -121,7 +127,7 @@ def test_divisor_matches_true_divide_of_the_sum(dtype: Any, divisor: int) -> Non
 @pytest.mark.parametrize("n", [2, 4, 5])
 def test_large_arrays_use_every_path_and_stay_bitwise(n: int) -> None:
     rng = np.random.default_rng(n)
-    size = host_kernels.PARALLEL_MIN_BYTES // 4 + 12345  # pooled, uneven split
+    size = tuning.TUNING.kernel_parallel_min_bytes // 4 + 12345  # pooled, uneven split
     xs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
     assert same_bits(host_kernels.sum_n(xs), naive_chain(xs))
     assert same_bits(host_kernels.sum_n(xs, parallel=False), naive_chain(xs))
@@ -195,7 +201,7 @@ def test_run_parallel_runs_every_part_and_reraises() -> None:
 
 def test_large_results_reuse_buffers_nobody_holds_and_never_live_ones() -> None:
     rng = np.random.default_rng(7)
-    size = host_kernels.BLOCKED_MIN_BYTES // 4 + 5
+    size = tuning.TUNING.blocked_min_bytes // 4 + 5
     xs = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
     ys = [x * 2 for x in xs]
     first = host_kernels.sum_n(xs)

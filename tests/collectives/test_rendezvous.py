@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from crossdevice._collectives.rendezvous import Rendezvous, is_rendezvous_error
-from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._comm.local.thread import ThreadCommunicator
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
+from crossdevice._sync.call import CallSignature
+from crossdevice._sync.rendezvous import Rendezvous, is_rendezvous_error
 from tests.collectives.replicas import run_replicas
 
 COUNTS = (1, 2, 3, 4, 8)
@@ -148,15 +149,14 @@ def test_merge_calls_that_disagree_fail_in_every_replica(n: int) -> None:
     def make(rv: Rendezvous, comm: ThreadCommunicator) -> Callable[[int], Any]:
         def replica(r: int) -> Any:
             op = "MEAN" if r == n - 1 else "SUM"
-            return rv.merge_call(
-                r, lambda inputs: inputs, r, ("all_reduce", op), lambda: f"all_reduce({op}, x)"
-            )
+            call = CallSignature("all_reduce", op, leaves=(((3,), "float32"),))
+            return rv.merge_call(r, lambda inputs: inputs, r, call)
 
         return replica
 
     outcome = _both(n, make)
     assert all(kind == "ValueError" for kind, _ in outcome)
-    assert f"replica {n - 1}: all_reduce(MEAN, x) #0" in outcome[0][1]
+    assert f"replica {n - 1}: all_reduce(MEAN, float32[3]) #0" in outcome[0][1]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])

@@ -7,6 +7,7 @@ bounded, so a hang fails the test instead of stalling the suite.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,18 +16,14 @@ import numpy as np
 import optree
 import pytest
 
-from crossdevice._collectives import copies as copies_module
-from crossdevice._collectives import host_all_reduce as host_all_reduce_module
-from crossdevice._collectives import host_reduce as host_reduce_module
-from crossdevice._collectives import threads as threads_module
-from crossdevice._collectives.threads import ThreadCommunicator
+from crossdevice._comm.local import host_all_reduce as host_all_reduce_module
+from crossdevice._comm.local import host_reduce as host_reduce_module
+from crossdevice._comm.local.thread import ThreadCommunicator
+from crossdevice._core import tuning
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from tests.collectives.replicas import raise_first, run_replicas
 from tests.conftest import Backend
 from tests.helpers import parametrize, to_numpy
-
-#: Output buffers at least this large are recycled (read before any test patches it).
-POOL_MIN_BYTES = threads_module.POOL_MIN_BYTES
 
 #: Generous bound for "released promptly" (the timeouts under test are 0.2-0.5 s); a
 #: release that needed the full wait would take 30 s.
@@ -53,24 +50,21 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     """Run once with the last-arriver path and once with every replica sharing the work.
 
     "sharded" lowers the size from which a round's work is shared (reductions: each
-    replica reduces pieces; gathers and broadcasts: each copies its part) to zero, in
-    every module that reads it, and checks at the end that the rounds really took that
-    path: each kind of round the test ran with several replicas on host arrays must have
-    shared its work at least once (the threshold once moved to another module, and for
-    a while no gather or broadcast in the suite took the path).
+    replica reduces pieces; gathers and broadcasts: each copies its part) to zero, and
+    checks at the end that the rounds really took that path: each kind of round the test
+    ran with several replicas on host arrays must have shared its work at least once (the
+    threshold once moved to another module, and for a while no gather or broadcast in the
+    suite took the path).
     """
     if request.param == "one-thread":
         yield "one-thread"
         return
-    for module in (threads_module, copies_module):
-        monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(threads_module, "POOL_MIN_BYTES", 0)
     rounds: collections.Counter[str] = collections.Counter()
     shared: collections.Counter[str] = collections.Counter()
     complete = ThreadCommunicator.complete
 
-    def counted(self: Any, rendezvous: Any, rnd: Any, replica_id: int) -> None:
-        complete(self, rendezvous, rnd, replica_id)
+    def counted(self: Any, rnd: Any, replica_id: int) -> None:
+        complete(self, rnd, replica_id)
         arrivals = rnd.arrivals
         # A broadcast copies the root's host array; the other rounds need every replica's.
         sources = [arrivals[arrivals[0].extra]] if rnd.kind == "broadcast" else arrivals
@@ -79,7 +73,8 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
             shared[rnd.kind] += rnd.work is not None
 
     monkeypatch.setattr(ThreadCommunicator, "complete", counted)
-    yield "sharded"
+    with tuning.overridden(shared_work_min_bytes=0, pool_min_bytes=0):
+        yield "sharded"
     for kind, count in rounds.items():
         assert shared[kind] > 0, f"none of {count} {kind} rounds shared its work"
 
@@ -214,8 +209,8 @@ def test_results_survive_later_collectives(path: str) -> None:
 def test_large_output_buffers_are_recycled_once_released(path: str) -> None:
     n = 2
     comm = ThreadCommunicator(n)
-    # The real threshold (the "sharded" path patches it to 0): a large array either way.
-    data = replica_data(n, [(POOL_MIN_BYTES // 4 + 3,)], np.float32)
+    # The real threshold (the "sharded" path lowers it to 0): a large array either way.
+    data = replica_data(n, [(tuning.Tuning().pool_min_bytes // 4 + 3,)], np.float32)
     addresses = set()
     for _ in range(4):
         results, errors = run_replicas(n, lambda r: comm.all_reduce(r, data[r], "sum"))
@@ -402,7 +397,9 @@ def test_a_replica_that_never_arrives_times_out_by_name() -> None:
 def test_a_failure_inside_one_replicas_share_releases_the_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(threads_module, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(
+        tuning, "TUNING", dataclasses.replace(tuning.TUNING, shared_work_min_bytes=0)
+    )
     real = host_reduce_module.sum_slice
     failure = MemoryError("injected")
 
@@ -517,6 +514,3 @@ def test_all_reduce_host_validates() -> None:
         host_all_reduce_module.all_reduce_host([], "sum")
     with pytest.raises(ValueError, match=r"expected shape \(2,\)"):
         host_all_reduce_module.all_reduce_host([[np.ones(2)], [np.ones(3)]], "sum")
-    comm = ThreadCommunicator(2)
-    with pytest.raises(ValueError, match="one list of arrays per replica"):
-        comm.cross_replica_all_reduce([[np.ones(2)]], "sum")

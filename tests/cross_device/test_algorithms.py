@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from crossdevice._collectives import algorithms
+from crossdevice._comm.devices import algorithms
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device import HierarchicalCopyAllReduce
 from crossdevice._values.values import Mirrored, PerReplica

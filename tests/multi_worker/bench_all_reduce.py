@@ -34,12 +34,12 @@ def bench(rank: int, world_size: int, repeats: int) -> dict[int, dict[str, Any]]
     import torch
     import torch.distributed as dist
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
     from crossdevice._core.options import CommunicationOptions
 
     comm = ProcessGroupCommunicator()
     timed = ProcessGroupCommunicator(options=CommunicationOptions(timeout_seconds=60))
-    group, timed_group = comm._host_group, timed._host_group
+    group, timed_group = comm.host_group, timed.host_group
     results: dict[int, dict[str, Any]] = {}
     for size in SIZES:
         flat = torch.ones(size // 4, dtype=torch.float32)

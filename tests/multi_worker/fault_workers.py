@@ -141,7 +141,7 @@ def mismatches(rank: int, world_size: int, local: int) -> dict[str, Any]:
 
 def _shared_rounds(strategy: Any) -> int | None:
     """Rounds run through shared memory so far; None when the workers do not share it."""
-    shared = strategy.extended._worker_communicator._shared
+    shared = strategy.extended._worker_communicator.shared_memory
     return None if shared is None else int(shared._round)
 
 
@@ -162,10 +162,10 @@ def lost_worker(
 ) -> dict[str, Any]:
     """Good all-reduces, then `culprit` is killed (SIGKILL) or stalls; the others reduce."""
     import crossdevice as cd
-    from crossdevice._collectives import pg_base
+    from crossdevice._core import tuning
 
     if timeout is None:
-        pg_base.DEFAULT_TIMEOUT_SECONDS = 3.0  # type: ignore[misc]  # the default, shortened
+        tuning.set_tuning(default_timeout_seconds=3.0)  # the default, shortened
     strategy = _strategy(local, timeout=timeout)
 
     def step() -> Any:

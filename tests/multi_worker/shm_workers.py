@@ -26,13 +26,13 @@ def all_reduces(rank: int, world_size: int, disable_on: int | None) -> dict[str,
     """
     import torch
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     if rank == disable_on:
         os.environ["CROSSDEVICE_SHARED_MEMORY"] = "0"
     out: dict[str, Any] = {}
     with ProcessGroupCommunicator() as comm:
-        shared = comm._shared
+        shared = comm.shared_memory
         out["shared"] = shared is not None
         out["pid"] = os.getpid()
         values = [value_of(rank, shape, dtype, seed=3) for shape, dtype in SHAPES]
@@ -76,7 +76,7 @@ def strategy_reduces(rank: int, world_size: int) -> dict[str, Any]:
 
     cd.config.set_logical_cpu_devices(2)
     strategy = cd.MultiWorkerMirroredStrategy(devices=["CPU:0", "CPU:1"])
-    shared = strategy.extended._worker_communicator._shared
+    shared = strategy.extended._worker_communicator.shared_memory
 
     def step() -> Any:
         ctx = cd.get_replica_context()
@@ -110,8 +110,8 @@ def leaves_midway(rank: int, world_size: int, culprit: int) -> dict[str, Any]:
 
     import torch
 
-    from crossdevice._collectives import shared_memory
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers import shared_memory
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     x = np.full(5_000_000, float(rank + 1), np.float32)  # 20 MB: three 8 MiB rounds
     out: dict[str, Any] = {}
@@ -149,12 +149,12 @@ def leaves_midway(rank: int, world_size: int, culprit: int) -> dict[str, Any]:
 
 def min_bytes_settings(rank: int, world_size: int, values: list[str | None]) -> Any:
     """Build a communicator with this rank's `CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`."""
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     if values[rank] is not None:
         os.environ["CROSSDEVICE_SHARED_MEMORY_MIN_BYTES"] = str(values[rank])
     try:
         with ProcessGroupCommunicator() as comm:
-            return ("built", comm._shared is not None)
+            return ("built", comm.shared_memory is not None)
     except ValueError as err:
         return ("ValueError", str(err))

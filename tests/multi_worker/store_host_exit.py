@@ -38,7 +38,7 @@ def serve(port: int, directory: str) -> None:
 def look(port: int, directory: str) -> None:
     from torch.distributed import PrefixStore, TCPStore
 
-    from crossdevice._collectives.worker_health import HealthBoard
+    from crossdevice._comm.workers.health import HealthBoard
 
     def connect() -> object:
         timeout = datetime.timedelta(seconds=5)

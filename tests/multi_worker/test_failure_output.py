@@ -2,7 +2,7 @@
 
 torch's TCPStore client logs a C++ warning with some thirty stack frames for a call that
 finds its server gone; the survivors' health checks make such calls by design. They run
-under torch's ERROR log level (`crossdevice._collectives.store_logging`); the frames stay
+under torch's ERROR log level (`crossdevice._comm.workers.store_logging`); the frames stay
 available with `CROSSDEVICE_DEBUG=1` or torch's own `TORCH_CPP_LOG_LEVEL`.
 """
 

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 
 def test_nccl_binds_each_process_to_its_local_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from crossdevice._collectives import process_group_start, torch_dist
+    from crossdevice._comm.workers import communicator as torch_dist
+    from crossdevice._comm.workers import start as process_group_start
 
     calls: dict[str, Any] = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""Workers of one host all-reduce through shared memory (`_collectives/shared_memory.py`).
+"""Workers of one host all-reduce through shared memory (`_comm/workers/shared_memory.py`).
 
 The results must be the in-order sums, bitwise equal on every worker, with the inputs
 untouched and nothing left in /dev/shm; when any worker cannot share memory every worker
@@ -17,7 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from crossdevice._collectives import shared_memory as shm  # noqa: E402
+from crossdevice._comm.workers import shared_memory as shm  # noqa: E402
+from crossdevice._core import tuning  # noqa: E402
 from tests.multi_worker import shm_workers  # noqa: E402
 from tests.multi_worker.harness import run_workers  # noqa: E402
 from tests.multi_worker.workers import value_of  # noqa: E402
@@ -52,8 +53,8 @@ def test_rounds_cover_every_element_once_within_a_slot() -> None:
 
 
 def test_which_layouts_go_through_shared_memory() -> None:
-    assert shm.MIN_BYTES == 0  # every size by default
-    assert shm.uses_shared_memory(((torch.float32, 1),), shm.MIN_BYTES)
+    assert tuning.TUNING.shared_memory_min_bytes == 0  # every size by default
+    assert shm.uses_shared_memory(((torch.float32, 1),), tuning.TUNING.shared_memory_min_bytes)
     assert shm.uses_shared_memory(((torch.float32, 256), (torch.int64, 1)), 1032)
     assert not shm.uses_shared_memory(((torch.float32, 256), (torch.int64, 1)), 1033)
     big = 1 << 20
@@ -64,7 +65,7 @@ def test_which_layouts_go_through_shared_memory() -> None:
 
 def test_min_bytes_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(shm.MIN_BYTES_ENV_VAR, raising=False)
-    assert shm.min_bytes_from_env() == shm.MIN_BYTES
+    assert shm.min_bytes_from_env() == tuning.TUNING.shared_memory_min_bytes
     monkeypatch.setenv(shm.MIN_BYTES_ENV_VAR, "65536")
     assert shm.min_bytes_from_env() == 65536
     for bad in ("-1", "1e6", "lots"):
@@ -94,10 +95,9 @@ def test_all_reduce_through_shared_memory_is_exact_and_leaves_nothing(world_size
         for kind in ("numpy", "torch"):
             assert out[f"{kind}/type"] == ("ndarray" if kind == "numpy" else "Tensor")
             assert out[f"{kind}/unchanged"]
-            # The first call goes through Gloo (nothing predicted yet), the rest through
-            # two shared rounds each; those are the in-order sums, bit for bit.
-            assert out[f"{kind}/sum/0/rounds"] == 0
-            for i in range(2, 5):
+            # Every call goes through two shared rounds, the first too (nothing predicted
+            # yet: its headers are exchanged first); those are the in-order sums, bit for bit.
+            for i in range(5):
                 assert out[f"{kind}/sum/{i}/rounds"] == 2
                 for got, want in zip(out[f"{kind}/sum/{i}"], expected, strict=True):
                     assert got.dtype == want.dtype

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from crossdevice._collectives.speculation import (  # noqa: E402
+from crossdevice._comm.workers.speculation import (  # noqa: E402
     INLINE_SLOTS,
     MAX_INLINE_WORKERS,
     Predictor,
@@ -86,7 +86,10 @@ def test_room_pool_recognises_its_buffers() -> None:
 
 
 def test_large_first_buffers_send_their_header_apart_and_first() -> None:
-    from crossdevice._collectives.speculation import APART_MIN_BYTES, header_apart
+    from crossdevice._comm.workers.speculation import header_apart
+    from crossdevice._core.tuning import TUNING
+
+    APART_MIN_BYTES = TUNING.header_apart_min_bytes
 
     small = ((torch.float32, 1024),)
     large = ((torch.float32, APART_MIN_BYTES // 4),)
@@ -110,7 +113,10 @@ def test_large_first_buffers_send_their_header_apart_and_first() -> None:
 
 
 def test_very_large_buffers_leave_in_chunks_covering_every_element() -> None:
-    from crossdevice._collectives.speculation import CHUNK_BYTES, PIPELINE_MIN_BYTES, Filler
+    from crossdevice._comm.workers.speculation import Filler
+    from crossdevice._core.tuning import TUNING
+
+    CHUNK_BYTES, PIPELINE_MIN_BYTES = TUNING.chunk_bytes, TUNING.pipeline_min_bytes
 
     numel = PIPELINE_MIN_BYTES // 4 + 1000
     layout = ((torch.float32, numel), (torch.float32, 10))
@@ -131,7 +137,7 @@ def test_very_large_buffers_leave_in_chunks_covering_every_element() -> None:
 
 
 def test_lazy_packs_fill_the_pack_or_a_slot_with_the_same_bytes() -> None:
-    from crossdevice._collectives.speculation import LazyPacks
+    from crossdevice._comm.workers.packs import LazyPacks
 
     rooms = RoomPool()
     host = [torch.arange(5, dtype=torch.float32), torch.arange(3, dtype=torch.float32) + 10]

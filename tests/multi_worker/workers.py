@@ -35,7 +35,8 @@ def collectives(rank: int, world_size: int) -> dict[str, Any]:
     """Every collective once with NumPy values and once with torch tensors."""
     import torch
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.protocol import ReduceOptions
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     out: dict[str, Any] = {}
     with ProcessGroupCommunicator() as comm:
@@ -53,7 +54,9 @@ def collectives(rank: int, world_size: int) -> dict[str, Any]:
                 _record(out, f"{kind}/sum/{i}", r)
             for i, r in enumerate(comm.all_reduce(inputs, "mean")):
                 _record(out, f"{kind}/mean/{i}", r)
-            for i, r in enumerate(comm.all_reduce(inputs, "MEAN", divisor=2 * world_size)):
+            for i, r in enumerate(
+                comm.all_reduce(inputs, ReduceOptions("MEAN", divisor=2 * world_size))
+            ):
                 _record(out, f"{kind}/mean_div/{i}", r)
             # inputs untouched by non-donating collectives
             out[f"{kind}/inputs_unchanged"] = all(
@@ -92,7 +95,7 @@ def collectives(rank: int, world_size: int) -> dict[str, Any]:
                     res = comm.batch_all_reduce(batch, op, bytes_per_pack=pack)
                     for i, r in enumerate(res):
                         _record(out, f"{kind}/batch/{op}/{pack}/{i}", r)
-            res = comm.batch_all_reduce(batch, "mean", divisor=4 * world_size)
+            res = comm.batch_all_reduce(batch, ReduceOptions("mean", divisor=4 * world_size))
             for i, r in enumerate(res):
                 _record(out, f"{kind}/batch/mean_div/{i}", r)
             # dtypes Gloo lacks travel widened or viewed
@@ -116,7 +119,7 @@ def collectives(rank: int, world_size: int) -> dict[str, Any]:
 
 def stall_or_die(rank: int, world_size: int, culprit: int, how: str, timeout: float) -> Any:
     """One warm-up all_reduce, then `culprit` stalls or dies while the others all_reduce."""
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
     from crossdevice._core.options import CommunicationOptions
 
     comm = ProcessGroupCommunicator(options=CommunicationOptions(timeout_seconds=timeout))
@@ -156,7 +159,8 @@ def join_existing(rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.protocol import ReduceOptions
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
     from crossdevice._core.cluster import resolve_cluster
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # env://
@@ -173,8 +177,10 @@ def join_existing(rank: int, world_size: int) -> dict[str, Any]:
     b = second.all_reduce([np.full(3, 10 * (rank + 1), np.int64)])[0]
     out["interleaved"] = (a, b, first.sequence_number, second.sequence_number)
     x = np.ones(2, np.float32)
-    out["divisor_with_sum"] = _error_of(lambda: first.all_reduce([x], "sum", divisor=2))
-    out["divisor_zero"] = _error_of(lambda: first.all_reduce([x], "mean", divisor=0))
+    out["divisor_with_sum"] = _error_of(
+        lambda: first.all_reduce([x], ReduceOptions("sum", divisor=2))
+    )
+    out["divisor_zero"] = _error_of(lambda: first.all_reduce([x], ReduceOptions("mean", divisor=0)))
     out["single_array"] = _error_of(lambda: first.all_reduce(x))
     out["bad_op"] = _error_of(lambda: first.all_reduce([x], "max"))
     out["bad_dtype"] = _error_of(lambda: first.all_reduce([np.array(["a"])]))
@@ -208,7 +214,7 @@ def cuda_collectives(rank: int, world_size: int, implementation: str) -> dict[st
     """CUDA tensors through NCCL (`AUTO`) or staged through Gloo on the host (`RING`)."""
     import torch
 
-    from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
     from crossdevice._core.options import CommunicationOptions
 
     torch.cuda.set_device(rank % torch.cuda.device_count())

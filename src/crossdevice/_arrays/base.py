@@ -57,7 +57,7 @@ class ArrayBackend(Protocol):
         """`xs[0] + xs[1] + ...` added in order (bitwise reproducible), into `out` if given."""
         ...
 
-    def divide(self, x: Any, n: int) -> Any:
+    def divide(self, x: Any, n: float) -> Any:
         """`x / n` with the library's true division (integers become floating point)."""
         ...
 

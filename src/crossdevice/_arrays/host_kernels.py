@@ -28,12 +28,9 @@ import numpy as np
 
 from crossdevice._arrays import native
 from crossdevice._arrays.buffer_pool import BufferPool
+from crossdevice._core import tuning
 
 __all__ = [
-    "BLOCKED_MIN_BYTES",
-    "BLOCK_BYTES",
-    "NATIVE_MIN_BYTES",
-    "PARALLEL_MIN_BYTES",
     "available_cpus",
     "can_sum_fast",
     "plain_sum",
@@ -41,31 +38,6 @@ __all__ = [
     "sum_n",
     "sum_slice",
 ]
-
-#: Bytes of one block of the accumulator. Measured on the 2-core AMD EPYC dev machine
-#: (32 KiB L1d, 1 MiB L2 per core, 32 MiB L3; other jobs share it, so minima of 11 runs
-#: are quoted), 4 x 64 MiB float32: one thread, 64 KiB blocks 17.2 ms, 128 KiB 15.5 ms,
-#: 256 KiB 14.5 ms, 512 KiB 12.9 ms (naive chain 14.4 ms); two threads 64 KiB 15.1 ms,
-#: 256 KiB 12.8 ms, 512 KiB 12.0 ms. Small blocks lose to the ~0.5 us of each ufunc call
-#: and to the hardware prefetchers restarting at every block; at 1 MiB the accumulator
-#: block and one input block no longer fit in L2.
-BLOCK_BYTES: Final = 512 * 1024
-
-#: Below this many bytes per input the plain in-order chain runs. On the dev machine one
-#: core's adds, not DRAM, are the bottleneck while the operands fit in the 32 MiB L3, and
-#: there the chain is as fast or faster (minima, 4 float32 inputs: 1 MiB chain 84 us vs
-#: blocked 90 us; 4 MiB 467 vs 527 us; 16 MiB 2.84 vs 3.05 ms; 64 MiB 14.4 vs 12.9 ms).
-BLOCKED_MIN_BYTES: Final = 8 * 1024 * 1024
-
-#: Ranges of at least this many bytes take the compiled fused kernel when it is built
-#: (`native`): one pass over every input. Below it the ~5 us of a ctypes call is not
-#: worth saving NumPy's two or three ufunc calls on data that is in cache anyway.
-NATIVE_MIN_BYTES: Final = 64 * 1024
-
-#: Below this many bytes per input the sum runs in the calling thread only. Handing work
-#: to the pool costs a thread wake-up and join (medians, 4 float32 inputs, one thread vs
-#: pooled: 4 MiB 0.63 vs 0.74 ms; 8 MiB 1.67 vs 1.58 ms; 16 MiB 3.81 vs 2.96 ms).
-PARALLEL_MIN_BYTES: Final = 8 * 1024 * 1024
 
 
 def available_cpus() -> int:
@@ -103,9 +75,9 @@ def sum_slice(
             while the block is still in cache); bitwise equal to `np.true_divide(sum, n)`
             for floating-point `out`.
         block_elements: elements per block (default: the whole range below
-            `BLOCKED_MIN_BYTES`, else `BLOCK_BYTES` worth).
+            `TUNING.blocked_min_bytes`, else `TUNING.block_bytes` worth).
         stream: the whole result is far larger than the caches: the compiled kernel, when
-            it runs, writes it with non-temporal stores (`native.STREAM_MIN_BYTES`).
+            it runs, writes it with non-temporal stores (`TUNING.stream_min_bytes`).
 
     Example:
         >>> xs = [np.arange(5, dtype=np.float32) for _ in range(3)]
@@ -124,8 +96,8 @@ def sum_slice(
     if block_elements is None:
         # A range that fits in cache is one block (the plain chain is fastest there).
         itemsize = max(1, out.itemsize)
-        small = (stop - start) * itemsize < BLOCKED_MIN_BYTES
-        block_elements = stop - start if small else max(1, BLOCK_BYTES // itemsize)
+        small = (stop - start) * itemsize < tuning.TUNING.blocked_min_bytes
+        block_elements = stop - start if small else max(1, tuning.TUNING.block_bytes // itemsize)
     block = block_elements
     add = np.add
     first = inputs[0]
@@ -134,7 +106,9 @@ def sum_slice(
         if divisor is not None:
             np.true_divide(out[start:stop], divisor, out=out[start:stop])
         return
-    if (stop - start) * out.itemsize >= NATIVE_MIN_BYTES and native.can_sum(inputs, out, divisor):
+    if (stop - start) * out.itemsize >= tuning.TUNING.native_min_bytes and native.can_sum(
+        inputs, out, divisor
+    ):
         native.fused_sum(inputs, out, start, stop, divisor=divisor, stream=stream)
         return
     second = inputs[1]
@@ -277,9 +251,10 @@ def sum_n(
 ) -> np.ndarray:
     """`inputs[0] + inputs[1] + ...` added in order, bitwise equal to the naive chain.
 
-    Same-shape, same-dtype, contiguous arrays of at least `NATIVE_MIN_BYTES` are summed
-    by `sum_slice` (the compiled kernel where it runs) into a recycled output, blocked
-    and split across the worker pool from `BLOCKED_MIN_BYTES` / `PARALLEL_MIN_BYTES` on;
+    Same-shape, same-dtype, contiguous arrays of at least `TUNING.native_min_bytes` are
+    summed by `sum_slice` (the compiled kernel where it runs) into a recycled output,
+    blocked and split across the worker pool from `TUNING.blocked_min_bytes` /
+    `TUNING.kernel_parallel_min_bytes` on;
     anything else (broadcasting, mixed dtypes, small arrays) takes `plain_sum`.
 
     Args:
@@ -301,7 +276,7 @@ def sum_n(
         raise ValueError("sum_n expected at least one array, received an empty sequence")
     arrays = [np.asarray(x) for x in inputs]
     nbytes = arrays[0].nbytes
-    if nbytes < NATIVE_MIN_BYTES or not can_sum_fast(arrays, out):
+    if nbytes < tuning.TUNING.native_min_bytes or not can_sum_fast(arrays, out):
         return plain_sum(arrays, out)
     if out is None:
         # A recycled buffer: fresh memory is faulted in and zeroed page by page, which
@@ -312,12 +287,14 @@ def sum_n(
     flats = [x.reshape(-1) for x in arrays]
     flat_out = out.reshape(-1)
     size = flat_out.shape[0]
-    executor = _POOL.executor() if parallel and nbytes >= PARALLEL_MIN_BYTES else None
-    stream = out.nbytes >= native.STREAM_MIN_BYTES
+    executor = (
+        _POOL.executor() if parallel and nbytes >= tuning.TUNING.kernel_parallel_min_bytes else None
+    )
+    stream = out.nbytes >= tuning.TUNING.stream_min_bytes
     if executor is None or size == 0:
         sum_slice(flats, flat_out, 0, size, stream=stream)
         return out
-    block = max(1, BLOCK_BYTES // out.itemsize)
+    block = max(1, tuning.TUNING.block_bytes // out.itemsize)
     ranges = _split(size, _POOL.workers + 1, block)
     run_parallel(
         lambda k: sum_slice(flats, flat_out, *ranges[k], block_elements=block, stream=stream),

@@ -24,18 +24,12 @@ from typing import Final
 import numpy as np
 
 __all__ = [
-    "STREAM_MIN_BYTES",
     "available",
     "can_sum",
     "fused_sum",
     "instruction_set",
     "instruction_sets",
 ]
-
-#: Results at least this large are written with non-temporal stores. They cannot stay in
-#: the caches anyway (the dev machine has 32 MiB of L3 shared by both cores), so skipping
-#: the read-for-ownership is pure gain; smaller results are better left in cache.
-STREAM_MIN_BYTES: Final = 16 * 1024 * 1024
 
 # dtype -> the kernel's code (_hostsum.c: CDX_F32, CDX_F64, CDX_U32, CDX_U64). Signed and
 # unsigned integers of one width add identically in two's complement (NumPy wraps around).

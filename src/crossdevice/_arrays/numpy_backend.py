@@ -77,7 +77,7 @@ class NumpyBackend:
         """
         return host_kernels.sum_n([np.asarray(x) for x in xs], out)
 
-    def divide(self, x: Any, n: int) -> Any:
+    def divide(self, x: Any, n: float) -> Any:
         """True division: float dtypes are kept, integers become float64."""
         result = np.true_divide(x, n)
         arr = np.asarray(x)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from crossdevice._core import cooperative
+from crossdevice._sync import waiting as cooperative
 
 __all__ = ["all_gather", "all_reduce", "needs_grad"]
 

@@ -120,7 +120,7 @@ class TorchBackend:
                 out.add_(x.to(first.device))
             return out
 
-    def divide(self, x: Any, n: int) -> torch.Tensor:
+    def divide(self, x: Any, n: float) -> torch.Tensor:
         """True division (integers become the default float dtype)."""
         return torch.true_divide(x, n)
 

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from crossdevice._core.errors import CROSS_REPLICA_REQUIRED
+
 __all__ = [
     "Frame",
     "copy_stack",
@@ -27,6 +29,7 @@ __all__ = [
     "entered",
     "pop_frame",
     "push_frame",
+    "require_cross_replica",
     "stack_depth",
     "swap_stack",
 ]
@@ -90,7 +93,7 @@ def swap_stack(stack: list[Frame]) -> list[Frame]:
     """Replace this thread's context stack, returning the old one.
 
     Cooperative replicas share their thread: each has its own stack, swapped in while it
-    runs (`crossdevice._core.cooperative`).
+    runs (`crossdevice._sync.waiting`).
     """
     old = _LOCAL.stack
     _LOCAL.stack = stack
@@ -124,3 +127,17 @@ def entered(frame: Frame) -> Iterator[Frame]:
         yield frame
     finally:
         pop_frame(frame)
+
+
+def require_cross_replica(strategy: Any) -> None:
+    """Raise TF's RuntimeError unless in `strategy`'s cross-replica (or the default) context."""
+    frame = current_frame()
+    if frame is None:
+        return
+    if frame.replica_context is not None:
+        raise RuntimeError(CROSS_REPLICA_REQUIRED)
+    if frame.strategy is not strategy:
+        raise RuntimeError(
+            f"Mixing different crossdevice.Strategy objects: {frame.strategy!r} is not "
+            f"{strategy!r}; use each strategy's API inside its own scope"
+        )

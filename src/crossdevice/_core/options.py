@@ -7,6 +7,7 @@ import dataclasses
 import enum
 
 from crossdevice._core import validate
+from crossdevice._core.coerce import coerce_enum
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions"]
 
@@ -62,19 +63,12 @@ class CommunicationOptions:
         if bytes_per_pack < 0:
             raise ValueError(f"Argument bytes_per_pack must be >=0, Received {bytes_per_pack}.")
         timeout_seconds = validate.timeout_seconds(timeout_seconds)
-        if isinstance(implementation, str):
-            try:
-                implementation = CommunicationImplementation(implementation.upper())
-            except ValueError:
-                raise ValueError(
-                    f"implementation must be one of {[i.name for i in CommunicationImplementation]}"
-                    f", got {implementation!r}"
-                ) from None
-        if not isinstance(implementation, CommunicationImplementation):
-            raise ValueError(
-                "Argument implementation must be instance of "
-                f"crossdevice.experimental.CommunicationImplementation, got {implementation!r}"
-            )
+        implementation = coerce_enum(
+            implementation,
+            CommunicationImplementation,
+            message="Argument implementation must be one of {choices}: a "
+            "crossdevice.experimental.CommunicationImplementation or its name, got {value}",
+        )
         object.__setattr__(self, "bytes_per_pack", bytes_per_pack)
         object.__setattr__(self, "timeout_seconds", timeout_seconds)
         object.__setattr__(self, "implementation", implementation)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from crossdevice._core.coerce import coerce_enum
+
 __all__ = ["ReduceOp", "VariableAggregation", "VariableSynchronization", "as_reduce_op"]
 
 
@@ -63,21 +65,15 @@ def as_reduce_op(reduce_op: object) -> ReduceOp:
         ValueError: a string that names no reduce op.
         TypeError: anything else (a `VariableAggregation`, a number, ...).
     """
-    if type(reduce_op) is ReduceOp:
+    if type(reduce_op) is ReduceOp:  # the per-step path
         return reduce_op
-    known = _BY_NAME.get(reduce_op) if type(reduce_op) is str else None
-    if known is not None:  # the per-step path: "sum"/"mean" without an enum lookup
-        return known
-    if isinstance(reduce_op, ReduceOp):
-        return reduce_op
-    if isinstance(reduce_op, str):
-        try:
-            return ReduceOp(reduce_op.upper())
-        except ValueError:
-            raise ValueError(
-                f"unknown reduce op {reduce_op!r}; expected ReduceOp.SUM, ReduceOp.MEAN, "
-                "'sum' or 'mean'"
-            ) from None
-    raise TypeError(
-        f"Expected reduce_op to be a crossdevice.ReduceOp (or 'sum'/'mean'), not: {reduce_op!r}"
+    if not isinstance(reduce_op, str | ReduceOp):
+        raise TypeError(
+            f"Expected reduce_op to be a crossdevice.ReduceOp (or 'sum'/'mean'), not: {reduce_op!r}"
+        )
+    return coerce_enum(
+        reduce_op,
+        ReduceOp,
+        spellings=_BY_NAME,
+        message="unknown reduce op {value}; expected ReduceOp.SUM, ReduceOp.MEAN, 'sum' or 'mean'",
     )

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from crossdevice._arrays import backend_for
-from crossdevice._collectives.rendezvous import Rendezvous
 from crossdevice._core import validate
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -23,6 +22,7 @@ from crossdevice._cross_device.destinations import (
     devices_match,
     get_devices_from,
 )
+from crossdevice._sync.rendezvous import Rendezvous
 from crossdevice._values.values import DistributedValues, PerReplica
 
 __all__ = ["CrossDeviceOps"]

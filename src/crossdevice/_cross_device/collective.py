@@ -3,14 +3,17 @@
 Each reduction has three phases, as Gloo's and Horovod's hierarchical all-reduce do:
 
 1. local reduce: the worker adds its own replicas' components in replica order;
-2. cross-worker all-reduce: one numbered collective on `torch.distributed` for the whole
-   batch, packed by dtype into flat buffers of about `bytes_per_pack` bytes;
+2. cross-worker all-reduce: one numbered collective on the worker `Communicator` for the
+   whole batch, packed by dtype into flat buffers of about `bytes_per_pack` bytes;
 3. local broadcast: every local destination gets the result (one read-only buffer for
    host NumPy values).
 
 MEAN divides by the global number of components (workers times local components), so a
 value with one component per worker (a host value) divides by the worker count, as TF's
 host-side collective group does.
+
+The user's line that asked for a reduction is part of what the workers compare
+(`call_site`): the strategy passes it down with the values (`reduce_values`).
 """
 
 from __future__ import annotations
@@ -20,21 +23,26 @@ import sys
 import threading
 import types
 from collections.abc import Sequence
-from typing import Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
 
-from crossdevice._arrays import NUMPY, backend_for, is_torch
+from crossdevice._arrays import NUMPY, backend_for, is_torch, packing
 from crossdevice._arrays.buffer_pool import BufferPool
-from crossdevice._collectives import algorithms
+from crossdevice._comm.devices import algorithms
+from crossdevice._core import tuning
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device import inputs, results
 from crossdevice._cross_device.base import CrossDeviceOps
 from crossdevice._cross_device.destinations import get_devices_from
+from crossdevice._sync.call import CallSignature
 from crossdevice._values.values import DistributedValues
 
-__all__ = ["DONATE_MIN_BYTES", "CollectiveAllReduce", "call_site"]
+if TYPE_CHECKING:
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
+
+__all__ = ["CollectiveAllReduce", "call_site"]
 
 _PACKAGE_DIR: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THREADING_FILE: Final = threading.__file__
@@ -66,14 +74,6 @@ def call_site() -> tuple[str, str, int] | None:
     return None
 
 
-#: Local sums of at least this many bytes go to the cross-worker all-reduce as they are
-#: (reduced in place) instead of being packed: packing copies them once more, which cost
-#: +37% over a direct torch.distributed.all_reduce of a 1 MiB float32 buffer on 2 workers
-#: against +3.6% for the donated buffer, while the per-collective cost packing saves
-#: (~10 us) is about 1% of that all-reduce (measured on the 2-core dev machine).
-DONATE_MIN_BYTES: Final = 1024 * 1024
-
-
 @final
 class CollectiveAllReduce(CrossDeviceOps):
     """All-reduce across workers through a `ProcessGroupCommunicator` (None: one worker).
@@ -83,147 +83,156 @@ class CollectiveAllReduce(CrossDeviceOps):
         options: default `CommunicationOptions` (pack size, timeout).
     """
 
-    def __init__(self, communicator: Any, options: CommunicationOptions | None = None) -> None:
+    def __init__(
+        self,
+        communicator: ProcessGroupCommunicator | None,
+        options: CommunicationOptions | None = None,
+    ) -> None:
         self._communicator = communicator
         self._options = CommunicationOptions().merge(options)
         self._pool = BufferPool()
-        #: Set by the strategy from a replica thread just before a replica all-reduce.
-        self.replica_call_site: object = False
 
     @property
     def _num_between_graph_workers(self) -> int:
         return 1 if self._communicator is None else int(self._communicator.world_size)
 
-    def _local_sums(self, values: Sequence[DistributedValues]) -> list[Any]:
+    def _local_sum(self, arrays: Sequence[Any]) -> Any:
         # Phase 1, local reduce: in replica order, so results are reproducible. Large host
         # sums go into recycled buffers (they are then reduced in place across workers).
-        return [self._local_sum(inputs.component_arrays(value)) for value in values]
-
-    def _local_sum(self, arrays: Sequence[Any]) -> Any:
         first = arrays[0]
-        if isinstance(first, np.ndarray) and first.nbytes >= DONATE_MIN_BYTES:
+        if isinstance(first, np.ndarray) and first.nbytes >= tuning.TUNING.donate_min_bytes:
             out = self._pool.take(first.dtype, first.size).reshape(first.shape)
             return NUMPY.sum_n(arrays, out=out)
         return algorithms.sum_n(arrays)
 
-    def _signature(self, op: ReduceOp, arrays: Sequence[Any], site: object) -> Any:
-        # The fingerprint sees the values as the strategy reduces them (op, shapes,
-        # dtypes), not only the packs' byte counts: (2, 3) against (3, 2) is a mismatch.
-        from crossdevice._collectives.fingerprint import cached_digest
-        from crossdevice._collectives.torch_dist import Signature
-
-        shapes = tuple((tuple(backend_for(x).shape(x)), str(x.dtype)) for x in arrays)
-        try:
-            structure = cached_digest((site,))
-        except TypeError:  # an unhashable site: digest it afresh
-            from crossdevice._collectives.fingerprint import digest
-
-            structure = digest((site,))
-        return Signature(op.name.lower(), cached_digest(shapes), structure)
-
     def _cross_worker(
         self,
-        values: Sequence[DistributedValues],
+        components: list[list[Any]],
         options: CommunicationOptions,
-        op: ReduceOp = ReduceOp.SUM,
-        site: object = None,
+        op: ReduceOp,
+        site: object,
     ) -> list[Any]:
-        # Phase 2, cross-worker all-reduce. Large local sums are fresh arrays of ours: they
-        # are reduced in place (donated), as they are, and computed while the fingerprints
-        # travel. Small ones are packed by dtype into flat buffers of about
-        # bytes_per_pack. Every worker splits the same way (same shapes everywhere), so
-        # the collectives match.
-        components = [inputs.component_arrays(value) for value in values]
-        if self._communicator is None or not values:
+        # Phase 2, cross-worker all-reduce: one numbered collective. Every worker splits
+        # the same way (same shapes everywhere), so the collectives match.
+        comm = self._communicator
+        if comm is None or not components:
             return [self._local_sum(arrays) for arrays in components]
-        merged = self._options.merge(options)
+        from crossdevice._comm.protocol import ReduceOptions
+
+        firsts = [arrays[0] for arrays in components]
+        signature = CallSignature(
+            "all_reduce",
+            op.name,
+            None,
+            tuple((tuple(backend_for(x).shape(x)), str(x.dtype)) for x in firsts),
+            site=site,
+        )
+        reduce = ReduceOptions(ReduceOp.SUM, options.timeout_seconds, signature=signature)
         if all(type(a) is np.ndarray for arrays in components for a in arrays):
-            return self._packed(components, merged, op, site)
+            return self._packed(components, options, reduce)
+        sums = [self._local_sum(arrays) for arrays in components]
         large = [
             i
-            for i, arrays in enumerate(components)
-            if backend_for(arrays[0]).nbytes(arrays[0]) >= DONATE_MIN_BYTES
+            for i, x in enumerate(sums)
+            if backend_for(x).nbytes(x) >= tuning.TUNING.donate_min_bytes
         ]
-        small = sorted(set(range(len(values))) - set(large))
-        out: list[Any] = [None] * len(values)
+        small = sorted(set(range(len(sums))) - set(large))
+        out: list[Any] = [None] * len(sums)
         if large:
-            templates = [components[i][0] for i in large]
-            reduced = self._communicator.all_reduce(
-                templates,
-                ReduceOp.SUM,
-                donate=True,
-                options=merged,
-                signature=self._signature(op, templates, site),
-                produce=lambda: [self._local_sum(components[i]) for i in large],
-            )
+            # Local sums of ours, reduced where they lie (donated).
+            reduced = comm.all_reduce([sums[i] for i in large], reduce, donate=True)
             for i, x in zip(large, reduced, strict=True):
                 out[i] = x
         if small:
-            chosen = [self._local_sum(components[i]) for i in small]
-            reduced = self._communicator.batch_all_reduce(
-                chosen, ReduceOp.SUM, options=merged, signature=self._signature(op, chosen, site)
+            reduced = comm.batch_all_reduce(
+                [sums[i] for i in small], reduce, bytes_per_pack=options.bytes_per_pack
             )
             for i, x in zip(small, reduced, strict=True):
                 out[i] = x
         return out
 
     def _packed(
-        self,
-        components: list[list[np.ndarray]],
-        options: CommunicationOptions,
-        op: ReduceOp,
-        site: object,
+        self, components: list[list[np.ndarray]], options: CommunicationOptions, reduce: Any
     ) -> list[Any]:
-        # Host NumPy values: each local sum is written straight into its slice of a
-        # recycled pack (one per dtype, about bytes_per_pack each) that has room for the
-        # inline fingerprint, so the pack costs no copy beyond the local sum itself (with
-        # one replica, the API's copy) and one Gloo op per pack carries data and check.
-        from crossdevice._collectives.wire import group_by_size
-
+        # Host NumPy values. A large value with one local component (one replica per
+        # worker) is sent as it is: no local sum to make, and the transport never writes
+        # it (the ring reads it in place; Gloo's in-place all-reduce copies it). The rest
+        # are local sums written straight into their slices of recycled packs (one per
+        # dtype, about bytes_per_pack each) with room for the inline fingerprint, as the
+        # communicator sends them: the pack costs no copy beyond the local sum itself.
         comm = self._communicator
-        groups: dict[np.dtype, list[int]] = {}
-        for i, arrays in enumerate(components):
-            groups.setdefault(arrays[0].dtype, []).append(i)
-        packs: list[list[int]] = []
-        for members in groups.values():
-            sizes = [components[i][0].nbytes for i in members]
-            packs.extend(
-                [members[j] for j in pack] for pack in group_by_size(sizes, options.bytes_per_pack)
-            )
-        buffers = [
-            comm.pack_buffer(components[p[0]][0].dtype, _total(components, p)) for p in packs
-        ]
+        assert comm is not None
+        donate_min = tuning.TUNING.donate_min_bytes
 
-        def fill(k: int, start: int, stop: int, out: np.ndarray | None = None) -> None:
-            # Elements start:stop of pack k: the local sums of the values they cover,
-            # written as the communicator sends them (large packs leave in chunks), into
-            # the pack or into `out` (a shared-memory slot).
-            dest = buffers[k][start:stop] if out is None else out
-            offset = 0
-            for i in packs[k]:
-                size = components[i][0].size
-                a, b = max(start, offset), min(stop, offset + size)
-                if a < b:
-                    flats = [c.reshape(-1)[a - offset : b - offset] for c in components[i]]
-                    NUMPY.sum_n(flats, out=dest[a - start : b - start])
-                offset += size
+        def alone(i: int) -> bool:
+            first = components[i][0]
+            return (
+                len(components[i]) == 1
+                and first.nbytes >= donate_min
+                and first.flags.c_contiguous
+                and first.flags.writeable
+            )
 
         firsts = [arrays[0] for arrays in components]
+        packs = packing.plan(
+            [x.dtype for x in firsts],
+            [x.shape for x in firsts],
+            [x.itemsize for x in firsts],
+            options.bytes_per_pack,
+            alone,
+        )
+        donated = [not alone(p.members[0]) for p in packs]
+        buffers = [
+            comm.pack_buffer(firsts[p.members[0]].dtype, p.size)
+            if mine
+            else firsts[p.members[0]].reshape(-1)
+            for p, mine in zip(packs, donated, strict=True)
+        ]
+
+        def parts(i: int) -> list[np.ndarray]:
+            return [c.reshape(-1) for c in components[i]]
+
+        def fill(k: int, start: int, stop: int, out: np.ndarray | None = None) -> bool:
+            # Elements start:stop of pack k: the local sums of the values they cover,
+            # written as the communicator sends them (large packs leave in chunks), into
+            # the pack or into `out` (a shared-memory slot). A value alone is there.
+            if not donated[k]:
+                return False
+            dest = buffers[k][start:stop] if out is None else out
+            packs[k].fill(parts, start, stop, dest, NUMPY.sum_n)
+            return True
+
         reduced = comm.all_reduce(
-            buffers,
-            ReduceOp.SUM,
-            donate=True,
-            options=options,
-            signature=self._signature(op, firsts, site),
-            fill=fill,
+            buffers, reduce, donate=donated, fill=fill if any(donated) else None
         )
         out: list[Any] = [None] * len(components)
         for pack, flat in zip(packs, reduced, strict=True):
-            offset = 0
-            for i in pack:
-                first = components[i][0]
-                out[i] = flat[offset : offset + first.size].reshape(first.shape)
-                offset += first.size
+            for i, value in zip(pack.members, pack.unpack(flat), strict=True):
+                out[i] = value
+        return out
+
+    def reduce_values(
+        self,
+        reduce_op: ReduceOp,
+        values: Sequence[DistributedValues],
+        destinations: Sequence[Any],
+        options: CommunicationOptions,
+        site: object,
+    ) -> list[Any]:
+        """Reduce `values` across every replica of every worker, in one collective.
+
+        `site` is what the workers compare besides the values: the user's line that
+        asked (`call_site`), with the value's nest structure for a replica all-reduce.
+        """
+        components = [inputs.component_arrays(value) for value in values]
+        totals = self._cross_worker(components, self._options.merge(options), reduce_op, site)
+        workers = self._num_between_graph_workers
+        out = []
+        for value, destination, total in zip(values, destinations, totals, strict=True):
+            result = total
+            if reduce_op == ReduceOp.MEAN:
+                result = backend_for(total).divide(total, workers * len(value.values))
+            out.append(self._deliver(result, value, destination))
         return out
 
     def reduce_implementation(
@@ -234,8 +243,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
     ) -> Any:
         """Reduce one value across all replicas of all workers."""
-        return self.batch_reduce_implementation(
-            reduce_op, [(per_replica_value, destinations)], options
+        return self.reduce_values(
+            reduce_op, [per_replica_value], [destinations], options, call_site()
         )[0]
 
     def batch_reduce_implementation(
@@ -246,19 +255,8 @@ class CollectiveAllReduce(CrossDeviceOps):
     ) -> list[Any]:
         """Reduce every pair in one cross-worker collective."""
         values = [v for v, _ in value_destination_pairs]
-        # The replicas' own call site when they asked (ReplicaContext.all_reduce: its merge
-        # may run on any thread, whose stack would differ), else the caller's.
-        site = call_site() if self.replica_call_site is False else self.replica_call_site
-        self.replica_call_site = False
-        totals = self._cross_worker(values, options, reduce_op, site)
-        workers = self._num_between_graph_workers
-        out = []
-        for (value, destinations), total in zip(value_destination_pairs, totals, strict=True):
-            result = total
-            if reduce_op == ReduceOp.MEAN:
-                result = backend_for(total).divide(total, workers * len(value.values))
-            out.append(self._deliver(result, value, destinations))
-        return out
+        destinations = [d for _, d in value_destination_pairs]
+        return self.reduce_values(reduce_op, values, destinations, options, call_site())
 
     def _gather_implementation(
         self,
@@ -271,7 +269,10 @@ class CollectiveAllReduce(CrossDeviceOps):
         arrays = inputs.component_arrays(per_replica_value, gather_axis=axis)
         local = backend_for(arrays[0]).concat(arrays, axis)
         if self._communicator is not None:
-            local = self._communicator.all_gather(local, axis, options=self._options.merge(options))
+            from crossdevice._comm.protocol import GatherOptions
+
+            timeout = self._options.merge(options).timeout_seconds
+            local = self._communicator.all_gather(local, GatherOptions(axis, timeout))
         return self._deliver(local, per_replica_value, destinations)
 
     @staticmethod
@@ -281,7 +282,3 @@ class CollectiveAllReduce(CrossDeviceOps):
         like_numpy = not is_torch(inputs.as_array(value.values[0]))
         owned = results.owned(total, [inputs.as_array(c) for c in value.values])
         return results.mirror([owned], [devices[0]], devices, like_numpy=like_numpy)
-
-
-def _total(components: list[list[np.ndarray]], pack: list[int]) -> int:
-    return sum(components[i][0].size for i in pack)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar, final
 
-from crossdevice._collectives import algorithms
+from crossdevice._comm.devices import algorithms
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device.all_reduce import AllReduceCrossDeviceOps
 

@@ -2,7 +2,7 @@
 
 An all-reduce between logical CPU devices is a reduction in one address space, bounded by
 memory bandwidth (docs/design.md §4). This op hands it to the blocked, multi-threaded host
-all-reduce (`crossdevice._collectives.threads`): arrays grouped by dtype, small ones
+all-reduce (`crossdevice._comm.local.thread`): arrays grouped by dtype, small ones
 packed, large ones summed in cache-sized blocks by a pool of threads, every input byte
 read once, adds in replica order (bitwise equal to `x0 + x1 + ...`), one read-only result
 buffer shared by every replica. Inside `strategy.run`, `ReplicaContext.all_reduce` goes
@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from typing import Any, final
 
 from crossdevice._arrays import is_torch
-from crossdevice._collectives.rendezvous import Rendezvous
+from crossdevice._arrays.buffer_pool import BufferPool
+from crossdevice._arrays.handout import hand_out_each
 from crossdevice._core.devices import device_type
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -26,6 +27,7 @@ from crossdevice._cross_device import inputs
 from crossdevice._cross_device.base import CrossDeviceOps
 from crossdevice._cross_device.destinations import devices_match, get_devices_from
 from crossdevice._cross_device.reduce_to_one import ReductionToOneDevice
+from crossdevice._sync.rendezvous import Rendezvous
 from crossdevice._values.values import DistributedValues, Mirrored
 
 __all__ = ["HostAllReduce"]
@@ -52,6 +54,7 @@ class HostAllReduce(CrossDeviceOps):
 
     def __init__(self) -> None:
         self._fallback = ReductionToOneDevice()
+        self._pool = BufferPool()
 
     def __repr__(self) -> str:
         return "HostAllReduce()"
@@ -60,7 +63,7 @@ class HostAllReduce(CrossDeviceOps):
         """Replica-context all-reduces on the replicas' own threads, without a merge_call."""
         if len(devices) < 2 or not all(device_type(d) == "CPU" for d in devices):
             return None
-        from crossdevice._collectives.threads import ThreadCommunicator
+        from crossdevice._comm.local.thread import ThreadCommunicator
 
         return ThreadCommunicator(len(devices), name=rendezvous.name, rendezvous=rendezvous)
 
@@ -92,7 +95,7 @@ class HostAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
     ) -> list[Any]:
         """One packed host all-reduce for every pair that is one; the rest as TF does."""
-        from crossdevice._collectives.host_all_reduce import all_reduce_host
+        from crossdevice._comm.local.host_all_reduce import all_reduce_host
 
         hosted = [
             i
@@ -107,7 +110,7 @@ class HostAllReduce(CrossDeviceOps):
             # Validated like every other op (naming the components), converted once.
             arrays = [inputs.component_arrays(value_destination_pairs[i][0]) for i in members]
             per_replica = [[a[r] for a in arrays] for r in range(len(devices))]
-            reduced = all_reduce_host(per_replica, reduce_op)
+            reduced = all_reduce_host(per_replica, reduce_op, self._pool)
             for k, i in enumerate(members):
                 out[i] = _mirrored(
                     [reduced[r][k] for r in range(len(devices))],
@@ -142,9 +145,7 @@ def _mirrored(results: Sequence[Any], devices: Sequence[str], destinations: Sequ
     edit on one replica must not change another's value.
     """
     by_device = dict(zip(devices, results, strict=True))
-    ordered = [by_device[d] for d in destinations]
-    if ordered and is_torch(ordered[0]):
-        ordered = [ordered[0]] + [t.clone() for t in ordered[1:]]
+    ordered = hand_out_each([by_device[d] for d in destinations])
     if len(ordered) == 1:
         return ordered[0]
     return Mirrored(ordered, devices=destinations)

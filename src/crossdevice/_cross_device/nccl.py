@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Final, final
 
 from crossdevice._arrays import backend_for
-from crossdevice._collectives import algorithms, nccl_calls
+from crossdevice._comm.devices import algorithms, nccl_calls
 from crossdevice._core.devices import DeviceSpec, get_logical_gpu_devices, num_gpus
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device.all_reduce import AllReduceCrossDeviceOps

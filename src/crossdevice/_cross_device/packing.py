@@ -1,5 +1,6 @@
 """Packing a batch of arrays into `num_packs` flat buffers per dtype, and back.
 
+TF's `num_packs` policy over the one packer (`crossdevice._arrays.packing`):
 TF's `_ConcatAndSplitPacker` concatenates every tensor of a device into one 1-D buffer
 and splits it into `num_packs` pieces of sizes `[s] * (k - 1) + [total - s * (k - 1)]`
 with `s = total // k`; `k > total` gives empty pieces, which still reduce correctly.
@@ -19,8 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from crossdevice._arrays import backend_for
+from crossdevice._arrays.packing import group_by_key, split_sizes
 
-__all__ = ["PackPlan", "pack", "plan_packs", "unpack"]
+__all__ = ["PackPlan", "pack", "plan_packs", "split_sizes", "unpack"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,21 +69,6 @@ class PackPlan:
         return sum(len(sizes) for sizes in self.piece_sizes)
 
 
-def split_sizes(total: int, num_packs: int) -> tuple[int, ...]:
-    """TF's piece sizes: `[s] * (k - 1) + [total - s * (k - 1)]` with `s = total // k`.
-
-    Example:
-        >>> split_sizes(10, 3)
-        (3, 3, 4)
-        >>> split_sizes(2, 4)
-        (0, 0, 0, 2)
-    """
-    if num_packs < 1:
-        raise ValueError(f"split_sizes needs num_packs >= 1, got {num_packs}")
-    size = total // num_packs
-    return (size,) * (num_packs - 1) + (total - size * (num_packs - 1),)
-
-
 def plan_packs(arrays: Sequence[Any], num_packs: int) -> PackPlan:
     """The plan to pack `arrays` (one device's batch) into `num_packs` pieces per dtype.
 
@@ -99,11 +86,8 @@ def plan_packs(arrays: Sequence[Any], num_packs: int) -> PackPlan:
         return PackPlan(0, shapes, (), ())
     # Group by array library as well as dtype: a NumPy float32 (what a Python float
     # becomes) and a torch float32 tensor cannot be concatenated into one buffer.
-    by_dtype: dict[tuple[str, str], list[int]] = {}
-    for i, a in enumerate(arrays):
-        backend = backend_for(a)
-        by_dtype.setdefault((type(backend).__name__, backend.dtype_name(a)), []).append(i)
-    groups = tuple(tuple(indices) for indices in by_dtype.values())
+    keys = [(type(backend_for(a)).__name__, backend_for(a).dtype_name(a)) for a in arrays]
+    groups = tuple(tuple(indices) for indices in group_by_key(keys))
     sizes = tuple(
         split_sizes(sum(math.prod(shapes[i]) for i in group), num_packs) for group in groups
     )

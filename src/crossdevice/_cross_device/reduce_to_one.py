@@ -8,8 +8,8 @@ from typing import Any, final
 import numpy as np
 
 from crossdevice._arrays import is_torch
-from crossdevice._collectives import algorithms
-from crossdevice._collectives.algorithms import AccumulationFn
+from crossdevice._comm.devices import algorithms
+from crossdevice._comm.devices.algorithms import AccumulationFn
 from crossdevice._core.devices import canonicalize
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from crossdevice._arrays import NUMPY, backend_for, is_torch
-from crossdevice._collectives import algorithms
+from crossdevice._arrays.handout import hand_out, hand_out_each
+from crossdevice._comm.devices import algorithms
 from crossdevice._values.values import Mirrored
 
 __all__ = ["aliases", "mirror", "owned", "simple_broadcast"]
@@ -78,7 +79,7 @@ def mirror(
         and not any("GPU" in d for d in destinations)
     ):
         # The common host case: one read-only buffer serves every destination.
-        shared = NUMPY.freeze(first)
+        shared = hand_out(first, copy=False)
         if len(destinations) == 1:
             return shared
         return Mirrored([shared] * len(destinations), devices=destinations)
@@ -90,18 +91,13 @@ def mirror(
             # NumPy ufuncs turn 0-d arrays into scalars; hand back 0-d arrays like the inputs.
             value = scalars.setdefault(id(computed), np.asarray(computed))
         by_device.setdefault(device, value)
-    handed_out: set[int] = set()
-    out = []
+    placed = []
     for device in destinations:
         source = by_device.get(device, next(iter(by_device.values())))
-        value = _host_like(backend_for(source).to_device(source, device), like_numpy)
-        if isinstance(value, np.ndarray):
-            # One read-only buffer may serve every host destination.
-            value = NUMPY.freeze(value)
-        elif id(value) in handed_out:
-            value = backend_for(value).copy(value)
-        handed_out.add(id(value))
-        out.append(value)
+        placed.append(_host_like(backend_for(source).to_device(source, device), like_numpy))
+    # One read-only buffer may serve every host destination; a tensor handed out twice
+    # is copied.
+    out = hand_out_each(placed)
     if len(out) == 1:
         return out[0]
     return Mirrored(out, devices=destinations)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from crossdevice._core.coerce import coerce_enum
+
 __all__ = ["InputContext", "InputOptions", "InputReplicationMode", "ValueContext"]
 
 
@@ -244,22 +246,12 @@ class InputOptions:
                 "experimental_fetch_to_device must be True, False or None, "
                 f"got {experimental_fetch_to_device!r}"
             )
-        if isinstance(experimental_replication_mode, str):
-            try:
-                experimental_replication_mode = InputReplicationMode(
-                    experimental_replication_mode.upper()
-                )
-            except ValueError:
-                raise ValueError(
-                    "experimental_replication_mode must be one of "
-                    f"{[m.name for m in InputReplicationMode]}, "
-                    f"got {experimental_replication_mode!r}"
-                ) from None
-        if not isinstance(experimental_replication_mode, InputReplicationMode):
-            raise ValueError(
-                "experimental_replication_mode must be a crossdevice.InputReplicationMode, "
-                f"got {experimental_replication_mode!r}"
-            )
+        experimental_replication_mode = coerce_enum(
+            experimental_replication_mode,
+            InputReplicationMode,
+            message="experimental_replication_mode must be one of {choices}: it must be a "
+            "crossdevice.InputReplicationMode or its name, got {value}",
+        )
         if not isinstance(experimental_place_dataset_on_device, bool):
             raise ValueError(
                 "experimental_place_dataset_on_device must be True or False, "

@@ -1,7 +1,7 @@
 """`CooperativeScheduler`: a step's replicas as greenlets taking turns on the caller's thread.
 
 The wait primitive they park in (`block`) and why this mode exists are in
-`crossdevice._core.cooperative`; this module is the scheduler that runs the replicas,
+`crossdevice._sync.waiting`; this module is the scheduler that runs the replicas,
 resumes each one whose gate was released, and switches each replica's thread-local state
 (context stack, device scope, torch grad mode) in and out with it.
 """
@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from crossdevice._core import context, devices
-from crossdevice._core.cooperative import greenlet_module, swap_hub, torch_c
+from crossdevice._core import context, devices, tuning
 from crossdevice._core.errors import ReplicaAbortedError
+from crossdevice._sync.waiting import greenlet_module, swap_hub, torch_c
 
 __all__ = ["CooperativeScheduler", "ReplicaState"]
 
@@ -23,10 +23,6 @@ _greenlet = greenlet_module()
 
 #: What a replica greenlet hands back when its job is done (anything else: it parked).
 _DONE: Final = object()
-
-#: How long the scheduler sleeps at most, when every replica waits for a deadline, before
-#: it looks again for a gate that another thread released.
-_STALL_POLL_SECONDS: Final = 0.05
 
 
 class ReplicaState:
@@ -232,7 +228,7 @@ class CooperativeScheduler:
         delay = deadline - time.monotonic()
         if delay > 0:
             # Sleep in slices: another thread (an abort) may release a gate meanwhile.
-            time.sleep(min(delay, _STALL_POLL_SECONDS))
+            time.sleep(min(delay, tuning.TUNING.stall_poll_seconds))
             return
         entry = parked[i]
         assert entry is not None

@@ -1,7 +1,7 @@
 """How `strategy.run` executes replicas: replica threads, cooperative replicas, or "auto".
 
 A mode changes speed, never meaning (docs/design.md §3): every replica meets its peers in one
-rendezvous (`crossdevice._collectives.rendezvous`), which detects every disagreement the
+rendezvous (`crossdevice._sync.rendezvous`), which detects every disagreement the
 same way on threads and cooperatively, so a program has the same results and the same
 exceptions in every mode. What only replica threads honour is a replica waiting for a peer
 *outside* the library (a user's `threading.Barrier` or `Event` between replicas):
@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Final, Literal
 
-from crossdevice._core import cooperative as cooperative_module
+from crossdevice._sync import waiting
 
 __all__ = [
     "EXECUTION_MODES",
@@ -70,7 +70,7 @@ def set_replica_execution(mode: Literal["auto", "threads", "cooperative"]) -> No
         raise ValueError(
             f"replica execution must be one of {list(EXECUTION_MODES)}, received {mode!r}"
         )
-    if mode != "threads" and not cooperative_module.available():
+    if mode != "threads" and not waiting.available():
         raise ValueError(
             f"replica execution {mode!r} needs the greenlet package, which is not "
             "installed: pip install greenlet (or choose 'threads')"

@@ -7,7 +7,7 @@ parallel (NumPy and torch release the GIL in their kernels).
 
 Rules (docs/design.md §3):
 * `merge_call` and every in-process collective are rounds of one `Rendezvous`
-  (`crossdevice._collectives.rendezvous`): replicas that call different things, or that
+  (`crossdevice._sync.rendezvous`): replicas that call different things, or that
   return while their peers wait, get an error at once, naming what each one called.
 * An exception anywhere (a replica, `merge_fn`) breaks the run: peers blocked in the
   rendezvous are released with `ReplicaAbortedError`, every replica is joined, and the
@@ -16,7 +16,7 @@ Rules (docs/design.md §3):
   (the lowest replica's), then a disagreement the rendezvous found. Not the first in
   time: that depends on thread timing, and every mode must end a program the same way.
 * Ctrl-C: a KeyboardInterrupt in the caller (in replica 0, or while it waits for the
-  others) aborts the run and reaches the caller within `_INTERRUPT_GRACE_SECONDS`, even
+  others) aborts the run and reaches the caller within `TUNING.interrupt_grace_seconds`, even
   while a replica is stuck in user code; such a replica is abandoned and the next run
   first waits briefly for it, else raises a RuntimeError naming it.
 * `strategy.run` inside a `merge_fn` (TF allows it) runs on a nested runner: the outer
@@ -44,27 +44,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from crossdevice._collectives.rendezvous import Rendezvous, is_rendezvous_error
-from crossdevice._core import context, devices
-from crossdevice._core import cooperative as cooperative_module
+from crossdevice._core import context, devices, tuning
 from crossdevice._core.errors import ReplicaAbortedError
 from crossdevice._replica import cuda_streams, execution, thread_state
 from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
+from crossdevice._sync import waiting
+from crossdevice._sync.call import CallSignature
+from crossdevice._sync.rendezvous import Rendezvous, is_rendezvous_error
 
 __all__ = ["ReplicaRunner"]
 
-#: How long the caller waits for replicas still inside `fn` after it was interrupted
-#: (Ctrl-C) before it abandons them and raises: released replicas leave in microseconds;
-#: one that is still there is stuck in user code.
-_INTERRUPT_GRACE_SECONDS: Final = 0.5
-#: How long a run waits for the replicas an interrupted run abandoned before it says why
-#: it cannot start.
-_RECOVER_WAIT_SECONDS: Final = 1.0
-_RECOVER_POLL_SECONDS: Final = 0.005
-#: How often the caller, waiting for the other replicas, looks whether it was interrupted.
-_DONE_POLL_SECONDS: Final = 0.1
-#: How long `close()` waits for idle replica threads to end (they end in microseconds).
-_CLOSE_JOIN_SECONDS: Final = 1.0
+#: A user's `merge_call`: nothing to agree on but the call itself.
+_USER_MERGE: Final = CallSignature("merge_call")
 
 #: Replica threads ask Linux for SCHED_BATCH (`_batch_scheduling`): a woken replica thread
 #: then waits for the thread that woke it to block instead of preempting it. That thread
@@ -104,7 +95,7 @@ class ReplicaRunner:
         rendezvous: Rendezvous | None = None,
     ) -> None:
         self._n = num_replicas
-        self._cooperative_ok = cooperative and num_replicas > 1 and cooperative_module.available()
+        self._cooperative_ok = cooperative and num_replicas > 1 and waiting.available()
         self._tuner = execution.Tuner(name)
         self._scheduler: CooperativeScheduler | None = None
         self._make_frame = make_frame
@@ -177,7 +168,7 @@ class ReplicaRunner:
         if self._merging is not None and self._merging == threading.get_ident():
             # strategy.run inside a merge_fn: every replica of this run waits in that
             # merge_call, so a second set of replicas runs the nested call.
-            with cooperative_module.blocking():
+            with waiting.blocking():
                 return self._nested_runner().run(fn, per_replica_args, merge_timeout)
         with self._run_lock:
             if self._abandoned is not None:
@@ -239,8 +230,7 @@ class ReplicaRunner:
         replica_id: int,
         merge: Callable[[list[Any]], list[Any]],
         value: Any,
-        call: tuple[Any, ...] = ("merge_call",),
-        description: Callable[[], str] | None = None,
+        call: CallSignature | None = None,
     ) -> Any:
         """A `merge_call` round of the rendezvous; `merge(inputs)` runs once.
 
@@ -249,8 +239,8 @@ class ReplicaRunner:
             merge: called once with every replica's `value`, in replica order, in the
                 caller's device scope; returns the value for each replica.
             value: this replica's input.
-            call: what every replica must agree on (`Rendezvous.merge_call`).
-            description: what this replica called, for error messages.
+            call: what every replica must agree on (`Rendezvous.merge_call`); None: a
+                user's merge_call.
         """
 
         def merge_here(inputs: list[Any]) -> list[Any]:
@@ -266,14 +256,15 @@ class ReplicaRunner:
             finally:
                 devices.swap_device_stack(replica_devices)
 
+        call = _USER_MERGE if call is None else call
         cuda_run = self._cuda_run
         if cuda_run is None:
             return self._rendezvous.merge_call(
-                replica_id, merge_here, value, call, description, self._merge_timeout
+                replica_id, merge_here, value, call, self._merge_timeout
             )
         cuda_run.arrive(replica_id)
         result = self._rendezvous.merge_call(
-            replica_id, cuda_run.merging(merge_here), value, call, description, self._merge_timeout
+            replica_id, cuda_run.merging(merge_here), value, call, self._merge_timeout
         )
         cuda_run.resume(replica_id, result)
         return result
@@ -311,7 +302,7 @@ class ReplicaRunner:
         # interpreter finalizes races torch's C++ static destructors and aborts the
         # process ("terminate called without an active exception", seen in 1 of 3 runs).
         current = threading.current_thread()
-        deadline = time.monotonic() + _CLOSE_JOIN_SECONDS
+        deadline = time.monotonic() + tuning.TUNING.close_join_seconds
         for thread in idle:
             if thread is not current:
                 thread.join(max(0.0, deadline - time.monotonic()))
@@ -358,7 +349,7 @@ class ReplicaRunner:
             if (
                 replica_id == 0
                 and isinstance(exc, KeyboardInterrupt)
-                and not cooperative_module.in_cooperative_replica()
+                and not waiting.in_cooperative_replica()
             ):
                 self._interrupted_at = time.monotonic()  # the caller's own Ctrl-C
             self._fail(replica_id, exc)
@@ -379,9 +370,12 @@ class ReplicaRunner:
 
     def _wait_done(self) -> None:
         """The caller, after replica 0: wait for the other replicas (see the module doc)."""
-        while not self._done_wake.acquire(timeout=_DONE_POLL_SECONDS):
+        while not self._done_wake.acquire(timeout=tuning.TUNING.done_poll_seconds):
             interrupted = self._interrupted_at
-            if interrupted is None or time.monotonic() - interrupted < _INTERRUPT_GRACE_SECONDS:
+            if (
+                interrupted is None
+                or time.monotonic() - interrupted < tuning.TUNING.interrupt_grace_seconds
+            ):
                 continue
             # Interrupted, and some replica is still inside `fn` although the run is
             # aborted: it is stuck in user code. Abandon it.
@@ -422,7 +416,7 @@ class ReplicaRunner:
         # the others fresh ones; each its device scope; every one the caller's torch state
         # (grad mode is switched per replica; inference mode and autocast are the
         # thread's, that is the caller's).
-        grad = cooperative_module.grad_enabled()
+        grad = waiting.grad_enabled()
         states = [
             ReplicaState(caller_stack if i == 0 else [], [self._devices[i]], grad)
             for i in range(self._n)
@@ -492,7 +486,7 @@ class ReplicaRunner:
             RuntimeError: a replica thread is still inside the abandoned run's `fn`.
         """
         if self._abandoned == "threads":
-            deadline = time.monotonic() + _RECOVER_WAIT_SECONDS
+            deadline = time.monotonic() + tuning.TUNING.recover_wait_seconds
             while any(self._running[1:]):
                 if time.monotonic() >= deadline:
                     stuck = [i for i in range(1, self._n) if self._running[i]]
@@ -503,7 +497,7 @@ class ReplicaRunner:
                         "This strategy can run again once they have; meanwhile use a new "
                         "strategy."
                     )
-                time.sleep(_RECOVER_POLL_SECONDS)
+                time.sleep(tuning.TUNING.recover_poll_seconds)
         self._done_wake.acquire(False)  # the abandoned run's last release, if not taken
         self._reset()
         self._abandoned = None

@@ -20,7 +20,6 @@ from crossdevice._core import context, nest, validate
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._input.distributed import DistributedDataset, DistributedDatasetsFromFunction
-from crossdevice._strategies.context import require_cross_replica
 from crossdevice._strategies.extended import (
     SingleReplicaExtended as SingleReplicaExtended,
 )
@@ -240,7 +239,7 @@ class Strategy:
         Returns:
             The reduced value (a nest if `value` is one).
         """
-        require_cross_replica(self)
+        context.require_cross_replica(self)
         op = as_reduce_op(reduce_op)
         validate.reducible(value, "Strategy.reduce")
         validate.fits_strategy(value, self, "Strategy.reduce")
@@ -297,7 +296,7 @@ class Strategy:
         frame = context.current_frame()
         if frame is not None and frame.replica_context is not None:
             raise RuntimeError(GATHER_REQUIRES_CROSS_REPLICA)
-        require_cross_replica(self)
+        context.require_cross_replica(self)
         validate.fits_strategy(value, self, "Strategy.gather")
         extended = self._extended
         # Every leaf's axis is checked before the first leaf is gathered.

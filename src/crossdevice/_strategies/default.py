@@ -18,7 +18,7 @@ from crossdevice._core import context
 from crossdevice._core.devices import canonicalize
 from crossdevice._input.input_context import ValueContext
 from crossdevice._strategies.base import SingleReplicaExtended, Strategy, _Scope
-from crossdevice._strategies.context import ReplicaContext, has_strategy
+from crossdevice._strategies.replica import ReplicaContext
 from crossdevice._values.variables import Variable
 
 __all__ = ["default_strategy"]
@@ -90,7 +90,8 @@ class _DefaultScope(_Scope):
     """
 
     def __enter__(self) -> Strategy:
-        if has_strategy():
+        frame = context.current_frame()
+        if frame is not None and frame.strategy is not self._strategy:
             raise RuntimeError(
                 "Must not nest tf.distribute.Strategy scopes: the default strategy's scope "
                 "was entered inside another strategy's scope or replica; leave that first"

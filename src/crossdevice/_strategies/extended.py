@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from crossdevice._arrays import backend_for, is_array
-from crossdevice._arrays.numpy_backend import NUMPY
-from crossdevice._collectives import algorithms
-from crossdevice._collectives.rendezvous import describe_leaves
+from crossdevice._arrays.handout import hand_out_all
+from crossdevice._comm.devices import algorithms
 from crossdevice._core import context, nest, validate
 from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope, local_host_device
 from crossdevice._core.errors import ArgumentAssertionError
@@ -27,17 +26,29 @@ from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._cross_device import inputs
 from crossdevice._input.input_context import ValueContext
 from crossdevice._replica.cuda_streams import cuda_device
-from crossdevice._strategies.context import get_replica_context, require_cross_replica
 from crossdevice._strategies.sections import CrossReplicaSections
+from crossdevice._sync.call import CallSignature
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
 from crossdevice._values.variables import Variable
 
-if TYPE_CHECKING:
-    from crossdevice._strategies.base import Strategy
 
-__all__ = ["SingleReplicaExtended", "StrategyExtended", "as_reducible_leaf"]
+class ContainerStrategy(Protocol):
+    """What a `StrategyExtended` uses of its strategy (`Strategy` is one).
+
+    A protocol, so that this module needs no import of `base` (which imports this one).
+    """
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """The strategy's `StrategyExtended`."""
+
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
+        """The strategy's cross-replica scope."""
+
+
+__all__ = ["ContainerStrategy", "SingleReplicaExtended", "StrategyExtended", "as_reducible_leaf"]
 
 
 class StrategyExtended:
@@ -48,7 +59,7 @@ class StrategyExtended:
 
     _is_default = False
 
-    def __init__(self, container_strategy: Strategy) -> None:
+    def __init__(self, container_strategy: ContainerStrategy) -> None:
         self._container_strategy_ref = container_strategy
         #: Told where cross-replica code runs (`sections`), for mirrored torch modules.
         self._sections = CrossReplicaSections()
@@ -161,7 +172,7 @@ class StrategyExtended:
         Returns:
             A `Mirrored` value on the destinations (the plain value for one device).
         """
-        require_cross_replica(self._container_strategy_ref)
+        context.require_cross_replica(self._container_strategy_ref)
         if isinstance(destinations, list | tuple):
             raise ArgumentAssertionError(
                 "destinations can not be a list or tuple; pass a device string, a "
@@ -196,7 +207,7 @@ class StrategyExtended:
                 strategy.extended.update(var, lambda var, value: var.assign(value),
                                          args=(reduced,))
         """
-        require_cross_replica(self._container_strategy_ref)
+        context.require_cross_replica(self._container_strategy_ref)
         op = as_reduce_op(reduce_op)
         pairs = _check_pairs(value_destination_pairs)
         values = [v for v, _ in pairs]
@@ -234,19 +245,19 @@ class StrategyExtended:
         if not isinstance(args, list | tuple):
             raise ValueError(f"update args must be a list or tuple, got {type(args).__name__}")
         kwargs = dict(kwargs or {})
-        replica_context = get_replica_context()
         frame = context.current_frame()
+        replica_context = frame.replica_context if frame is not None else None
         if (
             replica_context is not None
             and frame is not None
-            and frame.strategy is self._container_strategy_ref
+            and (frame.strategy is self._container_strategy_ref)
         ):
 
-            def merge_fn(strategy: Strategy, var: Any, *args: Any, **kwargs: Any) -> Any:
+            def merge_fn(strategy: ContainerStrategy, var: Any, *args: Any, **kwargs: Any) -> Any:
                 return strategy.extended.update(var, fn, args, kwargs, group)
 
             return replica_context.merge_call(merge_fn, args=(var, *args), kwargs=kwargs)
-        require_cross_replica(self._container_strategy_ref)
+        context.require_cross_replica(self._container_strategy_ref)
         with self._container_strategy_ref.scope():
             return self._update(var, fn, tuple(args), kwargs, group)
 
@@ -331,16 +342,15 @@ class StrategyExtended:
         replica_id: int,
         merge_fn: Callable[..., Any],
         args: tuple[Any, ...],
-        call: tuple[Any, ...],
-        description: Callable[[], str],
+        call: CallSignature,
     ) -> Any:
         """`_merge_call(..., always_wrap=True)` for a collective every replica makes alike.
 
-        `call` is what the replicas must agree on (kind, op, structure, leaves), and
-        `description` says what this replica called. One replica has nobody to disagree
-        with; strategies with several override this to compare at the rendezvous.
+        `call` is what the replicas must agree on (kind, op, structure, leaves) and what
+        error messages show. One replica has nobody to disagree with; strategies with
+        several override this to compare at the rendezvous.
         """
-        del call, description
+        del call
         return self._merge_call(replica_id, merge_fn, args, {}, always_wrap=True)
 
     def _replica_all_reduce(
@@ -348,7 +358,7 @@ class StrategyExtended:
     ) -> Any:
         """All-reduce through one batched `merge_call` (TF's path)."""
 
-        def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
+        def merge_fn(strategy: ContainerStrategy, *per_replica: Any) -> Any:
             extended = strategy.extended
             host = [_on_host(v) for v in per_replica] if self._host_leaves_stay() else []
             if not any(host):
@@ -386,7 +396,7 @@ class StrategyExtended:
     ) -> Any:
         """All-gather through one `merge_call`."""
 
-        def merge_fn(strategy: Strategy, *per_replica: Any) -> Any:
+        def merge_fn(strategy: ContainerStrategy, *per_replica: Any) -> Any:
             return [strategy.extended._gather_to(v, v, axis, options) for v in per_replica]
 
         return self._merge_leaves(replica_id, value, merge_fn, "all_gather", f"axis={axis}", axis)
@@ -411,15 +421,8 @@ class StrategyExtended:
             return value
         arrays = tuple(as_reducible_leaf(x) for x in leaves)
         sig = tuple((backend_for(x).shape(x), backend_for(x).dtype_name(x)) for x in arrays)
-        agreed = tuple(
-            (dtype, shape if axis is None else _without_axis(shape, axis)) for shape, dtype in sig
-        )
-        call = (kind, argument, structure, agreed)
-
-        def description() -> str:
-            return f"{kind}({argument}, {describe_leaves(sig, structure)})"
-
-        merged = self._merge_call_checked(replica_id, merge_fn, arrays, call, description)
+        call = CallSignature(kind, argument, structure, sig, axis)
+        merged = self._merge_call_checked(replica_id, merge_fn, arrays, call)
         return nest.unflatten(structure, list(merged))
 
     def _local_results(self, value: Any) -> tuple[Any, ...]:
@@ -503,13 +506,6 @@ def as_reducible_leaf(x: Any) -> Any:
     return backend_for(x).asarray(x)
 
 
-def _without_axis(shape: tuple[int, ...], axis: int) -> tuple[Any, ...]:
-    """`shape` with the gather axis blanked: sizes may differ there (a partial batch)."""
-    if not -len(shape) <= axis < len(shape):
-        return shape
-    return tuple(None if k == axis % len(shape) else d for k, d in enumerate(shape))
-
-
 def _placed(x: Any, device: str) -> Any:
     """`x` on `device` when it is an array (anything else as it is)."""
     return backend_for(x).to_device(x, device) if is_array(x) else x
@@ -534,9 +530,6 @@ def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Mirrored:
     """
     arrays = inputs.component_arrays(value)
     total = algorithms.reduce_to_one(arrays, local_host_device(), op)
-    if isinstance(total, np.ndarray | np.generic):
-        shared = NUMPY.freeze(np.asarray(total))  # one read-only buffer for every replica
-        return Mirrored([shared] * len(arrays), devices=value._devices)
-    backend = backend_for(total)
-    copies = [total] + [backend.copy(total) for _ in arrays[1:]]
-    return Mirrored(copies, devices=value._devices)
+    if isinstance(total, np.generic):
+        total = np.asarray(total)
+    return Mirrored(hand_out_all(total, len(arrays)), devices=value._devices)

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, final
 
-from crossdevice._core import context, nest
+from crossdevice._core import context, nest, tuning
 from crossdevice._core.cluster import Cluster, cluster_from_resolver, resolve_cluster
 from crossdevice._core.devices import DeviceSpec, canonicalize, num_gpus
 from crossdevice._core.errors import (
@@ -31,12 +31,6 @@ from crossdevice._strategies.replicated import ReplicatedExtended, canonical_dev
 from crossdevice._values.values import DistributedValues, PerReplica
 
 __all__ = ["MultiWorkerMirroredStrategy"]
-
-#: Local replicas wait for a merge (whose cross-worker collective may wait on peers)
-#: this much longer than the cross-worker timeout, so the cross-worker error, which
-#: names the missing ranks, is the one raised (not "local replicas [0, 1] did not
-#: arrive", which names this worker's own replicas).
-_LOCAL_MERGE_SLACK_SECONDS: Final = 15.0
 
 #: What a distributed dataset's per-step collective is, for the errors about it.
 _NEXT_BATCH: Final = (
@@ -98,23 +92,30 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
     ) -> Any:
-        if self._worker_communicator is not None:
-            from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
+        if self._worker_communicator is None:
+            return super()._replica_all_reduce(replica_id, op, value, options)
+        from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
 
-            ops = self._cross_device_ops
-            if isinstance(ops, CollectiveAllReduce):
-                # The user's line, read on the replica's own thread, and the value's nest
-                # structure ({'a': x} and [x] have the same leaves: the fingerprint's
-                # shapes alone would pass them). Every local replica writes the same
-                # value, and the merge reads it once all have arrived.
-                ops.replica_call_site = (call_site(), nest.structure_repr(value))
-        return super()._replica_all_reduce(replica_id, op, value, options)
+        ops = self._cross_device_ops
+        if not isinstance(ops, CollectiveAllReduce):  # pragma: no cover - always ours
+            return super()._replica_all_reduce(replica_id, op, value, options)
+        # The user's line, read on the replica's own thread, and the value's nest
+        # structure ({'a': x} and [x] have the same leaves: the fingerprint's shapes
+        # alone would pass them): what the workers compare besides the values.
+        site = (call_site(), nest.structure_repr(value))
+        merged = self._options.merge(options)
+
+        def merge_fn(strategy: Any, *per_replica: Any) -> list[Any]:
+            del strategy
+            return ops.reduce_values(op, per_replica, per_replica, merged, site)
+
+        return self._merge_leaves(replica_id, value, merge_fn, "all_reduce", op.name, None)
 
     def _merge_timeout(self) -> float | None:
         communicator = self._worker_communicator
         if communicator is None:
             return super()._merge_timeout()
-        return float(communicator.timeout) + _LOCAL_MERGE_SLACK_SECONDS
+        return float(communicator.timeout) + tuning.TUNING.local_merge_slack_seconds
 
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -242,7 +243,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         local = canonical_devices(_local_devices(devices, cluster), "devices")
         communicator = None
         if cluster is not None or _torch_distributed_initialized():
-            from crossdevice._collectives.torch_dist import ProcessGroupCommunicator
+            from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
             communicator = ProcessGroupCommunicator(cluster, options=options)
             if communicator.world_size == 1:

@@ -9,7 +9,7 @@ from crossdevice._core import context, validate
 from crossdevice._core.devices import canonicalize, check_device_exists, device_scope
 from crossdevice._input.input_context import ValueContext
 from crossdevice._strategies.base import SingleReplicaExtended, Strategy
-from crossdevice._strategies.context import ReplicaContext
+from crossdevice._strategies.replica import ReplicaContext
 from crossdevice._values.variables import Variable
 
 __all__ = ["OneDeviceStrategy"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from crossdevice._arrays import is_torch
+from crossdevice._arrays.handout import hand_out
 from crossdevice._core import context, nest
 from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
@@ -21,7 +21,8 @@ from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._replica.runner import ReplicaRunner
 from crossdevice._strategies.base import Strategy, StrategyExtended, as_reducible_leaf
-from crossdevice._strategies.context import ReplicaContext
+from crossdevice._strategies.replica import ReplicaContext
+from crossdevice._sync.call import CallSignature
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
@@ -160,9 +161,9 @@ class ReplicatedExtended(StrategyExtended):
         reduced = communicator.all_reduce(
             local_id, arrays, op, timeout=self._timeout(options), structure=_compared(structure)
         )
-        # NumPy results are one read-only buffer shared by the replicas; torch has no
-        # read-only tensors, so each replica gets its own (as from HostAllReduce).
-        reduced = [x.clone() if is_torch(x) else x for x in reduced]
+        # The results are views of one buffer every replica sees: NumPy shared read-only,
+        # torch copied by each replica (its peers may read the buffer still).
+        reduced = [hand_out(x, copy=True) for x in reduced]
         return nest.unflatten(structure, reduced)
 
     def _replica_all_gather(
@@ -183,7 +184,7 @@ class ReplicatedExtended(StrategyExtended):
             communicator.all_gather(local_id, x, axis, timeout=timeout, structure=compared)
             for x in arrays
         ]
-        gathered = [x.clone() if is_torch(x) else x for x in gathered]
+        gathered = [hand_out(x, copy=True) for x in gathered]
         return nest.unflatten(structure, gathered)
 
     def _timeout(self, options: CommunicationOptions | None) -> float | None:
@@ -255,12 +256,11 @@ class ReplicatedExtended(StrategyExtended):
         replica_id: int,
         merge_fn: Callable[..., Any],
         args: tuple[Any, ...],
-        call: tuple[Any, ...],
-        description: Callable[[], str],
+        call: CallSignature,
     ) -> Any:
         n = len(self._devices)
         if n == 1:
-            return super()._merge_call_checked(replica_id, merge_fn, args, call, description)
+            return super()._merge_call_checked(replica_id, merge_fn, args, call)
         strategy = self._container_strategy_ref
         devices = self._devices
 
@@ -271,7 +271,7 @@ class ReplicatedExtended(StrategyExtended):
             return [select_replica(i, result) for i in range(n)]
 
         local_id = replica_id - self._replica_id_offset
-        return self._get_runner().merge_call(local_id, merge, args, call, description)
+        return self._get_runner().merge_call(local_id, merge, args, call)
 
     # --- reductions ----------------------------------------------------------------------
     def _merged_options(self, options: CommunicationOptions | None) -> CommunicationOptions | None:

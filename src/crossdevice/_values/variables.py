@@ -17,6 +17,7 @@ import numpy as np
 
 from crossdevice._arrays import backend_for, is_torch
 from crossdevice._core import context
+from crossdevice._core.coerce import coerce_enum
 from crossdevice._core.devices import canonicalize, current_device
 from crossdevice._core.reduce_op import VariableAggregation, VariableSynchronization
 from crossdevice._core.validate import describe
@@ -53,35 +54,22 @@ def unique_name(name: str | None) -> str:
 
 def as_synchronization(value: Any) -> VariableSynchronization:
     """A `VariableSynchronization` from the enum or its name; None means AUTO (as TF)."""
-    if value is None:
-        return VariableSynchronization.AUTO
-    if isinstance(value, VariableSynchronization):
-        return value
-    if isinstance(value, str):
-        try:
-            return VariableSynchronization[value.upper()]
-        except KeyError:
-            pass
-    raise ValueError(
-        f"Invalid variable synchronization mode: {value!r}; expected one of "
-        f"{[s.name for s in VariableSynchronization]}"
+    return coerce_enum(
+        value,
+        VariableSynchronization,
+        default=VariableSynchronization.AUTO,
+        message="Invalid variable synchronization mode: {value}; expected one of {choices}",
     )
 
 
 def as_aggregation(value: Any) -> VariableAggregation:
     """A `VariableAggregation` from the enum or its name; None means NONE (as TF)."""
-    if value is None:
-        return VariableAggregation.NONE
-    if isinstance(value, VariableAggregation):
-        return value
-    if isinstance(value, str):
-        try:
-            return VariableAggregation[value.upper()]
-        except KeyError:
-            pass
-    raise ValueError(
-        f"Invalid variable aggregation mode: {value!r} for variable; expected one of "
-        f"{[a.name for a in VariableAggregation]}"
+    return coerce_enum(
+        value,
+        VariableAggregation,
+        default=VariableAggregation.NONE,
+        message="Invalid variable aggregation mode: {value} for variable; expected one of "
+        "{choices}",
     )
 
 

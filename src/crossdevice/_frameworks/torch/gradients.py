@@ -38,9 +38,9 @@ from typing import Any, Final
 
 import torch
 
-from crossdevice._core import cooperative
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.context import get_replica_context
+from crossdevice._sync import waiting as cooperative
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "GradientSync"]
 

@@ -1,0 +1,192 @@
+"""The user's all-reduce across workers against raw `torch.distributed.all_reduce`.
+
+Issue #26's targets are measured here, on the path a user calls: `strategy.run(step)`
+where `step` returns `get_replica_context().all_reduce("sum", x)`, on a
+`MultiWorkerMirroredStrategy` with one replica per worker. In the same processes, taking
+turns with it, `torch.distributed.all_reduce(buffer)` in place on the default (Gloo)
+group: the raw floor, with no copy and no check.
+
+Two strategies are timed, both built in every worker:
+
+* `gloo`: built with `CROSSDEVICE_SHARED_MEMORY=0`, as workers on different machines
+  run it (every byte through Gloo, the inline fingerprint, the API's copy);
+* `shm`: the default, which on one host sums through `/dev/shm` slots.
+
+Each sample times `--agg` calls of one implementation back to back after a barrier; the
+three take turns in a rotating order (A B C, B C A, ...). Reported per size: each one's
+median time, and for each strategy the median of its per-round ratio to raw and of its
+per-round difference from raw. The targets (issue #26) are checked at the end:
+`gloo` at most 1.10x raw from 4 MiB up and at most 0.3 ms above raw at 1 MiB;
+`shm` at most 1.0x raw from 4 MiB up.
+
+Launch two workers on this host with the bundled launcher (it runs torchrun's
+environment on 127.0.0.1)::
+
+    python -m benchmarks.user_path_allreduce --workers 2 --sizes 1M 4M 16M 64M
+
+or under torchrun yourself: `torchrun --standalone --nproc-per-node 2 -m
+benchmarks.user_path_allreduce --worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import numpy as np
+
+__all__ = ["main"]
+
+_IMPLS = ("raw", "gloo", "shm")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _size(text: str) -> int:
+    """`4M` -> 4194304."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    return int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import crossdevice
+
+    torch.set_num_threads(1)
+    with mock.patch.dict(os.environ, {"CROSSDEVICE_SHARED_MEMORY": "0"}):
+        gloo = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
+    shm = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    transport = "shared memory" if shm.extended._worker_communicator.shared_memory else "Gloo"
+
+    def step(x: Any) -> Any:
+        return crossdevice.get_replica_context().all_reduce("sum", x)
+
+    rows = []
+    for size in args.sizes:
+        count = max(1, size // 4)
+        mine = np.full(count, rank + 1, dtype=np.float32)
+        expected = np.full(count, world * (world + 1) / 2, dtype=np.float32)
+        raw = torch.from_numpy(mine.copy())
+        calls: dict[str, Callable[[], Any]] = {
+            "raw": lambda raw=raw: dist.all_reduce(raw),
+            "gloo": lambda mine=mine: gloo.run(step, args=(mine,)),
+            "shm": lambda mine=mine: shm.run(step, args=(mine,)),
+        }
+        for name in ("gloo", "shm"):  # right before timing, and once more at the end
+            if not np.array_equal(np.asarray(calls[name]()), expected):
+                raise SystemExit(f"{name}: wrong all-reduce result at {size} bytes")
+        times: dict[str, list[float]] = {name: [] for name in _IMPLS}
+        for i in range(args.warmup + args.rounds):
+            turn = i % len(_IMPLS)
+            for name in _IMPLS[turn:] + _IMPLS[:turn]:
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(args.agg):
+                    calls[name]()
+                if i >= args.warmup:
+                    times[name].append((time.perf_counter() - start) / args.agg)
+        for name in ("gloo", "shm"):
+            if not np.array_equal(np.asarray(calls[name]()), expected):
+                raise SystemExit(f"{name}: wrong all-reduce result at {size} bytes")
+        row: dict[str, Any] = {"size": size, "transport": transport}
+        for name in _IMPLS:
+            row[f"{name}_ms"] = statistics.median(times[name]) * 1e3
+        for name in ("gloo", "shm"):
+            pairs = list(zip(times[name], times["raw"], strict=True))
+            row[f"{name}_ratio"] = statistics.median(t / r for t, r in pairs)
+            row[f"{name}_above_ms"] = statistics.median(t - r for t, r in pairs) * 1e3
+        rows.append(row)
+        if rank == 0:
+            print(
+                f"{size:>10} B  raw {row['raw_ms']:8.3f} ms | gloo {row['gloo_ms']:8.3f} ms "
+                f"{row['gloo_ratio']:5.2f}x {row['gloo_above_ms']:+7.3f} ms | shm "
+                f"{row['shm_ms']:8.3f} ms {row['shm_ratio']:5.2f}x {row['shm_above_ms']:+7.3f} ms",
+                flush=True,
+            )
+    if rank == 0:
+        _verdict(rows)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"rounds": args.rounds, "agg": args.agg, "rows": rows}, f, indent=1)
+    gloo.extended._close()
+    shm.extended._close()
+
+
+def _verdict(rows: list[dict[str, Any]]) -> None:
+    checks = []
+    for row in rows:
+        if row["size"] >= 4 << 20:
+            checks.append((f"gloo {row['size']} B <= 1.10x raw", row["gloo_ratio"] <= 1.10))
+            if row["transport"] == "shared memory":
+                checks.append((f"shm  {row['size']} B <= 1.00x raw", row["shm_ratio"] <= 1.0))
+        elif row["size"] == 1 << 20:
+            checks.append(("gloo 1 MiB <= raw + 0.3 ms", row["gloo_above_ms"] <= 0.3))
+    for text, ok in checks:
+        print(f"# target {text}: {'met' if ok else 'NOT met'}")
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start `--workers` processes of this script with torchrun's variables on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(args.workers):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(args.workers),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(args.workers),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        command = [sys.executable, "-m", "benchmarks.user_path_allreduce", *argv, "--worker"]
+        procs.append(subprocess.Popen(command, env=env))
+    deadline = time.monotonic() + args.deadline
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+    return max(codes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line; launch the workers, or be one."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="processes to launch (2)")
+    parser.add_argument(
+        "--sizes", nargs="+", type=_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    )
+    parser.add_argument("--rounds", type=int, default=21, help="timed rounds per size (21)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (3)")
+    parser.add_argument("--agg", type=int, default=1, help="calls back to back per sample (1)")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON (rank 0)")
+    parser.add_argument("--deadline", type=float, default=1800.0, help="kill after (s)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    return _launch(args, [a for a in argv if a != "--worker"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

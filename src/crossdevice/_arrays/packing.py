@@ -1,0 +1,171 @@
+"""The one packer: arrays grouped by a key, cut into packs by a size policy, filled, unpacked.
+
+Every place that packs many arrays into few flat buffers does the same four things, with
+its own key and size policy:
+
+* group by key, in order of first appearance (`group_by_key`): a pack holds one dtype
+  (and one array library, one device);
+* cut each group into packs (`group_by_size`: TF's `bytes_per_pack`; a whole group; or
+  TF's `num_packs` pieces of one flat buffer, `split_sizes`);
+* fill a pack, range by range, just before it is needed (`Pack.fill`): each member's
+  range is the sum of its components in order (one component: a copy), so a pack can
+  be written as it leaves, or straight into a transport's slot;
+* unpack a reduced pack into its members' shapes, as views (`Pack.unpack`).
+
+Users: the cross-worker all-reduce of a strategy (`_cross_device/collective.py`), the
+worker communicator's `batch_all_reduce`, the per-device packs of TF's `num_packs`
+(`_cross_device/packing.py`) and the replica threads' small arrays
+(`_comm/local/host_reduce.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Pack", "group_by_key", "group_by_size", "plan", "split_sizes"]
+
+
+def group_by_key(keys: Sequence[Hashable]) -> list[list[int]]:
+    """Indices grouped by equal key, groups in order of their first member.
+
+    Example:
+        >>> group_by_key(["f", "i", "f"])
+        [[0, 2], [1]]
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for index, key in enumerate(keys):
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
+
+
+def group_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
+    """Split value indices into packs of about `bytes_per_pack` bytes, in order.
+
+    TF's `cross_device_utils.group_by_size`: a new pack starts once the current one holds
+    more than `bytes_per_pack` bytes, so every pack but the last has at least that many
+    and a value is never split. `bytes_per_pack=0` puts everything in one pack.
+
+    Example:
+        >>> group_by_size([4, 4, 4, 4, 4], 6)
+        [[0, 1], [2, 3], [4]]
+    """
+    if bytes_per_pack < 0:
+        raise ValueError(f"Argument bytes_per_pack must be >=0, Received {bytes_per_pack}.")
+    if bytes_per_pack == 0:
+        return [list(range(len(nbytes)))] if nbytes else []
+    packs: list[list[int]] = []
+    last_size = 0
+    for index, size in enumerate(nbytes):
+        if not packs or last_size > bytes_per_pack:
+            packs.append([])
+            last_size = 0
+        packs[-1].append(index)
+        last_size += size
+    return packs
+
+
+def split_sizes(total: int, num_packs: int) -> tuple[int, ...]:
+    """TF's `num_packs` piece sizes: `[s] * (k - 1) + [total - s * (k - 1)]`, `s = total // k`.
+
+    Example:
+        >>> split_sizes(10, 3)
+        (3, 3, 4)
+        >>> split_sizes(2, 4)
+        (0, 0, 0, 2)
+    """
+    if num_packs < 1:
+        raise ValueError(f"split_sizes needs num_packs >= 1, got {num_packs}")
+    size = total // num_packs
+    return (size,) * (num_packs - 1) + (total - size * (num_packs - 1),)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pack:
+    """Some arrays of a batch, one after the other in one flat buffer.
+
+    Attributes:
+        members: the arrays' indices in the batch, in order.
+        shapes: each member's shape.
+        offsets: where each member starts in the flat buffer (and, last, its size).
+    """
+
+    members: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Elements of the flat buffer."""
+        return self.offsets[-1]
+
+    def fill(
+        self,
+        parts: Callable[[int], Sequence[np.ndarray]],
+        start: int,
+        stop: int,
+        dest: np.ndarray,
+        add: Callable[..., Any],
+    ) -> None:
+        """Write elements `start:stop` of this pack into `dest` (`stop - start` elements).
+
+        `parts(i)` are member i's flat components (one: copied; several: summed in
+        order by `add(flats, out=...)`).
+        """
+        for k, i in enumerate(self.members):
+            lo, hi = self.offsets[k], self.offsets[k + 1]
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                flats = [c[a - lo : b - lo] for c in parts(i)]
+                out = dest[a - start : b - start]
+                if len(flats) == 1:
+                    np.copyto(out, flats[0])
+                else:
+                    add(flats, out=out)
+
+    def unpack(self, flat: Any) -> list[Any]:
+        """The members, in order, as views of the reduced flat buffer in their shapes."""
+        return [
+            flat[self.offsets[k] : self.offsets[k + 1]].reshape(shape)
+            for k, shape in enumerate(self.shapes)
+        ]
+
+
+def plan(
+    keys: Sequence[Hashable],
+    shapes: Sequence[tuple[int, ...]],
+    itemsizes: Sequence[int],
+    bytes_per_pack: int = 0,
+    alone: Callable[[int], bool] | None = None,
+) -> list[Pack]:
+    """The packs of a batch: grouped by key, cut into packs of about `bytes_per_pack`.
+
+    Args:
+        keys: per array, what a pack must share (its dtype, library, device).
+        shapes: per array, its shape.
+        itemsizes: per array, its element size in bytes.
+        bytes_per_pack: TF's `bytes_per_pack` (0: one pack per key).
+        alone: arrays for which it is true get a pack of their own, first (sent as
+            they are, unpacked).
+
+    Returns:
+        The packs, those of single arrays first, then by key in order of appearance.
+    """
+    single = [i for i in range(len(keys)) if alone is not None and alone(i)]
+    rest = [i for i in range(len(keys)) if i not in set(single)]
+    groups = [[rest[j] for j in g] for g in group_by_key([keys[i] for i in rest])]
+    packs: list[list[int]] = [[i] for i in single]
+    for members in groups:
+        nbytes = [math.prod(shapes[i]) * itemsizes[i] for i in members]
+        packs.extend([members[j] for j in p] for p in group_by_size(nbytes, bytes_per_pack))
+    out = []
+    for members in packs:
+        offsets = [0]
+        for i in members:
+            offsets.append(offsets[-1] + math.prod(shapes[i]))
+        out.append(Pack(tuple(members), tuple(tuple(shapes[i]) for i in members), tuple(offsets)))
+    return out

@@ -1,0 +1,1 @@
+"""Collectives whose peers are the replica threads (or greenlets) of this process."""

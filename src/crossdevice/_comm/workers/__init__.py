@@ -1,0 +1,1 @@
+"""Collectives whose peers are worker processes, on torch.distributed (Gloo, NCCL, /dev/shm)."""

@@ -1,0 +1,580 @@
+"""`ProcessGroupCommunicator`: collectives across worker processes, composed from parts.
+
+It is the cross-worker half of `MultiWorkerMirroredStrategy`, which combines it with the
+in-process collectives in three phases (local sum, cross-worker all-reduce, local
+broadcast; `_cross_device/collective.py`). It is assembled, not inherited
+(docs/design.md §2b):
+
+* `Groups` (`groups.py`): its own torch.distributed groups, Gloo for host values and all
+  metadata, NCCL for CUDA values;
+* `HealthBoard` (`health.py`): heartbeats, arrival and abort marks in the c10d store, and
+  the one wait loop every wait goes through: a peer whose step raised, or whose
+  heartbeat stopped, is named within seconds; a live peer that does not arrive is named
+  when `timeout_seconds` (default `TUNING.default_timeout_seconds`) expires;
+* transports (`transport.py`): shared memory between the workers of one host, the
+  out-of-place ring for large host all-reduces, the process groups for the rest;
+* `Integrity` (`integrity.py`): every collective's fingerprint checked on every worker
+  before its result is used, riding inside a repeated all-reduce's data.
+
+Every public method is one *numbered collective*, and every worker must call the same
+collectives in the same order with matching values; a failed communicator refuses
+further collectives (every worker must build a new one, as TF's collectives poison the
+context too). Values may be NumPy arrays (or numbers) and torch tensors; each method
+returns the kind it was given, and never modifies its inputs unless they are donated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - exercised only without torch
+    raise ImportError(
+        "multi-worker collectives need PyTorch, which is not installed; install it with "
+        "`pip install torch==2.13.0` (CPU build) then `pip install crossdevice[torch]`"
+    ) from None
+
+from crossdevice._comm.protocol import (
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+)
+from crossdevice._comm.workers import fingerprint as fp
+from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
+from crossdevice._comm.workers.copies import broadcast, gather, value_print
+from crossdevice._comm.workers.gloo import ProcessGroupTransport
+from crossdevice._comm.workers.groups import Groups
+from crossdevice._comm.workers.health import HealthBoard
+from crossdevice._comm.workers.integrity import Integrity
+from crossdevice._comm.workers.packs import batch_all_reduce
+from crossdevice._comm.workers.ring import RingTransport
+from crossdevice._comm.workers.sequence import FillFailedError, Pending, Sequencer, guarded_fill
+from crossdevice._comm.workers.shm import SharedMemoryTransport
+from crossdevice._comm.workers.speculation import Filler, RoomPool, layout_digest
+from crossdevice._comm.workers.start import (
+    check_joined_group,
+    health_store,
+    start_cluster_group,
+    store_host,
+)
+from crossdevice._comm.workers.transport import Job, Layout, host_layout
+from crossdevice._comm.workers.wire import (
+    Wire,
+    describe_wires,
+    divide,
+    donation,
+    to_wire,
+)
+from crossdevice._core import tuning
+from crossdevice._core.cluster import Cluster, resolve_cluster
+from crossdevice._core.errors import (
+    CollectiveMismatchError,
+)
+from crossdevice._core.options import CommunicationOptions
+from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._sync.call import cached_digest
+
+__all__ = ["ProcessGroupCommunicator"]
+
+
+class ProcessGroupCommunicator:
+    """Collectives among the workers of a cluster, on `torch.distributed`.
+
+    It starts the default process group from `cluster` (rendezvous at
+    `tcp://master_addr:master_port`, or torchrun's `env://`), or joins the one that
+    already exists, and creates its own groups (`Groups`), so two communicators (two
+    strategies) never mix their collectives.
+
+    Args:
+        cluster: this worker's place in the cluster; None reads `TF_CONFIG` or torchrun's
+            variables (`resolve_cluster`). Ignored, apart from a consistency check, when
+            `torch.distributed` is already initialised.
+        options: default `CommunicationOptions`; its `timeout_seconds` bounds each
+            collective (None: `TUNING.default_timeout_seconds`) and `implementation=RING`
+            keeps CUDA values on Gloo.
+        init_timeout_seconds: how long to wait for every worker at the rendezvous
+            (None: `TUNING.default_init_timeout_seconds`).
+
+    Raises:
+        ValueError: no cluster described and no process group to join, or a cluster that
+            disagrees with the existing process group.
+
+    Example (in each of two worker processes, rank given by the launcher):
+        >>> comm = ProcessGroupCommunicator()  # doctest: +SKIP
+        >>> comm.all_reduce([np.ones(3)], "sum")  # doctest: +SKIP
+        [array([2., 2., 2.])]
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster | None = None,
+        *,
+        options: CommunicationOptions | None = None,
+        init_timeout_seconds: float | None = None,
+    ) -> None:
+        self._options = CommunicationOptions().merge(options)
+        self._owns_default_group = False
+        self._rooms = RoomPool()
+        if dist.is_initialized():
+            check_joined_group(cluster)
+        else:
+            cluster = self._start_default_group(cluster, init_timeout_seconds)
+        self._cluster = cluster
+        self._standing = Standing(dist.get_rank(), dist.get_world_size())
+        self._groups: Groups | None = None
+        self._shm: SharedMemoryTransport | None = None
+        try:
+            groups = Groups(
+                self.timeout + tuning.TUNING.backstop_slack_seconds, self._options.implementation
+            )
+            self._groups = groups
+            rank, world = self._standing.rank, self._standing.world_size
+            self._health = HealthBoard(lambda: health_store(groups.name), rank, world, store_host())
+            self._sequencer = Sequencer(
+                self._standing, self._health, groups, self.abort, type(self).__name__
+            )
+            self._integrity = Integrity(self._standing, groups, self._health, [])
+            in_place = ProcessGroupTransport(
+                groups, self._health, world, self._rooms, self._integrity.predictor
+            )
+            ring = RingTransport(groups, self._health, rank, world, self._rooms)
+            # Every worker on this host: through /dev/shm (every worker alike, or none).
+            self._shm = SharedMemoryTransport.connect(
+                rank, world, self._exchange, self._health, self._rooms, self._leave
+            )
+            self._integrity.transports[:] = [
+                t for t in (self._shm, ring, in_place) if t is not None
+            ]
+        except BaseException:
+            if self._groups is not None:
+                self._groups.destroy()
+            if self._owns_default_group:
+                dist.destroy_process_group()
+            raise
+
+    def _start_default_group(self, cluster: Cluster | None, init_timeout: float | None) -> Cluster:
+        if cluster is None:
+            cluster = resolve_cluster()
+        if cluster is None:
+            raise ValueError(
+                "no cluster to join: TF_CONFIG describes no cluster, torchrun's RANK/"
+                "WORLD_SIZE/MASTER_ADDR/MASTER_PORT are unset and torch.distributed is not "
+                "initialised; launch with `torchrun`, set TF_CONFIG, or pass a Cluster"
+            )
+        if init_timeout is None:
+            init_timeout = tuning.TUNING.default_init_timeout_seconds
+        start_cluster_group(cluster, init_timeout)
+        self._owns_default_group = True
+        return cluster
+
+    # -- properties ----------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank, 0 .. world_size - 1."""
+        return self._standing.rank
+
+    @property
+    def size(self) -> int:
+        """Number of workers (the `Communicator` protocol's name for `world_size`)."""
+        return self._standing.world_size
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers."""
+        return self._standing.world_size
+
+    @property
+    def cluster(self) -> Cluster | None:
+        """The cluster this communicator started from; None if it joined a group without one."""
+        return self._cluster
+
+    @property
+    def options(self) -> CommunicationOptions:
+        """The default `CommunicationOptions` of every collective."""
+        return self._options
+
+    @property
+    def timeout(self) -> float:
+        """The bound on every collective: `timeout_seconds`, else the tuning's default."""
+        return self._options.timeout_seconds or tuning.TUNING.default_timeout_seconds
+
+    @property
+    def sequence_number(self) -> int:
+        """Number of collectives started so far (the next one gets this number + 1)."""
+        return self._sequencer.seq
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called."""
+        return self._sequencer.closed
+
+    @property
+    def broken(self) -> str | None:
+        """Why this communicator refuses collectives (a failure), or None."""
+        return self._standing.broken
+
+    @property
+    def local_replicas(self) -> list[int] | None:
+        """Every rank's local replica count, once `agree_on_local_replicas` ran."""
+        return self._standing.replicas
+
+    @property
+    def host_group(self) -> Any:
+        """Its Gloo process group (None once closed or failed): for benchmarks and tests."""
+        return None if self._groups is None else self._groups.host
+
+    @property
+    def shared_memory(self) -> Any:
+        """The shared-memory slots when every worker shares this host, else None."""
+        return None if self._shm is None else self._shm.slots
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def all_reduce(
+        self,
+        values: Sequence[Any],
+        options: ReduceOptions | ReduceOp | str = ReduceOp.SUM,
+        *,
+        donate: bool | Sequence[bool] = False,
+        fill: Callable[..., bool] | None = None,
+    ) -> list[Any]:
+        """Reduce each buffer element-wise across workers; every worker gets the result.
+
+        `all_reduce_async(...).wait()`: see there for the arguments.
+        """
+        return self.all_reduce_async(values, options, donate=donate, fill=fill).wait()
+
+    def all_reduce_async(
+        self,
+        values: Sequence[Any],
+        options: ReduceOptions | ReduceOp | str = ReduceOp.SUM,
+        *,
+        donate: bool | Sequence[bool] = False,
+        fill: Callable[..., bool] | None = None,
+    ) -> Pending:
+        """Issue an all-reduce now; `wait()` on the result for the reduced values.
+
+        What can leave at once leaves before this returns (on Gloo the whole all-reduce
+        then runs in Gloo's threads while the caller computes); the rest, and the check
+        of every worker's fingerprint, happen in `wait`. Results are bitwise those of
+        `all_reduce`. At most one all-reduce is in flight: any collective issued before
+        `wait` first completes it. `values` (unless donated) must not change before
+        `wait` returns.
+
+        One numbered collective, however many buffers. Its fingerprint is compared on
+        every worker before any result is used.
+
+        Args:
+            values: arrays (typically flat packs), the same shapes, dtypes and kinds of
+                device (host or CUDA) in the same order on every worker.
+            options: `ReduceOptions` (or just its reduce op): `SUM` or `MEAN`; for MEAN
+                the `divisor` (default the number of workers: a strategy passes the
+                global replica count); a `timeout` shorter than the communicator's; the
+                `signature` of what the caller reduces before packing (shapes, nest
+                structure, call site), added to the fingerprint.
+            donate: the caller will not use `values` again (one flag for all, or one per
+                value): they may be reduced in place (the results may then be the
+                inputs); else they never change.
+            fill: `fill(i, start, stop, out=None)` writes elements `start:stop` of flat
+                buffer `i` (donated `pack_buffer` views) just before they leave, or into
+                `out` (a flat array of `stop - start` elements) instead, and returns
+                whether it wrote (a value that is not donated holds its data already).
+
+        Returns:
+            A `Pending` whose `wait()` returns one array per buffer, of the buffer's kind,
+            dtype (MEAN of integers gives floating point, as the backends divide) and
+            device. `wait` is bounded by the collective's timeout.
+
+        Raises (from `wait`, or here when the fingerprints are exchanged first):
+            CollectiveMismatchError: on every worker, when the workers' calls differ.
+            WorkerFailedError: a peer's step raised, or a peer died.
+            CollectiveTimeoutError: a live worker did not arrive within the timeout.
+            TypeError: a dtype no process group can carry.
+        """
+        opts = ReduceOptions.of(options)
+        count = opts.divide_by(self.world_size)
+        donated = donation(values, donate, fill is not None)
+        wires = [self._to_wire(v) for v in values]
+        live = [w for w in wires if w.tensor.numel()]
+        # A copy made on the way (a non-contiguous or read-only input) is ours too.
+        ours = tuple(d or w.owned for w, d in zip(wires, donated, strict=True) if w.tensor.numel())
+        tensors = [w.tensor.reshape(-1) for w in live]
+        layout = host_layout(tensors)
+        signature = opts.signature
+        shapes = (
+            signature.shapes_digest()
+            if signature is not None
+            else cached_digest(tuple((tuple(w.tensor.shape), w.dtype) for w in wires))
+        )
+        filler = Filler(guarded_fill(fill), [w.tensor.numel() for w in wires])
+        own = tuple((t.dtype, t.numel()) for t in tensors)
+
+        def job(sent: Layout | None) -> Job:
+            return Job(own if sent is None else sent, tensors, ours, filler.live)
+
+        with self._collective("all_reduce", opts.timeout) as call:
+            mine = fp.Fingerprint(
+                seq=call.seq,
+                kind="all_reduce",
+                op=(signature.argument if signature is not None else opts.op.name).lower(),
+                local_replicas=self._standing.local_count(),
+                buffers=len(wires),
+                nbytes=sum(t.numel() * t.element_size() for t in tensors),
+                dtypes=cached_digest(tuple(w.tensor.dtype for w in wires)),
+                shapes=shapes,
+                structure=0 if signature is None else signature.structure_digest(),
+                cuda=any(t.is_cuda for t in tensors),
+                layout=layout_digest(layout),
+            )
+            checked = self._guard(
+                call,
+                lambda: self._integrity.start(
+                    call, mine, layout, job, lambda: describe_wires(wires)
+                ),
+            )
+
+        def results(outputs: list[torch.Tensor]) -> list[Any]:
+            for w, out in zip(live, outputs, strict=True):
+                w.tensor, w.owned = out.view(w.tensor.shape), True
+            reduced = [w.result(w.tensor) for w in wires]
+            if count is not None:
+                reduced = [divide(r, count) for r in reduced]
+            return reduced
+
+        pending = Pending(self._sequencer, call, checked.finish, results)
+        self._sequencer.pending = pending
+        return pending
+
+    def pack_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
+        """A recycled flat host buffer to fill and then `all_reduce(..., donate=True)`.
+
+        It has room behind it for the inline fingerprint (`speculation.py`), so reducing
+        it copies nothing. Contents undefined.
+        """
+        return self._rooms.take(dtype, numel)
+
+    def batch_all_reduce(
+        self,
+        values: Sequence[Any],
+        options: ReduceOptions | ReduceOp | str = ReduceOp.SUM,
+        *,
+        bytes_per_pack: int | None = None,
+    ) -> list[Any]:
+        """All-reduce many arrays in few flat packs: grouped by kind, device and dtype.
+
+        Values of one group are packed in order into flat buffers of about
+        `bytes_per_pack` bytes (None takes the communicator's options, 0 one pack per
+        group), filled as they leave (`packs.py`); all packs are reduced in one numbered
+        collective and unpacked to the values' shapes. The fingerprint covers every
+        value's shape and dtype, not only the packs' sizes.
+
+        Returns:
+            The reduced values, in the order and of the kinds of `values`.
+        """
+        pack_bytes = self._options.bytes_per_pack if bytes_per_pack is None else bytes_per_pack
+        return batch_all_reduce(
+            self.all_reduce, self._to_wire, self._rooms, values, options, pack_bytes, self.size
+        )
+
+    def all_gather(self, value: Any, axis: GatherOptions | int = 0) -> Any:
+        """Concatenate every worker's `value` along the axis, in rank order.
+
+        The sizes along the axis may differ between workers (TF's partial batches):
+        shapes come with the fingerprints, values are padded to the largest, gathered,
+        and unpadded.
+
+        Args:
+            value: this worker's array.
+            axis: the axis (negative counts from the end), or the whole `GatherOptions`.
+
+        Returns:
+            The concatenation, of `value`'s kind.
+
+        Raises:
+            ValueError: on every worker alike, when ranks, dtypes or sizes on other axes
+                differ, or the axis is out of range; the message names the ranks and shapes.
+            CollectiveMismatchError: a worker runs another collective.
+        """
+        opts = GatherOptions.of(axis)
+        wire = self._to_wire(value)
+        with self._collective("all_gather", opts.timeout) as call:
+            local = self._standing.local_count()
+            mine = value_print(call, "all_gather", wire, opts.axis, local)
+            prints = self._guard(call, lambda: self._integrity.agree(call, mine))
+            out = gather(call, wire, opts.axis, prints, self.rank, self._cuda, self._op(call))
+        return wire.result(out)
+
+    def broadcast(self, value: Any, root: BroadcastOptions | int = 0) -> Any:
+        """Every worker gets a copy of the root worker's `value`.
+
+        Args:
+            value: the array to send on the root; on the others an array of the same
+                shape and dtype (its data is ignored) or None (the result is then a
+                NumPy array).
+            root: the rank that sends, or the whole `BroadcastOptions`.
+
+        Returns:
+            A new array equal to root's value, of this worker's kind.
+
+        Raises:
+            ValueError: on every worker alike, when the workers disagree on the root,
+                the root passes None, or a shape or dtype differs from root's.
+            CollectiveMismatchError: a worker runs another collective.
+        """
+        opts = BroadcastOptions.of(root)
+        wire = None if value is None else self._to_wire(value)
+        with self._collective("broadcast", opts.timeout) as call:
+            local = self._standing.local_count()
+            mine = value_print(call, "broadcast", wire, opts.root, local)
+            prints = self._guard(call, lambda: self._integrity.agree(call, mine))
+            launch = self._op(call)
+            wire, out = broadcast(call, wire, opts.root, prints, self.rank, self._cuda, launch)
+        return wire.result(out)
+
+    def any_has_data(self, has_data: bool, *, timeout: float | None = None) -> bool:
+        """Whether any worker still has input data: TF's per-step has-data all-reduce.
+
+        One numbered collective; the flag rides in the fingerprint header, so it costs
+        one small message and no data phase.
+        """
+        with self._collective("has_data", timeout) as call:
+            local = self._standing.local_count()
+            mine = fp.Fingerprint(call.seq, "has_data", local_replicas=local, arg=int(has_data))
+            prints = self._guard(call, lambda: self._integrity.agree(call, mine))
+        return any(p.arg for p in prints)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every worker reaches this barrier (a numbered collective)."""
+        with self._collective("barrier", timeout) as call:
+            local = self._standing.local_count()
+            mine = fp.Fingerprint(call.seq, "barrier", local_replicas=local)
+            self._guard(call, lambda: self._integrity.agree(call, mine))
+
+    def agree_on_local_replicas(self, count: int) -> list[int]:
+        """Exchange local replica counts; CollectiveMismatchError on every rank if they differ.
+
+        A strategy calls this once: global replica ids (`rank * count + i`) and MEAN's
+        divisor need the same count on every worker.
+        """
+        with self._collective("replica_count", None) as call:
+            mine = torch.tensor([count], dtype=torch.int64)
+            table = self._guard(call, lambda: self._integrity.gather_small(call, mine))
+        counts = [int(row[0]) for row in table]
+        if len(set(counts)) > 1:
+            raise CollectiveMismatchError(
+                f"every worker must run the same number of local replicas, got "
+                f"{', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}; give every "
+                "worker the same `devices` (or the same number of GPUs)"
+            )
+        self._standing.replicas = counts
+        return counts
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def abort(self, error: BaseException) -> None:
+        """Give up: refuse further collectives and tell every peer why.
+
+        `MultiWorkerMirroredStrategy` calls this when a step raises on this worker, so
+        its peers raise `WorkerFailedError` naming it at once instead of waiting for it.
+        Three channels: an *abort header* sent as this worker's part of the next
+        collective's fingerprint exchange (peers waiting in it, or arriving later, read
+        it there, even when the store is gone), a mark in the c10d store with the
+        whole message (peers waiting elsewhere see it within a poll interval), and, on
+        shared memory, a mark in this worker's segment that wakes peers waiting there.
+        """
+        if isinstance(error, FillFailedError):
+            error = error.error
+        sequencer = self._sequencer
+        if sequencer.closed or self._standing.broken is not None:
+            return
+        reason = f"{type(error).__name__}: {error}"
+        self._standing.broken = f"this worker's step raised {reason}"
+        self._health.post_abort(reason)
+        if self._shm is not None:
+            self._shm.poison()  # peers waiting in (or reaching) a shared round raise
+        groups = self._groups
+        if groups is not None and groups.alive and sequencer.lock.acquire(blocking=False):
+            try:
+                sequencer.seq += 1
+                self._integrity.abandon(sequencer.seq, type(error).__name__)
+                groups.destroy(keep_alive=True)
+            except Exception:
+                pass
+            finally:
+                sequencer.lock.release()
+
+    def close(self) -> None:
+        """Destroy the communicator's process groups (and the default one if it made it).
+
+        Idempotent. Every worker should close; collectives afterwards raise RuntimeError.
+        """
+        if self._sequencer.closed:
+            return
+        self._sequencer.closed = True
+        self._health.stop()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        if self._groups is not None:
+            self._groups.destroy()
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> ProcessGroupCommunicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "broken" if self._standing.broken else "open"
+        return (
+            f"ProcessGroupCommunicator(rank={self.rank}, world_size={self.world_size}, "
+            f"collectives={self.sequence_number}, {state})"
+        )
+
+    # -- machinery -----------------------------------------------------------------------
+
+    @property
+    def _cuda(self) -> Any:
+        return None if self._groups is None else self._groups.cuda
+
+    def _to_wire(self, value: Any) -> Wire:
+        return to_wire(value, cuda=self._cuda is not None)
+
+    def _exchange(self, mine: torch.Tensor) -> np.ndarray:
+        """All-gather a small host tensor at set-up (watched as any collective, unnumbered)."""
+        call = Call("set-up exchange", 0, float(self.timeout), time.monotonic())
+        return self._guard(call, lambda: self._integrity.gather_small(call, mine))
+
+    def _op(self, call: Call) -> Callable[..., None]:
+        """Runs one process-group op of `call` on the group its tensors live on, waited on."""
+
+        def launch(op: Callable[..., Any], *args: Any) -> None:
+            tensor = args[1] if op is dist.all_gather else args[0]
+            assert self._groups is not None
+            work = op(*args, group=self._groups.group_for(tensor), async_op=True)
+            self._guard(call, lambda: self._health.wait_works(call, [work]))
+
+        return launch
+
+    def _leave(self, error: BaseException) -> None:
+        """A transport left a collective midway (not a failed wait): tell the peers why."""
+        if not isinstance(error, WaitFailedError):
+            self.abort(error)
+
+    def _collective(self, name: str, timeout: float | None) -> Any:
+        """The sequencer's numbered collective, bounded by `timeout` (at most ours)."""
+        # The groups' own timeout (ours + slack) was fixed at construction.
+        bound = self.timeout if not timeout else min(self.timeout, timeout)
+        return self._sequencer.collective(name, bound)
+
+    def _guard(self, call: Call, run: Callable[[], Any]) -> Any:
+        return self._sequencer.guard(call, run)

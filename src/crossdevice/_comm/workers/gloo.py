@@ -1,0 +1,133 @@
+"""`ProcessGroupTransport`: `torch.distributed.all_reduce` in place (Gloo on host, NCCL on CUDA).
+
+The transport every layout can take: host buffers travel through the communicator's Gloo
+group, CUDA buffers through its NCCL group. Gloo reduces in place, so a buffer the caller
+still owns is copied first (the API never changes its inputs); donated buffers (a
+strategy's packs) are reduced where they lie, and a lazy `fill` writes each chunk of them
+just before the op that sends it (`speculation.speculative_ops`: large buffers leave in
+chunks, so the copy or local sum of the next chunk runs while the previous one travels).
+
+The inline header (`Job.header`) rides in the data: `INLINE_SLOTS` elements behind the
+first buffer (which needs room for them: a `RoomPool` buffer, or a copy into one), or in
+a small all-reduce of its own just before a large first buffer (`header_apart`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from crossdevice._comm.workers.calls import Call
+from crossdevice._comm.workers.groups import Groups
+from crossdevice._comm.workers.health import HealthBoard
+from crossdevice._comm.workers.speculation import (
+    Predictor,
+    RoomPool,
+    header_apart,
+    inline_agrees,
+    speculative_ops,
+)
+from crossdevice._comm.workers.transport import Flight, Job, Layout, Reduced
+
+__all__ = ["ProcessGroupTransport"]
+
+
+class _Flight:
+    """A started all-reduce: `finish` waits for its works and checks its header."""
+
+    __slots__ = ("finish",)
+
+    def __init__(self, finish: Callable[[], Reduced]) -> None:
+        self.finish = finish
+
+
+class ProcessGroupTransport:
+    """In-place all-reduces on the communicator's process groups (see the module doc).
+
+    Args:
+        groups: the communicator's process groups.
+        health: the health board whose wait loop every wait goes through.
+        world_size: number of workers (what an inline header's sums are checked against).
+        rooms: buffers with room for the inline header behind their data.
+        predictor: where the zeros come from when this worker's call did not fit.
+    """
+
+    name = "process group"
+
+    def __init__(
+        self,
+        groups: Groups,
+        health: HealthBoard,
+        world_size: int,
+        rooms: RoomPool,
+        predictor: Predictor,
+    ) -> None:
+        self._groups = groups
+        self._health = health
+        self._world = world_size
+        self._rooms = rooms
+        self._predictor = predictor
+
+    def enabled(self, layout: Layout) -> bool:
+        """Every layout: the transport of last resort."""
+        del layout
+        return True
+
+    def start(self, call: Call, job: Job) -> Flight:
+        """Launch the ops, filling donated buffers chunk by chunk as they leave."""
+        tensors, views = self._writable(job)
+        ops, slots, mine = speculative_ops(job.layout, tensors, job.header)
+        fill = job.fill if job.buffers is not None else None
+        works: list[Any] = []
+        for tensor, span in ops:
+            if fill is not None and span is not None:
+                fill(*span)
+            works.append(
+                dist.all_reduce(tensor, group=self._groups.group_for(tensor), async_op=True)
+            )
+
+        def finish() -> Reduced:
+            self._health.wait_works(call, works)
+            agrees = slots is None or inline_agrees(slots, mine or [], self._world)
+            return (views if agrees else None), agrees
+
+        return _Flight(finish)
+
+    def abandon(self, job: Job) -> list[Any]:
+        """Launch the ops of `job` (zeros, an abort header) without waiting for them."""
+        tensors = self._predictor.zeros(job.layout)
+        ops, _, _ = speculative_ops(job.layout, tensors, job.header)
+        return [(dist.all_reduce(t, group=self._groups.host, async_op=True), t) for t, _ in ops]
+
+    def _writable(self, job: Job) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(what Gloo reduces in place, this worker's results as views of it).
+
+        The first buffer gets room behind it for an inline header that is not apart;
+        buffers the caller still owns are copied (inputs never change).
+        """
+        if job.buffers is None:
+            return self._predictor.zeros(job.layout), None
+        live = [
+            t if mine else self._copy(t) for t, mine in zip(job.buffers, job.donated, strict=True)
+        ]
+        if job.header is None or header_apart(job.layout):
+            return live, live
+        first = live[0]
+        room = self._rooms.room_of(first)
+        if room is None:
+            job.fill_all()  # the first buffer is copied whole, behind it the header
+            room = self._rooms.buffer(first.dtype, first.numel())
+            room[: first.numel()].copy_(first.reshape(-1))
+        return [room, *live[1:]], [room[: first.numel()], *live[1:]]
+
+    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of a host `tensor` in a recycled buffer (CUDA ones: a fresh one)."""
+        if tensor.is_cuda:
+            return tensor.clone()
+        numel = tensor.numel()
+        out = self._rooms.buffer(tensor.dtype, numel)[:numel]
+        out.copy_(tensor.reshape(-1))
+        return out

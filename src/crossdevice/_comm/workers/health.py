@@ -1,0 +1,306 @@
+"""Which workers arrived, which are alive, which failed; and the one loop every wait runs.
+
+Each worker's `HealthBoard` keeps three kinds of keys in the store (under a prefix of
+its communicator):
+
+* `r<rank>`: the number of the last collective the worker reached (arrival marks);
+* `h<rank>`: a heartbeat counter, bumped every `TUNING.heartbeat_seconds` by a daemon thread.
+  It keeps beating while the worker's main thread is busy or asleep in user code, so a
+  *stalled* worker looks alive and a *dead* one (killed, crashed, connection gone)
+  stops: its peers report it after `TUNING.dead_after_seconds` whatever the timeout says;
+* `a<rank>`: why the worker gave up (its step raised `ValueError: ...`), plus a shared
+  counter `aborts` so a peer learns of any abort in one store round trip.
+
+A waiting worker polls `check()` only when its collective did not finish within a
+poll interval, so the fast path costs nothing but the publisher thread's integer reads.
+When the store itself is unreachable, the process serving it is gone: that is rank 0
+(it serves the store unless torchrun's agent does), and the error says so.
+
+Every wait of a worker communicator goes through `HealthBoard.wait`: process-group work
+(`wait_works`) and shared-memory rounds alike. It bounds the wait by the collective's
+timeout and consults the board every `TUNING.poll_seconds`, so a failed or dead peer is
+named within seconds whatever the transport. `diagnose` turns what ended a wait into
+the error the caller gets: naming the failed ranks, or the ranks that did not arrive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from crossdevice._comm.workers.calls import (
+    Call,
+    PeerFailure,
+    PeersFailedError,
+    Standing,
+    WaitFailedError,
+)
+from crossdevice._comm.workers.store_logging import quiet_store
+from crossdevice._core import tuning
+from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError
+
+__all__ = ["HealthBoard", "PeerFailure"]
+
+#: Heartbeats this many beats stale when the store goes down mark a peer that died first.
+_SILENT_BEATS: Final = 3
+#: Longest text of an abort reason kept (a peer's store value is untrusted input).
+_MAX_REASON: Final = 300
+
+
+class HealthBoard:
+    """This worker's marks in the store, and what the store says about its peers.
+
+    Args:
+        connect: makes a new store client; the board takes two (one for its thread).
+        rank: this worker's rank.
+        world_size: number of workers.
+        store_host: the rank whose process serves the store, if a worker does.
+    """
+
+    def __init__(
+        self, connect: Callable[[], Any], rank: int, world_size: int, store_host: int | None
+    ) -> None:
+        self.reached = 0
+        self._rank = rank
+        self._world_size = world_size
+        self._store_host = store_host
+        # Calls that fail once the store's host is gone must not print C++ frames.
+        self._pub_store = quiet_store(connect())
+        self._store = quiet_store(connect())
+        self._published = -1
+        self._beat = 0
+        self._stop = threading.Event()
+        self._seen: dict[int, tuple[bytes | None, float]] = {}
+        self._pub_store.set(f"h{rank}", "0")
+        self._thread = threading.Thread(
+            target=self._publish_loop, name=f"crossdevice-health-r{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- this worker -------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        reached = self.reached
+        if reached != self._published:
+            self._pub_store.set(f"r{self._rank}", str(reached))
+            self._published = reached
+
+    def _publish_loop(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stop.wait(tuning.TUNING.publish_seconds):
+            try:
+                self._publish()
+                if time.monotonic() >= next_beat:
+                    self._beat += 1
+                    self._pub_store.set(f"h{self._rank}", str(self._beat))
+                    next_beat = time.monotonic() + tuning.TUNING.heartbeat_seconds
+            except Exception:  # the store is gone: a waiting collective will report it
+                return
+
+    def post_abort(self, reason: str) -> None:
+        """Tell every peer that this worker gave up, and why (best effort)."""
+        try:
+            self._store.set(f"a{self._rank}", reason[:_MAX_REASON])
+            self._store.add("aborts", 1)
+        except Exception:
+            pass
+
+    def stop(self) -> None:
+        """Stop publishing (waits for the thread at most about one interval)."""
+        self._stop.set()
+        self._thread.join(timeout=2 * tuning.TUNING.publish_seconds + 1.0)
+
+    # -- peers -------------------------------------------------------------------------
+
+    def check(self) -> list[PeerFailure]:
+        """Peers known to have failed: aborted, dead (stale heartbeat), or the store host."""
+        now = time.monotonic()
+        try:
+            failures = self._aborted()
+            if failures:
+                return failures
+            for rank in range(self._world_size):
+                if rank == self._rank:
+                    continue
+                key = f"h{rank}"
+                beat = self._store.get(key) if self._store.check([key]) else None
+                last, since = self._seen.get(rank, (None, now))
+                if rank not in self._seen or beat != last:
+                    self._seen[rank] = (beat, now)
+                elif now - since >= tuning.TUNING.dead_after_seconds:
+                    failures.append(
+                        PeerFailure(
+                            rank,
+                            f"stopped sending heartbeats {now - since:.1f} s ago: its process "
+                            "died or lost its connection",
+                            died=True,
+                        )
+                    )
+            return failures
+        except Exception as err:
+            host = self._store_host
+            who = f"rank {host}, which serves it," if host is not None else "torchrun's agent"
+            # Peers already silent when the store went down come first: the store's host
+            # may only have exited after seeing them die (it diagnosed sooner than we did).
+            silent = [
+                PeerFailure(
+                    rank,
+                    f"had stopped sending heartbeats {now - since:.1f} s before the store "
+                    "went down: its process died or lost its connection",
+                    died=True,
+                )
+                for rank, (_, since) in sorted(self._seen.items())
+                if rank != host and now - since >= _SILENT_BEATS * tuning.TUNING.heartbeat_seconds
+            ]
+            return [
+                *silent,
+                PeerFailure(
+                    -1 if host is None else host,
+                    f"is unreachable: the c10d store does not answer ({type(err).__name__}: "
+                    f"{err}), so {who} has probably died",
+                    died=True,
+                ),
+            ]
+
+    def _aborted(self) -> list[PeerFailure]:
+        if int(self._store.add("aborts", 0)) == 0:
+            return []
+        failures = []
+        for rank in range(self._world_size):
+            key = f"a{rank}"
+            if rank != self._rank and self._store.check([key]):
+                raw = self._store.get(key)[:_MAX_REASON]
+                text = "".join(
+                    c if c.isprintable() else "?" for c in raw.decode("utf-8", "replace")
+                )
+                failures.append(PeerFailure(rank, f"raised {text}", died=False))
+        return failures
+
+    def _below(self, seq: int) -> list[int]:
+        out = []
+        for rank in range(self._world_size):
+            key = f"r{rank}"
+            if not self._store.check([key]) or int(self._store.get(key)) < seq:
+                out.append(rank)
+        return out
+
+    def missing(self, seq: int) -> list[int] | None:
+        """Ranks whose arrival mark is below `seq`; None if the store cannot be read."""
+        try:
+            self._store.set(f"r{self._rank}", str(self.reached))
+            # Read at once (the store's host may be about to exit after its own failure),
+            # then again once peers' marks, up to one interval stale, have caught up.
+            missing = self._below(seq)
+        except Exception:
+            return None
+        time.sleep(3 * tuning.TUNING.publish_seconds)
+        with contextlib.suppress(Exception):  # keep the first reading if the store is gone
+            missing = self._below(seq)
+        return missing
+
+    # -- waiting -----------------------------------------------------------------------
+
+    def wait(self, call: Call, step: Callable[[float], bool]) -> None:
+        """Wait until `step(seconds)` says done, watching the peers' health.
+
+        `step` waits at most `seconds` (a process group's work, a futex) and returns
+        whether what it waits for is done; it may raise `PeersFailedError` itself (a
+        shared-memory peer's poison mark). Raises TimeoutError once `call` is past its
+        timeout, `PeersFailedError` when the board names failed peers (looked at every
+        `TUNING.poll_seconds`, however often `step` returns early), each wrapped in
+        `WaitFailedError`, as is a failure of the process group's work.
+        """
+        poll = tuning.TUNING.poll_seconds
+        shortest = tuning.TUNING.min_wait_seconds
+        next_check = time.monotonic() + poll
+        try:
+            while True:
+                remaining = call.remaining()
+                # Done already is done, even past the deadline (an all-reduce waited late).
+                if step(max(shortest, min(next_check - time.monotonic(), remaining))):
+                    return
+                if remaining < shortest:
+                    raise TimeoutError(f"no reply within {call.timeout:g} s")
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + poll
+                    failures = self.check()
+                    if failures:
+                        raise PeersFailedError(failures)
+        except (TimeoutError, PeersFailedError) as err:
+            raise WaitFailedError(err) from err
+
+    def wait_works(self, call: Call, works: Sequence[Any]) -> None:
+        """`wait` for each of a process group's pending works, in order."""
+        for work in works:
+            self.wait(call, functools.partial(_work_done, work))
+
+    def diagnose(
+        self, call: Call, err: Exception, standing: Standing
+    ) -> WorkerFailedError | CollectiveTimeoutError | RuntimeError:
+        """The error that ended `call`'s wait, naming the failed or missing ranks.
+
+        A failure of the process group itself (a connection closed) is looked into for up
+        to a dead worker's heartbeat timeout, to name who died.
+        """
+        where = f"{call.label} on rank {standing.rank} of {standing.world_size}"
+        failures = err.failures if isinstance(err, PeersFailedError) else []
+        timed_out = isinstance(err, TimeoutError) and not failures
+        if not failures and not timed_out:
+            deadline = time.monotonic() + tuning.TUNING.dead_after_seconds + 1.0
+            while not failures and time.monotonic() < deadline:
+                failures = self.check()
+                if not failures:
+                    time.sleep(tuning.TUNING.poll_seconds)
+        if failures:
+            named = "; ".join(
+                f"rank {f.rank}{standing.replica_ids([f.rank])} {f.reason}"
+                if f.rank >= 0
+                else f"the store {f.reason}"
+                for f in failures
+            )
+            failed = WorkerFailedError(
+                f"{where}: a peer failed: {named}. Fix that worker's failure (see its log); "
+                f"every worker must then build a new strategy (or communicator)."
+            )
+            failed.__cause__ = None if isinstance(err, PeersFailedError) else err
+            return failed
+        if timed_out:
+            # The board keeps beating: this worker is alive, and its peers must not take
+            # it for dead while they diagnose their own failure.
+            missing = self.missing(call.seq)
+            if missing:
+                who = f"rank(s) {missing}{standing.replica_ids(missing)} did not arrive at it"
+            elif missing is None:
+                who = "the arrival marks could not be read"
+            else:
+                who = "every rank arrived at it, but a peer is stuck inside it"
+            return CollectiveTimeoutError(
+                f"{where} timed out after {call.timeout:g} s: {who}. Every worker must run "
+                f"the same collectives in the same order; if the workers are only slow, "
+                f"raise CommunicationOptions(timeout_seconds=...) (default "
+                f"{tuning.TUNING.default_timeout_seconds:g} s). Build a new strategy on every "
+                "worker."
+            )
+        failed_run = RuntimeError(
+            f"{where} failed ({type(err).__name__}: {err}); no peer is known to have died "
+            f"or failed. Check the other workers' logs, then build a new strategy (or "
+            f"communicator) on every worker."
+        )
+        failed_run.__cause__ = err
+        return failed_run
+
+
+def _work_done(work: Any, seconds: float) -> bool:
+    """Whether a process group's `work` finished within `seconds` (its failure raises)."""
+    try:
+        work.wait(datetime.timedelta(seconds=seconds))
+    except RuntimeError as err:
+        if work.is_completed():
+            raise WaitFailedError(err) from err  # a real failure (a peer's connection closed...)
+        return False
+    return True

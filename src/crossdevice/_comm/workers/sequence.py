@@ -1,0 +1,203 @@
+"""`Sequencer`: a worker communicator's collectives, numbered, one at a time, ended cleanly.
+
+Every worker must run the same collectives in the same order; the sequencer numbers them
+(the number is in every fingerprint), holds the communicator for one at a time (a second
+thread gets an error, not an interleaving), lets at most one all-reduce be in flight
+(`Pending`: any collective issued before its `wait` completes it first), and turns what
+ends a collective badly into the error its caller gets (`guard`):
+
+* a failed wait (timeout, failed peers, a broken link): an error naming the ranks at
+  fault, and the communicator is broken;
+* the caller's `fill` raising, or anything else that leaves the peers waiting: the peers
+  are told (`abort`), and the error surfaces as itself;
+* errors every worker raises alike (mismatches, bad arguments): as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
+from crossdevice._comm.workers.groups import Groups
+from crossdevice._comm.workers.health import HealthBoard
+from crossdevice._core import purpose
+from crossdevice._core.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    WorkerFailedError,
+)
+
+__all__ = ["FillFailedError", "Pending", "Sequencer", "guarded_fill"]
+
+#: Errors every worker raises alike, before any data moves (or after every worker saw
+#: the same thing): nothing to tell the peers.
+_ALIKE = (CollectiveMismatchError, WorkerFailedError, CollectiveTimeoutError, ValueError, TypeError)
+
+
+class FillFailedError(Exception):
+    """Internal: the caller's `fill` raised while a collective was moving data."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
+class Sequencer:
+    """Numbering, exclusion, the all-reduce in flight and failure handling of a communicator.
+
+    Args:
+        standing: the communicator's shared state (broken, rank, replica counts).
+        health: its health board (arrival marks, diagnosis).
+        groups: its process groups (kept alive, unregistered, when a wait fails).
+        abort: tells the peers that this worker quits (the communicator's `abort`).
+        name: the communicator's class name, for messages.
+    """
+
+    def __init__(
+        self,
+        standing: Standing,
+        health: HealthBoard,
+        groups: Groups,
+        abort: Callable[[BaseException], None],
+        name: str,
+    ) -> None:
+        self.seq = 0
+        self.closed = False
+        self.lock = threading.Lock()
+        self.pending: Pending | None = None
+        self._standing = standing
+        self._health = health
+        self._groups = groups
+        self._abort = abort
+        self._name = name
+
+    @contextlib.contextmanager
+    def collective(self, name: str, timeout: float) -> Iterator[Call]:
+        """Number a collective, publish this worker's arrival at it, hold it exclusively.
+
+        The all-reduce in flight, if any, completes first. `timeout` bounds it.
+        """
+        if self.closed:
+            raise RuntimeError(
+                f"{name}: this {self._name} is closed; create a new one (on every worker)"
+            )
+        if self._standing.broken is not None:
+            raise RuntimeError(
+                f"{name}: this worker's collectives are broken ({self._standing.broken}); "
+                "nothing can pair up with the other workers any more: build a new strategy "
+                "(or communicator) on every worker"
+            )
+        self.hold(name)
+        try:
+            self.settle()
+            self.seq += 1
+            self._health.reached = self.seq  # published by the board's thread
+            yield Call(name, self.seq, timeout, time.monotonic(), purpose=purpose.current())
+        finally:
+            self.lock.release()
+
+    def hold(self, name: str) -> None:
+        """Take the communicator's lock, or say why another thread holds it."""
+        if not self.lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"{name}: another thread is running a collective on this communicator; "
+                "collectives must be issued one at a time, in the same order on every worker"
+            )
+
+    def settle(self, pending: Pending | None = None) -> None:
+        """Complete the all-reduce in flight (the lock is held), if it is `pending` or any."""
+        current = self.pending
+        if current is not None and (pending is None or pending is current):
+            self.pending = None
+            current.complete()
+
+    def guard(self, call: Call, run: Callable[[], Any]) -> Any:
+        """Run a collective's work; turn what ends it badly into the error the caller gets."""
+        try:
+            return run()
+        except WaitFailedError as err:
+            self._standing.broken = f"{call.label} failed"
+            failure = self._health.diagnose(call, err.cause, self._standing)
+            self._groups.destroy(keep_alive=True)
+            raise failure from failure.__cause__
+        except FillFailedError as err:
+            self._abort(err.error)
+            raise err.error from None
+        except _ALIKE:
+            raise
+        except BaseException as err:
+            self._abort(err)
+            raise
+
+
+class Pending:
+    """An all-reduce in flight (`ProcessGroupCommunicator.all_reduce_async`).
+
+    `wait()` returns the reduced values, or raises what ended the all-reduce (each time
+    it is asked); `done()` says whether it completed.
+    """
+
+    __slots__ = ("_call", "_error", "_finish", "_results", "_sequencer", "_shape")
+
+    def __init__(
+        self,
+        sequencer: Sequencer,
+        call: Call,
+        finish: Callable[[], list[torch.Tensor]],
+        shape: Callable[[list[torch.Tensor]], list[Any]],
+    ) -> None:
+        self._sequencer = sequencer
+        self._call = call
+        self._finish: Callable[[], list[torch.Tensor]] | None = finish
+        self._shape = shape
+        self._results: list[Any] | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether it completed (`wait` returns, or raises, at once)."""
+        return self._finish is None
+
+    def wait(self) -> list[Any]:
+        """The reduced values; raises what ended the all-reduce (each time it is asked)."""
+        if self._finish is not None:
+            sequencer = self._sequencer
+            sequencer.hold(self._call.name)
+            try:
+                sequencer.settle(self)
+            finally:
+                sequencer.lock.release()
+        if self._error is not None:
+            raise self._error
+        assert self._results is not None
+        return self._results
+
+    def complete(self) -> None:
+        """Finish it (the sequencer's lock is held); keep its results or its error."""
+        finish, self._finish = self._finish, None
+        if finish is None:
+            return
+        try:
+            self._results = self._shape(self._sequencer.guard(self._call, finish))
+        except BaseException as err:
+            self._error = err
+            raise
+
+
+def guarded_fill(fill: Callable[..., bool] | None) -> Callable[..., bool] | None:
+    """`fill`, its exceptions wrapped (`FillFailedError`): they surface as themselves, told."""
+    if fill is None:
+        return None
+
+    def guarded(*args: Any, **kwargs: Any) -> bool:
+        try:
+            return fill(*args, **kwargs)
+        except BaseException as err:
+            raise FillFailedError(err) from err
+
+    return guarded

@@ -1,0 +1,291 @@
+"""`TUNING`: every byte and second threshold of the library, in one frozen object.
+
+Each threshold is a field with its default, the reason for it, and the benchmark (or the
+measurement) that chose it: `reason(name)` and `benchmark(name)` read them back. Code reads
+`tuning.TUNING.<field>` at the moment it decides (never a copy taken at import), so one
+`overridden(...)` reaches every module alike:
+
+    with tuning.overridden(shared_work_min_bytes=0):   # tests: force the sharded path
+        ...
+
+Not here: sizes fixed by a format (a fingerprint's 672-byte header, a shared-memory
+segment's layout and its 8 MiB slots), bounds on hostile input (`MAX_PEER_BYTES`,
+`MAX_TF_CONFIG_BYTES`), and hardware constants (a 64-byte cache line). Measurements quoted
+are from the 2-core AMD EPYC
+dev VM (32 MiB L3) unless said otherwise; the torch training layer keeps its own bucket
+sizes (`_frameworks/torch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["TUNING", "Tuning", "benchmark", "overridden", "reason", "set_tuning"]
+
+KiB = 1024
+MiB = 1024 * 1024
+
+
+def _knob(default: Any, reason: str, benchmark: str) -> Any:
+    return dataclasses.field(default=default, metadata={"reason": reason, "benchmark": benchmark})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tuning:
+    """The thresholds (bytes, seconds); see each field's `reason` and `benchmark`."""
+
+    # --- host sums (_arrays) ----------------------------------------------------------
+    block_bytes: int = _knob(
+        512 * KiB,
+        "Bytes of one accumulator block. 4 x 64 MiB float32, one thread: 64 KiB blocks 17.2 "
+        "ms, 256 KiB 14.5 ms, 512 KiB 12.9 ms (naive chain 14.4 ms); at 1 MiB the "
+        "accumulator block and one input block no longer fit in L2.",
+        "python -m benchmarks.allreduce_limit (minima of 11 runs)",
+    )
+    blocked_min_bytes: int = _knob(
+        8 * MiB,
+        "Below this many bytes per input the plain in-order chain runs: one core's adds, "
+        "not DRAM, bound it while the operands fit in L3 (4 float32 inputs: 4 MiB chain "
+        "467 us vs blocked 527 us; 64 MiB 14.4 vs 12.9 ms).",
+        "python -m benchmarks.allreduce_limit",
+    )
+    native_min_bytes: int = _knob(
+        64 * KiB,
+        "Ranges this large take the compiled fused kernel: below it the ~5 us of a ctypes "
+        "call is not worth saving NumPy's two or three ufunc calls on data in cache.",
+        "crossdevice bench -b 1K -e 1M -f 2",
+    )
+    kernel_parallel_min_bytes: int = _knob(
+        8 * MiB,
+        "Below this many bytes per input a host sum runs in the calling thread only; the "
+        "worker pool costs a wake-up and a join (4 float32 inputs: 4 MiB 0.63 vs 0.74 ms; "
+        "8 MiB 1.67 vs 1.58 ms; 16 MiB 3.81 vs 2.96 ms).",
+        "crossdevice bench --ops reduce_to_one -b 1M -e 64M",
+    )
+    stream_min_bytes: int = _knob(
+        16 * MiB,
+        "Results this large are written with non-temporal stores: they cannot stay in the "
+        "32 MiB L3 anyway, so skipping the read-for-ownership is pure gain.",
+        "python -m benchmarks.allreduce_limit",
+    )
+    # --- replica threads' all-reduce (_comm/local) ------------------------------------
+    shared_work_min_bytes: int = _knob(
+        8 * MiB,
+        "Rounds with fewer bytes per replica are computed by the last arriver alone; from "
+        "here every replica reduces pieces (4 replicas, float32: 4 MiB one-thread 1181 us "
+        "vs sharded 1071 us; 16 MiB 4.69 vs 3.30 ms; 1 MiB 360 vs 531 us).",
+        "crossdevice bench --ops sharded -b 1M -e 64M",
+    )
+    piece_min_bytes: int = _knob(
+        256 * KiB,
+        "Smallest piece of a shared round: the ~10 us of Python per piece stays below 1% of "
+        "its time.",
+        "crossdevice bench --ops sharded -b 8M -e 256M",
+    )
+    piece_max_bytes: int = _knob(
+        4 * MiB,
+        "Largest piece of a shared round: small enough to balance four replicas on two busy cores.",
+        "crossdevice bench --ops sharded -b 8M -e 256M",
+    )
+    pack_below_bytes: int = _knob(
+        16 * KiB,
+        "Arrays smaller than this are packed per replica into one flat buffer per dtype "
+        "(160 x 1 KiB: unpacked 1274 us, packed below 16 KiB 549 us, below 64 KiB 675 us; "
+        "50 x 8 KiB: 602 / 667 / 656 us).",
+        "python -m benchmarks.batch_reduce",
+    )
+    pool_min_bytes: int = _knob(
+        1 * MiB,
+        "Output buffers this large are recycled once no result views them: a fresh large "
+        "allocation is zero-filled page by page on first touch (the first all-reduce of "
+        "198 MB took 0.74 s, 50 ms with a recycled buffer).",
+        "python -m benchmarks.batch_reduce",
+    )
+    # --- cross-worker all-reduce (_comm/workers, _cross_device/collective) -------------
+    donate_min_bytes: int = _knob(
+        1 * MiB,
+        "Local sums this large are reduced across workers where they lie instead of being "
+        "packed: packing copies them once more (+37% over a raw 1 MiB all-reduce on 2 "
+        "workers, against +3.6% donated), while it saves ~10 us per collective.",
+        "python -m benchmarks.user_path_allreduce",
+    )
+    ring_min_bytes: int = _knob(
+        4 * MiB,
+        "Host all-reduces this large go through the out-of-place ring (send and receive "
+        "over Gloo's pairs, sums in rank order, inputs never copied): on 2 workers it took "
+        "0.91-0.99x a raw in-place Gloo all-reduce from 4 MiB, where copy-then-reduce took "
+        "1.17-1.33x; below, its two phases' extra wake-ups cost more than the copy.",
+        "python -m benchmarks.user_path_allreduce",
+    )
+    header_apart_min_bytes: int = _knob(
+        8 * MiB,
+        "A first buffer this large carries no inline header behind it: the header travels "
+        "in a small all-reduce of its own so the buffer is reduced where it lies; a copy "
+        "costs 10-38% of the all-reduce of its bytes, the extra op ~0.4 ms.",
+        "python -m tests.multi_worker.bench_all_reduce",
+    )
+    pipeline_min_bytes: int = _knob(
+        48 * MiB,
+        "In-place Gloo all-reduces this large go in chunks sent as they are filled (copy "
+        "then all-reduce of 64 MiB: +38% whole, +16% in 32 MiB chunks, +31-36% in 4-8 MiB "
+        "chunks, per-op costs).",
+        "python -m tests.multi_worker.bench_all_reduce",
+    )
+    chunk_bytes: int = _knob(
+        32 * MiB,
+        "The chunk of a pipelined in-place all-reduce (see pipeline_min_bytes).",
+        "python -m tests.multi_worker.bench_all_reduce",
+    )
+    shared_memory_min_bytes: int = _knob(
+        0,
+        "Smallest all-reduce sent through shared memory (env "
+        "CROSSDEVICE_SHARED_MEMORY_MIN_BYTES overrides it): a shared round of 4 B to 64 KiB "
+        "took 0.12-0.17 ms against 1.4 ms on Gloo (2 workers), so every one goes there.",
+        "crossdevice bench --multi-worker -b 4 -e 64K",
+    )
+    # --- waits (seconds) --------------------------------------------------------------
+    poll_seconds: float = _knob(
+        0.25,
+        "How long one wait on a process group's work (or a shared round) lasts before the "
+        "store is consulted about failed and dead peers; work that completes in time pays "
+        "nothing extra.",
+        "tests/multi_worker/test_fault_matrix.py (a failed peer is named within seconds)",
+    )
+    min_wait_seconds: float = _knob(
+        0.005,
+        "Shortest wait asked of a work: c10d counts whole milliseconds and 0 ms means the "
+        "group's own timeout (a 0.27 ms wait blocked until Gloo's timeout).",
+        "measured by hand: work.wait(timedelta(seconds=0.00027))",
+    )
+    default_timeout_seconds: float = _knob(
+        600.0,
+        "Bound on every cross-worker collective when CommunicationOptions.timeout_seconds is "
+        "None (NCCL's watchdog default is 10 min); dead workers are named far sooner.",
+        "policy (NCCL's default), not a measurement",
+    )
+    default_init_timeout_seconds: float = _knob(
+        300.0,
+        "How long constructing a communicator waits for every worker at the rendezvous: "
+        "workers start minutes apart on busy clusters (TF waits for ever, torch 30 min).",
+        "policy, not a measurement",
+    )
+    backstop_slack_seconds: float = _knob(
+        1.0,
+        "The process groups time out this much after our own wait, which names the missing "
+        "ranks; Gloo's timeout then clears its pending work.",
+        "tests/multi_worker/test_strategy.py::test_missing_worker_times_out_naming_the_collective",
+    )
+    diagnosis_store_timeout_seconds: float = _knob(
+        2.0,
+        "Bound on each c10d store read while diagnosing a failure.",
+        "tests/multi_worker/test_fault_matrix.py::test_lost_worker_is_named",
+    )
+    publish_seconds: float = _knob(
+        0.05,
+        "How often the health thread publishes this worker's arrival mark: publishing before "
+        "every collective cost 30 us a call (a store set wakes the store's server thread).",
+        "python -m tests.multi_worker.bench_all_reduce",
+    )
+    heartbeat_seconds: float = _knob(
+        0.5,
+        "How often a worker's heartbeat advances in the store.",
+        "tests/multi_worker/test_fault_matrix.py::test_lost_worker_is_named",
+    )
+    dead_after_seconds: float = _knob(
+        5.0,
+        "A heartbeat that has not moved for this long means a dead worker: ten missed beats "
+        "(a loaded 2-core host delayed a beat by up to 1.2 s in the fault campaign).",
+        "tests/multi_worker/test_fault_matrix.py::test_lost_worker_is_named",
+    )
+    local_merge_slack_seconds: float = _knob(
+        15.0,
+        "Local replicas wait at a merge this much longer than the cross-worker timeout, so "
+        "the cross-worker error (naming the missing ranks) is the one raised.",
+        "tests/multi_worker/test_strategy.py::test_missing_worker_times_out_naming_the_collective",
+    )
+    interrupt_grace_seconds: float = _knob(
+        0.5,
+        "How long the caller waits for replicas still inside fn after Ctrl-C before it "
+        "abandons them: released replicas leave in microseconds.",
+        "tests/strategies/test_lifecycle.py (interrupt tests)",
+    )
+    recover_wait_seconds: float = _knob(
+        1.0,
+        "How long a run waits for the replicas an interrupted run abandoned before it says "
+        "why it cannot start.",
+        "tests/strategies/test_lifecycle.py (interrupt tests)",
+    )
+    recover_poll_seconds: float = _knob(
+        0.005,
+        "How often a run looks whether the replicas an interrupted run abandoned have left.",
+        "tests/strategies/test_lifecycle.py (interrupt tests)",
+    )
+    done_poll_seconds: float = _knob(
+        0.1,
+        "How often the caller, waiting for the other replicas, looks whether it was interrupted.",
+        "tests/strategies/test_lifecycle.py (interrupt tests)",
+    )
+    close_join_seconds: float = _knob(
+        1.0,
+        "How long close() waits for idle replica threads to end (they end in microseconds).",
+        "tests/strategies/test_lifecycle.py",
+    )
+    stall_poll_seconds: float = _knob(
+        0.05,
+        "How long the cooperative scheduler sleeps at most, when every replica waits for a "
+        "deadline, before it looks again for a gate another thread released.",
+        "tests/strategies/test_cooperative.py",
+    )
+
+
+#: The thresholds in force. Replace it with `set_tuning` or `overridden`, never in place.
+TUNING: Tuning = Tuning()
+
+
+def set_tuning(**changes: Any) -> Tuning:
+    """Replace fields of `TUNING` for the whole process; returns the previous object.
+
+    Raises:
+        TypeError: a name that is no threshold (naming the ones there are).
+    """
+    global TUNING
+    previous = TUNING
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Tuning)})
+    if unknown:
+        raise TypeError(
+            f"no such tuning threshold: {unknown}; expected names from "
+            f"{[f.name for f in dataclasses.fields(Tuning)]}"
+        )
+    TUNING = dataclasses.replace(previous, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def overridden(**changes: Any) -> Iterator[Tuning]:
+    """`set_tuning(**changes)` for the duration of a `with` block, then the previous values."""
+    global TUNING
+    previous = set_tuning(**changes)
+    try:
+        yield TUNING
+    finally:
+        TUNING = previous
+
+
+def reason(name: str) -> str:
+    """Why the threshold `name` has its value."""
+    return str(_field(name).metadata["reason"])
+
+
+def benchmark(name: str) -> str:
+    """The benchmark (or measurement) that chose the threshold `name`."""
+    return str(_field(name).metadata["benchmark"])
+
+
+def _field(name: str) -> dataclasses.Field[Any]:
+    for f in dataclasses.fields(Tuning):
+        if f.name == name:
+            return f
+    raise KeyError(f"no tuning threshold named {name!r}")

@@ -1,0 +1,1 @@
+"""Tests of the communicators (`crossdevice._comm`): one contract for every one of them."""

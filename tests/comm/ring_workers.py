@@ -1,0 +1,77 @@
+"""Worker side of the ring transport's tests (`test_ring.py`): shared memory off, large values."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+#: Elements per worker: 6 MiB of float32, above the ring's threshold.
+SIZE = 3 << 19
+
+
+def data(rank: int) -> np.ndarray:
+    """Non-integer values: the sum's bits depend on the order of the additions."""
+    return np.random.default_rng(rank).standard_normal(SIZE).astype(np.float32)
+
+
+def sums(rank: int, world_size: int) -> dict[str, Any]:
+    """The same large all-reduce, three times (the first agreed first, then predicted)."""
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
+
+    del rank, world_size
+    out: dict[str, Any] = {}
+    with ProcessGroupCommunicator() as comm:
+        mine = data(comm.rank)
+        kept = mine.copy()
+        out["results"] = [comm.all_reduce([mine], "sum")[0].copy() for _ in range(3)]
+        out["unchanged"] = bool(np.array_equal(mine, kept))
+        out["shared_memory"] = comm.shared_memory is not None
+    return out
+
+
+def mismatch(rank: int, world_size: int) -> dict[str, Any]:
+    """Repeated large all-reduces, then one worker reshapes its value (same bytes)."""
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
+
+    out: dict[str, Any] = {}
+    with ProcessGroupCommunicator() as comm:
+        x = np.ones((1024, 1536), np.float32)
+        for _ in range(3):  # every worker predicts this layout from now on
+            comm.all_reduce([x], "sum")
+        odd = x.reshape(1536, 1024) if rank == world_size - 1 else x
+        try:
+            comm.all_reduce([odd], "sum")
+            out["mismatch"] = ("returned", "")
+        except Exception as err:
+            out["mismatch"] = (type(err).__name__, str(err))
+        out["after"] = float(comm.all_reduce([x], "sum")[0][0, 0])
+    return out
+
+
+def abort(rank: int, world_size: int) -> dict[str, Any]:
+    """Large all-reduces in a strategy; then the last worker's step raises."""
+    import crossdevice as cd
+
+    strategy = cd.MultiWorkerMirroredStrategy(devices=["CPU:0"])
+    x = np.ones(SIZE, np.float32)
+
+    def step() -> Any:
+        if rank == world_size - 1 and failing:
+            raise ValueError("bad batch")
+        return cd.get_replica_context().all_reduce("sum", x)
+
+    failing = False
+    for _ in range(3):
+        strategy.run(step)
+    failing = True
+    start = time.monotonic()
+    try:
+        strategy.run(step)
+        outcome = ("returned", "")
+    except Exception as err:
+        outcome = (type(err).__name__, str(err))
+    # Rank 0 serves the store: its peers must read the abort mark before it goes.
+    time.sleep(1.5)
+    return {"outcome": outcome, "elapsed": time.monotonic() - start}
