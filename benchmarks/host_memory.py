@@ -85,7 +85,9 @@ def _run_crossdevice(steps: int, warmup: int, shared: bool) -> dict[str, float]:
     with strategy.scope():
         net = _model(torch)
         model, optimizer = cdt.prepare(
-            net, torch.optim.Adam(net.parameters(), lr=1e-4), share_storage=shared
+            net,
+            torch.optim.Adam(net.parameters(), lr=1e-4),
+            share_storage=shared,
         )
 
     def step(x: Any, y: Any) -> None:

@@ -97,11 +97,15 @@ def assert_trains_like(
     assert moved > 1e-6, "plain torch's model never moved: nothing was compared"
 
 
-def fp16_run(torch: Any, cdt: Any, strategy: Any, steps: int) -> tuple[Any, Any, list[Any]]:
+def fp16_run(
+    torch: Any, cdt: Any, strategy: Any, steps: int, share_storage: bool = False
+) -> tuple[Any, Any, list[Any]]:
     """Train a small MLP `steps` fp16 steps with a mirrored GradScaler on `strategy` (4
     replicas in sync, 4 examples each), injecting infs: into replica 2's data at steps
-    37 mod 100, and into replica 1's reduced gradient at steps 71 mod 100. Returns the
-    model, the scaler and each step's per-replica scales."""
+    37 mod 100, and into one replica's reduced gradient at steps 71 mod 100: replica 1's
+    with per-replica copies, replica 0's where storage is shared (the one step reads
+    replica 0's gradients; an in-place write on another replica is an error there).
+    Returns the model, the scaler and each step's per-replica scales."""
     import crossdevice as cd
 
     torch.manual_seed(0)
@@ -109,8 +113,13 @@ def fp16_run(torch: Any, cdt: Any, strategy: Any, steps: int) -> tuple[Any, Any,
         net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=25)
         model, optimizer = cdt.prepare(
-            net, torch.optim.SGD(net.parameters(), lr=0.05), scaler=scaler, mixed_precision="fp16"
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.05),
+            scaler=scaler,
+            mixed_precision="fp16",
+            share_storage=share_storage,
         )
+    injected = 0 if share_storage else 1
     data = global_batches(torch, 8)
 
     def step(x: Any, y: Any, i: int) -> Any:
@@ -120,7 +129,7 @@ def fp16_run(torch: Any, cdt: Any, strategy: Any, steps: int) -> tuple[Any, Any,
             x[0, 0] = float("inf")  # an inf in one replica's data: its local gradient
         optimizer.zero_grad()
         scaler.scale(global_loss(torch, model, x, y)).backward()
-        if i % 100 == 71 and r == 1:
+        if i % 100 == 71 and r == injected:
             with torch.no_grad():  # an inf after the reduction, on one replica only
                 model.module[0].weight.grad[0, 0] = float("inf")
         scaler.step(optimizer)

@@ -517,13 +517,14 @@ def test_gradient_penalty_with_autograd_grad_trains_like_plain_torch(
 # --- mixed precision: replicas agree on the loss scale -------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shared", [False, True], ids=["copies", "shared"])
 def test_an_inf_on_one_replica_makes_every_replica_skip_and_back_off(
-    torch: Any, cdt: Any, mode: str
+    torch: Any, cdt: Any, mode: str, shared: bool
 ) -> None:
     torch.set_default_dtype(torch.float32)
     steps = 1000
     with replica_execution(mode):
-        model, _, scales = fp16_run(torch, cdt, mirrored(4), steps)
+        model, _, scales = fp16_run(torch, cdt, mirrored(4), steps, share_storage=shared)
     for i, per_replica in enumerate(scales):
         assert len({float(s) for s in per_replica}) == 1, (i, per_replica)  # one scale
     first = [float(s[0]) for s in scales]

@@ -143,3 +143,66 @@ def test_an_optimizer_that_needs_a_closure_keeps_per_replica_copies(torch: Any, 
         with pytest.raises(TypeError, match="share_storage must be None, True or False"):
             cdt.prepare(mlp(torch), share_storage="yes")
     assert cd.get_replica_context() is not None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_reduced_gradient_is_clipped_once_like_plain_torch(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    from tests.frameworks.helpers import assert_trains_like
+
+    torch.set_default_dtype(torch.float64)
+    data = global_batches(torch, 5)
+    plain = mlp(torch)
+    start = [p.detach().clone() for p in plain.parameters()]
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for x, y in data:
+        opt.zero_grad()
+        global_loss(torch, plain, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        torch.nn.utils.clip_grad_value_(plain.parameters(), 0.01)
+        opt.step()
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        norms = []
+
+        def step(x: Any, y: Any) -> Any:
+            optimizer.zero_grad()
+            global_loss(torch, model, x, y).backward()
+            # Every replica clips; the one gradient is clipped once.
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+            optimizer.step()
+            return norm
+
+        for x, y in strategy.experimental_distribute_dataset(data):
+            norms.append(strategy.experimental_local_results(strategy.run(step, args=(x, y))))
+            grads = [r[0].weight.grad for r in model.replicas]
+            assert len({g.data_ptr() for g in grads}) == 1  # one buffer for every replica
+            assert len({id(g) for g in grads}) == 4  # a tensor of its own each
+    assert all(len({float(n) for n in each}) == 1 for each in norms)
+    assert_trains_like(torch, plain, model, start)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_changing_the_one_gradient_on_every_replica_is_an_error(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        x, y = global_batches(torch, 1)[0]
+
+        def halve() -> None:
+            optimizer.zero_grad()
+            global_loss(torch, model, x, y).backward()
+            model[0].weight.grad.mul_(0.5)  # lands on the one gradient once per replica
+            optimizer.step()
+
+        with pytest.raises(RuntimeError, match=r"gradient of '0\.weight' was changed in place"):
+            strategy.run(halve)

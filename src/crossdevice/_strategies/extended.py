@@ -372,6 +372,17 @@ class StrategyExtended:
 
         return self._merge_leaves(replica_id, value, merge_fn, "all_reduce", op.name, None)
 
+    def _replica_all_reduce_shared(
+        self, replica_id: int, op: ReduceOp, tensors: list[Any]
+    ) -> tuple[list[Any], bool]:
+        """All-reduce `tensors`; `(results, shared)`.
+
+        `shared`: the results are one set of tensors every local replica received, which
+        no holder may change in place (a torch layer that stores gradients once uses
+        them so); otherwise each replica's own (the default, `_replica_all_reduce`).
+        """
+        return list(self._replica_all_reduce(replica_id, op, tensors, None)), False
+
     def _host_leaves_stay(self) -> bool:
         """Whether host leaves of a replica all-reduce are reduced on the host.
 

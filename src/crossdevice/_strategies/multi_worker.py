@@ -89,6 +89,14 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _communication_options(self) -> CommunicationOptions | None:
         return self._options
 
+    def _replica_all_reduce_shared(
+        self, replica_id: int, op: ReduceOp, tensors: list[Any]
+    ) -> tuple[list[Any], bool]:
+        if self._worker_communicator is None:
+            return super()._replica_all_reduce_shared(replica_id, op, tensors)
+        # Across workers: each replica's own results (the path all_reduce takes).
+        return list(self._replica_all_reduce(replica_id, op, tensors, None)), False
+
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
     ) -> Any:

@@ -166,6 +166,18 @@ class ReplicatedExtended(StrategyExtended):
         reduced = [hand_out(x, copy=True) for x in reduced]
         return nest.unflatten(structure, reduced)
 
+    def _replica_all_reduce_shared(
+        self, replica_id: int, op: ReduceOp, tensors: list[Any]
+    ) -> tuple[list[Any], bool]:
+        communicator = self._thread_communicator
+        if communicator is None:
+            return super()._replica_all_reduce_shared(replica_id, op, tensors)
+        local_id = replica_id - self._replica_id_offset
+        arrays = [as_reducible_leaf(x) for x in tensors]
+        reduced = communicator.all_reduce(local_id, arrays, op, timeout=self._timeout(None))
+        # No hand_out: the caller keeps the one set of results for every replica.
+        return list(reduced), True
+
     def _replica_all_gather(
         self, replica_id: int, value: Any, axis: int, options: CommunicationOptions | None
     ) -> Any:

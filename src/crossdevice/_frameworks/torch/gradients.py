@@ -33,6 +33,7 @@ when the outermost `backward()` returns, with the same buckets, order and result
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -42,12 +43,17 @@ from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.context import get_replica_context
 from crossdevice._sync import waiting as cooperative
 
-__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "GradientSync"]
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "SHARED_BUCKET_CAP_BYTES", "GradientSync"]
 
 #: Default bucket size. DDP's default is 25 MiB; in one process the reduction of a bucket
 #: is a rendezvous of the replica threads, so fewer, larger buckets cost less. Measured
 #: with benchmarks/train_step.py (README, Training a PyTorch model).
 DEFAULT_BUCKET_CAP_BYTES: Final = 25 << 20
+#: Default bucket size where replicas store parameters once (host replicas): each replica
+#: holds its local gradients of the bucket in flight until the bucket is reduced, so the
+#: bucket bounds that memory; 8 MiB took the 25M-parameter MLP's peak from 1.09 to
+#: 1.04 GB (plain torch 0.85 GB) at no measurable cost (benchmarks/host_memory.py).
+SHARED_BUCKET_CAP_BYTES: Final = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -69,6 +75,8 @@ class _ReplicaState:
         "layout",
         "next_bucket",
         "produced",
+        "produced_shared",
+        "produced_version",
         "ready",
         "seen",
         "synced",
@@ -89,6 +97,9 @@ class _ReplicaState:
         # in place since (clipping, zero_grad(set_to_none=False)).
         self.synced = [False] * num_params
         self.produced: list[torch.Tensor | None] = [None] * num_params
+        self.produced_version = [0] * num_params
+        # The produced gradient lies in the one buffer every replica's gradient views.
+        self.produced_shared = [False] * num_params
         # Autograd accumulated into the parameter since the last optimizer step.
         self.touched = [False] * num_params
 
@@ -106,6 +117,10 @@ class GradientSync:
             a bucket of its own).
         replica_index: returns the local replica running now (None outside a replica).
         num_replicas_in_sync: the strategy's replica count (1: nothing to reduce).
+        shared: the replicas' parameters share storage: keep one reduced gradient for
+            every replica where the strategy can (`.grad` of each replica is its own
+            tensor over that one buffer), and refuse an in-place change of it made by
+            every replica (it would land on the one buffer once per replica).
     """
 
     def __init__(
@@ -116,8 +131,10 @@ class GradientSync:
         bucket_cap_bytes: int,
         replica_index: Callable[[], int | None],
         num_replicas_in_sync: int,
+        shared: bool = False,
     ) -> None:
         self._params = [list(p) for p in params]
+        self.shared = shared and len(self._params) > 1
         self._names = list(names)
         self._op = op
         self._cap = bucket_cap_bytes
@@ -134,6 +151,11 @@ class GradientSync:
         if self.enabled:
             for replica in range(len(self._params)):
                 self._hook_trainable(replica)
+        if self.shared:
+            for replica_params in self._params:
+                for index, param in enumerate(replica_params):
+                    _SHARED[id(param)] = (weakref.ref(self), index)
+                    weakref.finalize(param, _SHARED.pop, id(param), None)
 
     @property
     def op(self) -> ReduceOp:
@@ -300,7 +322,12 @@ class GradientSync:
                 used[k] = 1.0
         ctx = get_replica_context()
         assert ctx is not None  # passes only begin inside a replica
-        reduced = ctx.all_reduce(self._op, [*local, used])
+        if self.shared:
+            reduced, one_buffer = ctx.strategy.extended._replica_all_reduce_shared(
+                ctx.replica_id_in_sync_group, self._op, [*local, used]
+            )
+        else:
+            reduced, one_buffer = ctx.all_reduce(self._op, [*local, used]), False
         users = reduced[-1]
         with torch.no_grad():
             for k, index in enumerate(bucket):
@@ -311,9 +338,15 @@ class GradientSync:
                     param.grad = base  # no replica had a gradient: as it was before
                     state.synced[index] = base is not None
                     continue
-                grad = reduced[k] if base is None else base.add_(reduced[k])
+                if base is not None:
+                    # The agreed part: out of place where it lies in the replicas' buffer.
+                    grad = base + reduced[k] if one_buffer else base.add_(reduced[k])
+                else:
+                    grad = _own_tensor(reduced[k]) if one_buffer else reduced[k]
                 param.grad = grad
                 state.produced[index] = grad
+                state.produced_version[index] = grad._version
+                state.produced_shared[index] = one_buffer and base is None
                 state.synced[index] = True
 
     # --- the optimizer step ---------------------------------------------------------------
@@ -333,9 +366,21 @@ class GradientSync:
         by_hand = []
         for index in indices:
             grad = params[index].grad
-            if grad is None or (state.synced[index] and grad is state.produced[index]):
+            if grad is None:
                 continue
             name = self._names[index]
+            if state.synced[index] and grad is state.produced[index]:
+                shared = state.produced_shared[index]
+                if shared and replica and grad._version != state.produced_version[index]:
+                    raise RuntimeError(
+                        f"the gradient of {name!r} was changed in place on replica {replica} "
+                        "inside strategy.run: the replicas keep one reduced gradient, so "
+                        "every replica's change lands on it once per replica. Clip with "
+                        "torch.nn.utils.clip_grad_norm_ / clip_grad_value_ (done once for "
+                        "all replicas), change it once with crossdevice.torch.call_once(fn), "
+                        "or prepare the model with share_storage=False"
+                    )
+                continue
             if state.synced[index] and state.touched[index]:
                 raise RuntimeError(
                     f"the gradient of {name!r} was replaced after backward reduced it "
@@ -364,13 +409,52 @@ class GradientSync:
         for index, grad in zip(indices, reduced, strict=True):
             params[index].grad = grad
             state.produced[index] = grad
+            state.produced_version[index] = grad._version
+            state.produced_shared[index] = False
             state.synced[index] = True
 
     def new_step(self, replica: int, indices: Sequence[int]) -> None:
-        """These parameters were stepped or their gradients cleared: a new step starts."""
-        touched = self._states[replica].touched
+        """These parameters were stepped or their gradients cleared: a new step starts.
+
+        Gradients zeroed in place since (`zero_grad(set_to_none=False)`, every replica
+        alike) count as this sync's own: zeros written once or N times are zeros.
+        """
+        state = self._states[replica]
+        params = self._params[replica]
         for index in indices:
-            touched[index] = False
+            state.touched[index] = False
+            grad = params[index].grad
+            if grad is not None and grad is state.produced[index]:
+                state.produced_version[index] = grad._version
+
+
+# id(parameter) -> (its GradientSync, index) for the parameters of replicas that keep one
+# reduced gradient (`canonical`).
+_SHARED: dict[int, tuple[weakref.ref[GradientSync], int]] = {}
+
+
+def canonical(params: Sequence[Any]) -> list[torch.nn.Parameter] | None:
+    """Replica 0's parameters for `params`, if every one keeps a shared gradient, else None.
+
+    Code that changes gradients in place once for all replicas (`once.py`'s gradient
+    clipping) applies it to replica 0's parameters, whose gradients every replica sees.
+    """
+    found = []
+    for param in params:
+        entry = _SHARED.get(id(param))
+        sync = entry[0]() if entry is not None else None
+        if sync is None:
+            return None
+        assert entry is not None
+        found.append(sync.params(0)[entry[1]])
+    return found if found else None
+
+
+def _own_tensor(shared: torch.Tensor) -> torch.Tensor:
+    """A tensor of its own over `shared`'s memory: one buffer, a version counter each."""
+    own = torch.empty(0, dtype=shared.dtype, device=shared.device)
+    own.set_(shared.untyped_storage(), shared.storage_offset(), shared.size(), shared.stride())
+    return own
 
 
 class _NoSync:

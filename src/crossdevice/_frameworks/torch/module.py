@@ -27,7 +27,11 @@ from crossdevice._arrays import torch_guard, torch_patches
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._frameworks.torch import backward, once  # noqa: F401 - torch patches
 from crossdevice._frameworks.torch.buffers import BufferSync, resolve_aggregations
-from crossdevice._frameworks.torch.gradients import DEFAULT_BUCKET_CAP_BYTES, GradientSync
+from crossdevice._frameworks.torch.gradients import (
+    DEFAULT_BUCKET_CAP_BYTES,
+    SHARED_BUCKET_CAP_BYTES,
+    GradientSync,
+)
 from crossdevice._frameworks.torch.mirroring import (
     ReplicaMirror,
     compile_replicas,
@@ -65,7 +69,8 @@ class MirroredModule(torch.nn.Module):
             the global batch size, e.g. with `compute_average_loss`) or `"mean"` (DDP's
             rule: each replica's mean loss).
         bucket_cap_bytes: gradients are reduced in buckets of about this many bytes, as
-            backward produces them.
+            backward produces them; None: `SHARED_BUCKET_CAP_BYTES` (8 MiB) where the
+            replicas share storage, else `DEFAULT_BUCKET_CAP_BYTES` (25 MiB).
         sync_buffers: combine buffers across replicas after every training-mode forward
             (False: every buffer is `"none"`).
         buffer_aggregation: `{buffer name or fnmatch pattern: "mean" | "sum" | "max" |
@@ -101,7 +106,7 @@ class MirroredModule(torch.nn.Module):
         strategy: Strategy | None = None,
         *,
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
-        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        bucket_cap_bytes: int | None = None,
         sync_buffers: bool = True,
         buffer_aggregation: Mapping[str, str] | None = None,
         threads_per_replica: int | None = None,
@@ -110,9 +115,11 @@ class MirroredModule(torch.nn.Module):
     ) -> None:
         module, compiled = _unwrap_compiled(module)
         _check_mirrorable(module)
-        if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int):
-            raise TypeError(f"bucket_cap_bytes must be an int, got {bucket_cap_bytes!r}")
-        if bucket_cap_bytes <= 0:
+        if bucket_cap_bytes is not None and (
+            isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int)
+        ):
+            raise TypeError(f"bucket_cap_bytes must be an int or None, got {bucket_cap_bytes!r}")
+        if bucket_cap_bytes is not None and bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}")
         strategy = strategy_or_current(strategy, "MirroredModule")
         op = as_reduce_op(gradient_reduction)
@@ -120,6 +127,8 @@ class MirroredModule(torch.nn.Module):
         super().__init__()
         devices = torch_devices(strategy)
         shared = _sharing(share_storage, devices)
+        if bucket_cap_bytes is None:
+            bucket_cap_bytes = SHARED_BUCKET_CAP_BYTES if shared else DEFAULT_BUCKET_CAP_BYTES
         replicas = make_replicas(module, devices, shared)
         if compiled is not None:
             compile_replicas(replicas, compiled)
@@ -153,6 +162,7 @@ class MirroredModule(torch.nn.Module):
             bucket_cap_bytes,
             lambda: local_replica_index(strategy),
             strategy.num_replicas_in_sync,
+            shared,
         )
         state["_gradients"] = sync
         buffers = BufferSync(replicas, aggregations)
@@ -582,4 +592,5 @@ def _broadcast_from_chief(strategy: Strategy, replicas: list[torch.nn.Module]) -
             for replica in replicas[1:]:
                 others = [*replica.parameters(), *replica.buffers()]
                 for target, source in zip(others, tensors, strict=True):
-                    target.copy_(source)
+                    if target.data_ptr() != source.data_ptr():  # shared storage: itself
+                        target.copy_(source)

@@ -9,7 +9,10 @@ strategy with several replicas is in use (`torch_patches`):
 
 * `step()` of every `torch.optim.lr_scheduler.LRScheduler` (subclasses included, also
   those defined later) and of `ReduceLROnPlateau`;
-* `torch.optim.swa_utils.AveragedModel.update_parameters()`.
+* `torch.optim.swa_utils.AveragedModel.update_parameters()`;
+* `torch.nn.utils.clip_grad_norm_` and `clip_grad_value_` over the parameters of
+  replicas that keep one reduced gradient (storage shared on the host): clipped once,
+  on replica 0's parameters, whose gradients every replica sees.
 
 Inside a replica, every replica must make the call (it is a rendezvous, like
 `merge_call`); it runs once, and every replica gets its result. Its arguments must agree
@@ -27,6 +30,7 @@ import torch
 
 from crossdevice._arrays import torch_patches
 from crossdevice._core import context, nest
+from crossdevice._frameworks.torch.gradients import canonical
 from crossdevice._values.values import PerReplica
 
 __all__ = ["call_once"]
@@ -116,6 +120,25 @@ def _once(original: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
+def _clip_once(original: Callable[..., Any]) -> Callable[..., Any]:
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return original(parameters, *args, **kwargs)
+        frame = context.current_frame()
+        if frame is None or frame.replica_context is None:
+            return original(parameters, *args, **kwargs)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        shared = canonical(params)
+        if shared is None:
+            return original(params, *args, **kwargs)
+        return call_once(original, shared, *args, **kwargs)
+
+    clip.__doc__ = original.__doc__
+    clip.__name__ = getattr(original, "__name__", "clip")
+    clip.__wrapped__ = original  # type: ignore[attr-defined]
+    return clip
+
+
 def _scheduler_classes() -> list[type]:
     base = torch.optim.lr_scheduler.LRScheduler
     found: list[type] = []
@@ -178,6 +201,11 @@ _WRAPPERS: set[Any] = set()
 
 
 torch_patches.register(
+    *(
+        torch_patches.Patch(owner, name, _clip_once)
+        for owner in (lambda: torch.nn.utils, lambda: torch.nn.utils.clip_grad)
+        for name in ("clip_grad_norm_", "clip_grad_value_")
+    ),
     torch_patches.Patch(hook=lambda: _SchedulerSteps().install()),
     torch_patches.Patch(lambda: torch.optim.swa_utils.AveragedModel, "update_parameters", _once),
 )

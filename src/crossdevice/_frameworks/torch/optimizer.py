@@ -133,6 +133,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
         duplicate.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         return duplicate
 
+    @property
+    def shares_storage(self) -> bool:
+        """Whether the replicas store parameters once and step one optimizer (`prepare`)."""
+        return self.__dict__["_shared"]
+
     def gradients_of(self, replica: int) -> Any:
         """What holds replica `replica`'s gradients of this optimizer's parameters.
 

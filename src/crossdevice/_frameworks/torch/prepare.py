@@ -9,7 +9,6 @@ import torch
 
 from crossdevice._arrays import torch_guard
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._frameworks.torch.gradients import DEFAULT_BUCKET_CAP_BYTES
 from crossdevice._frameworks.torch.module import MirroredModule
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer, needs_closure
 from crossdevice._frameworks.torch.replicas import strategy_or_current
@@ -23,7 +22,7 @@ def prepare(
     *objects: Any,
     strategy: Strategy | None = None,
     gradient_reduction: ReduceOp | str = ReduceOp.SUM,
-    bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+    bucket_cap_bytes: int | None = None,
     sync_buffers: bool = True,
     buffer_aggregation: Mapping[str, str] | None = None,
     threads_per_replica: int | None = None,
@@ -45,7 +44,7 @@ def prepare(
         strategy: the strategy; default: the current one.
         gradient_reduction: `"sum"` (TF: per-example loss / global batch size) or
             `"mean"` (DDP: each replica's mean loss).
-        bucket_cap_bytes: gradient bucket size (see `MirroredModule`).
+        bucket_cap_bytes: gradient bucket size (see `MirroredModule`; None: its default).
         sync_buffers: combine buffers across replicas after each training-mode forward
             (False: leave every buffer per replica).
         buffer_aggregation: how replicas combine buffers that a forward pass changes,

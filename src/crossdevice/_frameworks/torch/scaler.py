@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from crossdevice._frameworks.torch.once import call_once
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer
 from crossdevice._frameworks.torch.replicas import local_replica_index
 from crossdevice._strategies.base import Strategy
@@ -61,9 +62,16 @@ class MirroredGradScaler(torch.amp.GradScaler):
         return self._inner().scale(outputs)
 
     def unscale_(self, optimizer: Any) -> None:
-        """Unscale the running replica's gradients; the replicas agree on the inf flags."""
+        """Unscale the running replica's gradients; the replicas agree on the inf flags.
+
+        Where the replicas store parameters once (one optimizer step, which reads replica
+        0's gradients), the gradients are unscaled once, replica 0's, for every replica.
+        """
         inner = self._inner()
         replica_optimizer = self._replica_optimizer(optimizer)
+        if optimizer.shares_storage and get_replica_context() is not None:
+            self._unscale_once(inner, optimizer, replica_optimizer)
+            return
         inner.unscale_(replica_optimizer)
         if not inner.is_enabled():
             return
@@ -75,6 +83,35 @@ class MirroredGradScaler(torch.amp.GradScaler):
         agreed = float(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.float64)))
         for flag in found.values():
             flag.fill_(1.0 if agreed > 0 else 0.0)
+
+    def _unscale_once(self, inner: Any, optimizer: Any, replica_optimizer: Any) -> None:
+        state = inner._per_optimizer_states[id(replica_optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        if not inner.is_enabled():
+            return
+        found = call_once(self._unscale_replica_zero, optimizer)
+        ctx = get_replica_context()
+        assert ctx is not None
+        if ctx.num_replicas_in_sync > len(self.__dict__["_crossdevice_replicas"]):
+            found = float(ctx.all_reduce("sum", torch.tensor(found, dtype=torch.float64)))
+        device = torch.device("cpu")
+        state["found_inf_per_device"] = {device: torch.full((), float(found > 0))}
+        state["stage"] = OptState.UNSCALED
+
+    def _unscale_replica_zero(self, optimizer: Any) -> float:
+        """Unscale replica 0's gradients (what the one step reads); the infs found."""
+        inner = self.__dict__["_crossdevice_replicas"][0]
+        scale = inner._scale
+        assert scale is not None  # replica 0 scaled its loss before backward
+        inv_scale = scale.double().reciprocal().float()
+        found = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        per_device = inner._unscale_grads_(optimizer.gradients_of(0), inv_scale, found, False)
+        return sum(float(v.item()) for v in per_device.values())
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale (agreed) unless done, then step the optimizer unless any replica found an inf."""
