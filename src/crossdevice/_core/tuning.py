@@ -120,6 +120,13 @@ class Tuning:
         "1.17-1.33x; below, its two phases' extra wake-ups cost more than the copy.",
         "python -m benchmarks.user_path_allreduce",
     )
+    ring_piece_bytes: int = _knob(
+        8 * MiB,
+        "The ring sums and forwards a rank's chunk in pieces of at most this many bytes, so "
+        "the sum of one piece overlaps the transfer of the next; each piece costs four more "
+        "point-to-point ops (~50 us each to post).",
+        "python -m benchmarks.user_path_allreduce --tuning ring_piece_bytes=4M",
+    )
     header_apart_min_bytes: int = _knob(
         8 * MiB,
         "A first buffer this large carries no inline header behind it: the header travels "

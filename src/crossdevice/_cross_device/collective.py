@@ -18,6 +18,7 @@ The user's line that asked for a reduction is part of what the workers compare
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -29,6 +30,7 @@ import numpy as np
 
 from crossdevice._arrays import NUMPY, backend_for, is_torch, packing
 from crossdevice._arrays.buffer_pool import BufferPool
+from crossdevice._arrays.handout import hand_out
 from crossdevice._comm.devices import algorithms
 from crossdevice._core import tuning
 from crossdevice._core.options import CommunicationOptions
@@ -47,6 +49,26 @@ __all__ = ["CollectiveAllReduce", "call_site"]
 _PACKAGE_DIR: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THREADING_FILE: Final = threading.__file__
 _RUNNER_FILE: Final = os.path.join(_PACKAGE_DIR, "_replica", "runner.py")
+
+
+def _reduction(op: str, leaves: tuple[Any, ...], site: object, timeout: float | None) -> Any:
+    """The cross-worker `ReduceOptions` of a reduction, remembered (steps repeat them).
+
+    The wire sums; the workers compare the values as the strategy reduces them (op,
+    shapes, dtypes: (2, 3) against (3, 2) is a mismatch) and the user's line.
+    """
+    try:
+        return _cached_reduction(op, leaves, site, timeout)
+    except TypeError:  # an unhashable site: made afresh
+        return _cached_reduction.__wrapped__(op, leaves, site, timeout)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_reduction(op: str, leaves: tuple[Any, ...], site: object, timeout: float | None) -> Any:
+    from crossdevice._comm.protocol import ReduceOptions
+
+    signature = CallSignature("all_reduce", op, None, leaves, site=site)
+    return ReduceOptions(ReduceOp.SUM, timeout, signature=signature)
 
 
 def call_site() -> tuple[str, str, int] | None:
@@ -117,17 +139,9 @@ class CollectiveAllReduce(CrossDeviceOps):
         comm = self._communicator
         if comm is None or not components:
             return [self._local_sum(arrays) for arrays in components]
-        from crossdevice._comm.protocol import ReduceOptions
-
         firsts = [arrays[0] for arrays in components]
-        signature = CallSignature(
-            "all_reduce",
-            op.name,
-            None,
-            tuple((tuple(backend_for(x).shape(x)), str(x.dtype)) for x in firsts),
-            site=site,
-        )
-        reduce = ReduceOptions(ReduceOp.SUM, options.timeout_seconds, signature=signature)
+        leaves = tuple((tuple(x.shape), str(x.dtype)) for x in firsts)
+        reduce = _reduction(op.name, leaves, site, options.timeout_seconds)
         if all(type(a) is np.ndarray for arrays in components for a in arrays):
             return self._packed(components, options, reduce)
         sums = [self._local_sum(arrays) for arrays in components]
@@ -163,6 +177,11 @@ class CollectiveAllReduce(CrossDeviceOps):
         comm = self._communicator
         assert comm is not None
         donate_min = tuning.TUNING.donate_min_bytes
+        if len(components) == 1 and len(components[0]) == 1:
+            one = components[0][0]
+            if one.nbytes >= donate_min and one.flags.c_contiguous and one.flags.writeable:
+                # One large value of one replica (the per-step case): sent as it is.
+                return [comm.all_reduce([one.reshape(-1)], reduce)[0].reshape(one.shape)]
 
         def alone(i: int) -> bool:
             first = components[i][0]
@@ -234,6 +253,21 @@ class CollectiveAllReduce(CrossDeviceOps):
                 result = backend_for(total).divide(total, workers * len(value.values))
             out.append(self._deliver(result, value, destination))
         return out
+
+    def reduce_one(
+        self, reduce_op: ReduceOp, value: np.ndarray, options: CommunicationOptions, site: object
+    ) -> np.ndarray:
+        """`reduce_values` of one host array that is this worker's only component.
+
+        The per-step case of one replica per worker (a loss, a flat gradient buffer): the
+        same collective, fingerprint and result as `reduce_values` (its three phases with
+        one component: no local sum, one destination), without the distributed values
+        around it.
+        """
+        total = self._cross_worker([[value]], self._options.merge(options), reduce_op, site)[0]
+        if reduce_op == ReduceOp.MEAN:
+            total = NUMPY.divide(total, self._num_between_graph_workers)
+        return hand_out(results.owned(total, [value]), copy=False)
 
     def reduce_implementation(
         self,

@@ -14,6 +14,8 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, final
 
+import numpy as np
+
 from crossdevice._core import context, nest, tuning
 from crossdevice._core.cluster import Cluster, cluster_from_resolver, resolve_cluster
 from crossdevice._core.devices import DeviceSpec, canonicalize, num_gpus
@@ -30,6 +32,9 @@ from crossdevice._strategies.replicated import ReplicatedExtended, canonical_dev
 from crossdevice._values.values import DistributedValues, PerReplica
 
 __all__ = ["MultiWorkerMirroredStrategy"]
+
+#: The nest structure of a single array (what `nest.structure_repr` says of any leaf).
+_LEAF_STRUCTURE: Final = nest.structure_repr(0)
 
 #: Errors every worker raises together: no need to tell the peers.
 _SHARED_ERRORS: Final = (CollectiveMismatchError, CollectiveTimeoutError, WorkerFailedError)
@@ -95,8 +100,11 @@ class _MultiWorkerExtended(ReplicatedExtended):
         # The user's line, read on the replica's own thread, and the value's nest
         # structure ({'a': x} and [x] have the same leaves: the fingerprint's shapes
         # alone would pass them): what the workers compare besides the values.
-        site = (call_site(), nest.structure_repr(value))
         merged = self._options.merge(options)
+        if type(value) is np.ndarray and len(self._devices) == 1:
+            # One host array and one replica (the per-step case): nothing to merge.
+            return ops.reduce_one(op, value, merged, (call_site(), _LEAF_STRUCTURE))
+        site = (call_site(), nest.structure_repr(value))
 
         def merge_fn(strategy: Any, *per_replica: Any) -> list[Any]:
             del strategy

@@ -56,7 +56,7 @@ from crossdevice._comm.workers.packs import batch_all_reduce
 from crossdevice._comm.workers.ring import RingTransport
 from crossdevice._comm.workers.sequence import FillFailedError, Pending, Sequencer, guarded_fill
 from crossdevice._comm.workers.shm import SharedMemoryTransport
-from crossdevice._comm.workers.speculation import Filler, RoomPool, layout_digest
+from crossdevice._comm.workers.speculation import Filler, RoomPool
 from crossdevice._comm.workers.start import (
     check_joined_group,
     health_store,
@@ -78,7 +78,6 @@ from crossdevice._core.errors import (
 )
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._sync.call import cached_digest
 
 __all__ = ["ProcessGroupCommunicator"]
 
@@ -121,6 +120,8 @@ class ProcessGroupCommunicator:
         self._options = CommunicationOptions().merge(options)
         self._owns_default_group = False
         self._rooms = RoomPool()
+        #: encoded all-reduce fingerprints, sequence number 0, by what makes them.
+        self._prints = fp.ReductionPrints()
         if dist.is_initialized():
             check_joined_group(cluster)
         else:
@@ -307,36 +308,22 @@ class ProcessGroupCommunicator:
         ours = tuple(d or w.owned for w, d in zip(wires, donated, strict=True) if w.tensor.numel())
         tensors = [w.tensor.reshape(-1) for w in live]
         layout = host_layout(tensors)
-        signature = opts.signature
-        shapes = (
-            signature.shapes_digest()
-            if signature is not None
-            else cached_digest(tuple((tuple(w.tensor.shape), w.dtype) for w in wires))
-        )
         filler = Filler(guarded_fill(fill), [w.tensor.numel() for w in wires])
         own = tuple((t.dtype, t.numel()) for t in tensors)
 
         def job(sent: Layout | None) -> Job:
             return Job(own if sent is None else sent, tensors, ours, filler.live)
 
+        template = self._prints.all_reduce(
+            opts, wires, tensors, layout, self._standing.local_count()
+        )
         with self._collective("all_reduce", opts.timeout) as call:
-            mine = fp.Fingerprint(
-                seq=call.seq,
-                kind="all_reduce",
-                op=(signature.argument if signature is not None else opts.op.name).lower(),
-                local_replicas=self._standing.local_count(),
-                buffers=len(wires),
-                nbytes=sum(t.numel() * t.element_size() for t in tensors),
-                dtypes=cached_digest(tuple(w.tensor.dtype for w in wires)),
-                shapes=shapes,
-                structure=0 if signature is None else signature.structure_digest(),
-                cuda=any(t.is_cuda for t in tensors),
-                layout=layout_digest(layout),
-            )
+            header = template.copy()
+            header[1] = call.seq
             checked = self._guard(
                 call,
                 lambda: self._integrity.start(
-                    call, mine, layout, job, lambda: describe_wires(wires)
+                    call, header, layout, job, lambda: describe_wires(wires)
                 ),
             )
 
