@@ -13,7 +13,7 @@ value with one component per worker (a host value) divides by the worker count, 
 host-side collective group does.
 
 The user's line that asked for a reduction is part of what the workers compare
-(`call_site`): the strategy passes it down with the values (`reduce_values`).
+(`call_site`): the strategy passes it down with the values (`reduce_values_async`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from crossdevice._arrays import NUMPY, backend_for, is_torch, packing
 from crossdevice._arrays.buffer_pool import BufferPool
 from crossdevice._arrays.handout import hand_out
 from crossdevice._comm.devices import algorithms
+from crossdevice._comm.protocol import Done, Pending, Then
 from crossdevice._core import tuning
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -133,12 +134,13 @@ class CollectiveAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
         op: ReduceOp,
         site: object,
-    ) -> list[Any]:
-        # Phase 2, cross-worker all-reduce: one numbered collective. Every worker splits
-        # the same way (same shapes everywhere), so the collectives match.
+    ) -> Pending:
+        # Phase 2, cross-worker all-reduce: one numbered collective, issued now; `wait`
+        # gives the totals. Every worker splits the same way (same shapes everywhere),
+        # so the collectives match.
         comm = self._communicator
         if comm is None or not components:
-            return [self._local_sum(arrays) for arrays in components]
+            return Done([self._local_sum(arrays) for arrays in components])
         firsts = [arrays[0] for arrays in components]
         leaves = tuple((tuple(x.shape), str(x.dtype)) for x in firsts)
         reduce = _reduction(op.name, leaves, site, options.timeout_seconds)
@@ -151,23 +153,29 @@ class CollectiveAllReduce(CrossDeviceOps):
             if backend_for(x).nbytes(x) >= tuning.TUNING.donate_min_bytes
         ]
         small = sorted(set(range(len(sums))) - set(large))
-        out: list[Any] = [None] * len(sums)
+        pendings: list[Pending] = []
         if large:
             # Local sums of ours, reduced where they lie (donated).
-            reduced = comm.all_reduce([sums[i] for i in large], reduce, donate=True)
-            for i, x in zip(large, reduced, strict=True):
-                out[i] = x
-        if small:
-            reduced = comm.batch_all_reduce(
-                [sums[i] for i in small], reduce, bytes_per_pack=options.bytes_per_pack
+            pendings.append(comm.all_reduce_async([sums[i] for i in large], reduce, donate=True))
+        if small:  # (issuing it completes the one above: one collective is in flight)
+            pendings.append(
+                comm.batch_all_reduce_async(
+                    [sums[i] for i in small], reduce, bytes_per_pack=options.bytes_per_pack
+                )
             )
-            for i, x in zip(small, reduced, strict=True):
-                out[i] = x
-        return out
+
+        def totals(*reduced: list[Any]) -> list[Any]:
+            out: list[Any] = [None] * len(sums)
+            for indices, values in zip([i for i in (large, small) if i], reduced, strict=True):
+                for i, x in zip(indices, values, strict=True):
+                    out[i] = x
+            return out
+
+        return Then(pendings, totals)
 
     def _packed(
         self, components: list[list[np.ndarray]], options: CommunicationOptions, reduce: Any
-    ) -> list[Any]:
+    ) -> Pending:
         # Host NumPy values. A large value with one local component (one replica per
         # worker) is sent as it is: no local sum to make, and the transport never writes
         # it (the ring reads it in place; Gloo's in-place all-reduce copies it). The rest
@@ -181,7 +189,8 @@ class CollectiveAllReduce(CrossDeviceOps):
             one = components[0][0]
             if one.nbytes >= donate_min and one.flags.c_contiguous and one.flags.writeable:
                 # One large value of one replica (the per-step case): sent as it is.
-                return [comm.all_reduce([one.reshape(-1)], reduce)[0].reshape(one.shape)]
+                pending = comm.all_reduce_async([one.reshape(-1)], reduce)
+                return Then([pending], lambda reduced: [reduced[0].reshape(one.shape)])
 
         def alone(i: int) -> bool:
             first = components[i][0]
@@ -221,53 +230,69 @@ class CollectiveAllReduce(CrossDeviceOps):
             packs[k].fill(parts, start, stop, dest, NUMPY.sum_n)
             return True
 
-        reduced = comm.all_reduce(
+        def unpack(reduced: list[np.ndarray]) -> list[Any]:
+            out: list[Any] = [None] * len(components)
+            for pack, flat in zip(packs, reduced, strict=True):
+                for i, value in zip(pack.members, pack.unpack(flat), strict=True):
+                    out[i] = value
+            return out
+
+        pending = comm.all_reduce_async(
             buffers, reduce, donate=donated, fill=fill if any(donated) else None
         )
-        out: list[Any] = [None] * len(components)
-        for pack, flat in zip(packs, reduced, strict=True):
-            for i, value in zip(pack.members, pack.unpack(flat), strict=True):
-                out[i] = value
-        return out
+        return Then([pending], unpack)
 
-    def reduce_values(
+    def reduce_values_async(
         self,
         reduce_op: ReduceOp,
         values: Sequence[DistributedValues],
         destinations: Sequence[Any],
         options: CommunicationOptions,
         site: object,
-    ) -> list[Any]:
+    ) -> Pending:
         """Reduce `values` across every replica of every worker, in one collective.
 
         `site` is what the workers compare besides the values: the user's line that
         asked (`call_site`), with the value's nest structure for a replica all-reduce.
+        The local sums are made and the collective is issued before this returns;
+        `wait()` gives the results. The values' components must not change before
+        `wait` (some leave only then).
         """
         components = [inputs.component_arrays(value) for value in values]
-        totals = self._cross_worker(components, self._options.merge(options), reduce_op, site)
+        pending = self._cross_worker(components, self._options.merge(options), reduce_op, site)
         workers = self._num_between_graph_workers
-        out = []
-        for value, destination, total in zip(values, destinations, totals, strict=True):
-            result = total
-            if reduce_op == ReduceOp.MEAN:
-                result = backend_for(total).divide(total, workers * len(value.values))
-            out.append(self._deliver(result, value, destination))
-        return out
 
-    def reduce_one(
+        def deliver(totals: list[Any]) -> list[Any]:
+            out = []
+            for value, destination, total in zip(values, destinations, totals, strict=True):
+                result = total
+                if reduce_op == ReduceOp.MEAN:
+                    result = backend_for(total).divide(total, workers * len(value.values))
+                out.append(self._deliver(result, value, destination))
+            return out
+
+        return Then([pending], deliver)
+
+    def reduce_one_async(
         self, reduce_op: ReduceOp, value: np.ndarray, options: CommunicationOptions, site: object
-    ) -> np.ndarray:
-        """`reduce_values` of one host array that is this worker's only component.
+    ) -> Pending:
+        """`reduce_values_async` of one host array that is this worker's only component.
 
         The per-step case of one replica per worker (a loss, a flat gradient buffer): the
-        same collective, fingerprint and result as `reduce_values` (its three phases with
-        one component: no local sum, one destination), without the distributed values
-        around it.
+        same collective, fingerprint and result as `reduce_values_async` (its three phases
+        with one component: no local sum, one destination), without the distributed
+        values around it.
         """
-        total = self._cross_worker([[value]], self._options.merge(options), reduce_op, site)[0]
-        if reduce_op == ReduceOp.MEAN:
-            total = NUMPY.divide(total, self._num_between_graph_workers)
-        return hand_out(results.owned(total, [value]), copy=False)
+        pending = self._cross_worker([[value]], self._options.merge(options), reduce_op, site)
+        workers = self._num_between_graph_workers
+
+        def deliver(totals: list[Any]) -> np.ndarray:
+            total = totals[0]
+            if reduce_op == ReduceOp.MEAN:
+                total = NUMPY.divide(total, workers)
+            return hand_out(results.owned(total, [value]), copy=False)
+
+        return Then([pending], deliver)
 
     def reduce_implementation(
         self,
@@ -277,9 +302,9 @@ class CollectiveAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
     ) -> Any:
         """Reduce one value across all replicas of all workers."""
-        return self.reduce_values(
+        return self.reduce_values_async(
             reduce_op, [per_replica_value], [destinations], options, call_site()
-        )[0]
+        ).wait()[0]
 
     def batch_reduce_implementation(
         self,
@@ -290,7 +315,9 @@ class CollectiveAllReduce(CrossDeviceOps):
         """Reduce every pair in one cross-worker collective."""
         values = [v for v, _ in value_destination_pairs]
         destinations = [d for _, d in value_destination_pairs]
-        return self.reduce_values(reduce_op, values, destinations, options, call_site())
+        return self.reduce_values_async(
+            reduce_op, values, destinations, options, call_site()
+        ).wait()
 
     def _gather_implementation(
         self,

@@ -42,8 +42,10 @@ except ImportError:  # pragma: no cover - exercised only without torch
 
 from crossdevice._comm.protocol import (
     BroadcastOptions,
+    Done,
     GatherOptions,
     ReduceOptions,
+    Then,
 )
 from crossdevice._comm.workers import fingerprint as fp
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
@@ -52,7 +54,7 @@ from crossdevice._comm.workers.gloo import ProcessGroupTransport
 from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.integrity import Integrity
-from crossdevice._comm.workers.packs import batch_all_reduce
+from crossdevice._comm.workers.packs import batch_all_reduce_async
 from crossdevice._comm.workers.ring import RingTransport
 from crossdevice._comm.workers.sequence import FillFailedError, Pending, Sequencer, guarded_fill
 from crossdevice._comm.workers.shm import SharedMemoryTransport
@@ -354,20 +356,38 @@ class ProcessGroupCommunicator:
         *,
         bytes_per_pack: int | None = None,
     ) -> list[Any]:
+        """`batch_all_reduce_async(...).wait()`: see there."""
+        return self.batch_all_reduce_async(values, options, bytes_per_pack=bytes_per_pack).wait()
+
+    def batch_all_reduce_async(
+        self,
+        values: Sequence[Any],
+        options: ReduceOptions | ReduceOp | str = ReduceOp.SUM,
+        *,
+        bytes_per_pack: int | None = None,
+    ) -> Then | Done:
         """All-reduce many arrays in few flat packs: grouped by kind, device and dtype.
 
         Values of one group are packed in order into flat buffers of about
         `bytes_per_pack` bytes (None takes the communicator's options, 0 one pack per
         group), filled as they leave (`packs.py`); all packs are reduced in one numbered
         collective and unpacked to the values' shapes. The fingerprint covers every
-        value's shape and dtype, not only the packs' sizes.
+        value's shape and dtype, not only the packs' sizes. Issued as `all_reduce_async`
+        is (the values must not change before `wait`).
 
         Returns:
-            The reduced values, in the order and of the kinds of `values`.
+            A pending collective whose `wait()` returns the reduced values, in the order
+            and of the kinds of `values`.
         """
         pack_bytes = self._options.bytes_per_pack if bytes_per_pack is None else bytes_per_pack
-        return batch_all_reduce(
-            self.all_reduce, self._to_wire, self._rooms, values, options, pack_bytes, self.size
+        return batch_all_reduce_async(
+            self.all_reduce_async,
+            self._to_wire,
+            self._rooms,
+            values,
+            options,
+            pack_bytes,
+            self.size,
         )
 
     def all_gather(self, value: Any, axis: GatherOptions | int = 0) -> Any:
