@@ -144,3 +144,41 @@ def peer_fails(rank: int, world_size: int) -> dict[str, Any]:
     # Rank 0 serves the store: its peers must read the abort mark before it goes.
     time.sleep(1.5)
     return {"outcome": outcome, "elapsed": time.monotonic() - start}
+
+
+def lost_peer(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    """Rank 1 is killed (SIGKILL) or stalls while worker 0 waits on a large async all-reduce.
+
+    The ring finishes in the background (`ReduceOptions.overlap`): what ends its waits
+    there must reach the caller's `wait` as the error naming the lost worker.
+    """
+    import os
+    import signal
+
+    import crossdevice as cd
+    from crossdevice._strategies.replica import all_reduce_async
+
+    del world_size
+    strategy = cd.MultiWorkerMirroredStrategy(
+        devices=["CPU:0"],
+        communication_options=cd.experimental.CommunicationOptions(timeout_seconds=3.0),
+    )
+    x = np.ones(LARGE, np.float32)
+
+    def step() -> Any:
+        pending = all_reduce_async(cd.get_replica_context(), "sum", {"x": x})
+        return pending.wait()["x"]
+
+    for _ in range(3):
+        strategy.run(step)
+    if rank == 1:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)  # the harness kills us once worker 0 is done
+    start = time.monotonic()
+    try:
+        strategy.run(step)
+        outcome = ("returned", "")
+    except Exception as err:
+        outcome = (type(err).__name__, str(err))
+    return {"outcome": outcome, "elapsed": time.monotonic() - start}

@@ -118,3 +118,18 @@ def test_a_differing_call_fails_every_worker_as_a_mismatch() -> None:
 def test_a_failing_peer_is_named_by_the_worker_waiting_on_it() -> None:
     outs = [r.unwrap() for r in run_workers(async_workers.peer_fails, 2, env=GLOO, timeout=90)]
     assert_failing_peer_named(outs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("how", "error"), [("kill", "WorkerFailedError"), ("stall", "CollectiveTimeoutError")]
+)
+def test_a_lost_peer_is_named_from_the_background_of_the_ring(how: str, error: str) -> None:
+    results = run_workers(
+        async_workers.lost_peer, 2, args=(how,), env=GLOO, timeout=90, required=[0]
+    )
+    out = results[0].unwrap()
+    kind, message = out["outcome"]
+    assert kind == error, out
+    assert "rank 1" in message or "rank(s) [1]" in message, out
+    assert out["elapsed"] < 10.0, out

@@ -48,12 +48,16 @@ class ReduceOptions:
         signature: what the caller reduces before any packing (shapes, nest structure,
             the user's line): peers compare it, so equal byte counts of different calls
             never pass for the same collective. None: the values' own shapes.
+        overlap: the caller computes while the all-reduce travels (`all_reduce_async`
+            waited on later): work a transport would do in `wait` (a ring's sums and
+            second phase) runs in the background instead. Results are the same bits.
     """
 
     op: ReduceOp = ReduceOp.SUM
     timeout: float | None = None
     divisor: float | None = None
     signature: CallSignature | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op", as_reduce_op(self.op))

@@ -52,24 +52,28 @@ _THREADING_FILE: Final = threading.__file__
 _RUNNER_FILE: Final = os.path.join(_PACKAGE_DIR, "_replica", "runner.py")
 
 
-def _reduction(op: str, leaves: tuple[Any, ...], site: object, timeout: float | None) -> Any:
+def _reduction(
+    op: str, leaves: tuple[Any, ...], site: object, timeout: float | None, overlap: bool
+) -> Any:
     """The cross-worker `ReduceOptions` of a reduction, remembered (steps repeat them).
 
     The wire sums; the workers compare the values as the strategy reduces them (op,
     shapes, dtypes: (2, 3) against (3, 2) is a mismatch) and the user's line.
     """
     try:
-        return _cached_reduction(op, leaves, site, timeout)
+        return _cached_reduction(op, leaves, site, timeout, overlap)
     except TypeError:  # an unhashable site: made afresh
-        return _cached_reduction.__wrapped__(op, leaves, site, timeout)
+        return _cached_reduction.__wrapped__(op, leaves, site, timeout, overlap)
 
 
 @functools.lru_cache(maxsize=512)
-def _cached_reduction(op: str, leaves: tuple[Any, ...], site: object, timeout: float | None) -> Any:
+def _cached_reduction(
+    op: str, leaves: tuple[Any, ...], site: object, timeout: float | None, overlap: bool
+) -> Any:
     from crossdevice._comm.protocol import ReduceOptions
 
     signature = CallSignature("all_reduce", op, None, leaves, site=site)
-    return ReduceOptions(ReduceOp.SUM, timeout, signature=signature)
+    return ReduceOptions(ReduceOp.SUM, timeout, signature=signature, overlap=overlap)
 
 
 def call_site() -> tuple[str, str, int] | None:
@@ -134,6 +138,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
         op: ReduceOp,
         site: object,
+        overlap: bool,
     ) -> Pending:
         # Phase 2, cross-worker all-reduce: one numbered collective, issued now; `wait`
         # gives the totals. Every worker splits the same way (same shapes everywhere),
@@ -143,7 +148,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             return Done([self._local_sum(arrays) for arrays in components])
         firsts = [arrays[0] for arrays in components]
         leaves = tuple((tuple(x.shape), str(x.dtype)) for x in firsts)
-        reduce = _reduction(op.name, leaves, site, options.timeout_seconds)
+        reduce = _reduction(op.name, leaves, site, options.timeout_seconds, overlap)
         if all(type(a) is np.ndarray for arrays in components for a in arrays):
             return self._packed(components, options, reduce)
         sums = [self._local_sum(arrays) for arrays in components]
@@ -249,6 +254,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         destinations: Sequence[Any],
         options: CommunicationOptions,
         site: object,
+        overlap: bool = False,
     ) -> Pending:
         """Reduce `values` across every replica of every worker, in one collective.
 
@@ -256,10 +262,12 @@ class CollectiveAllReduce(CrossDeviceOps):
         asked (`call_site`), with the value's nest structure for a replica all-reduce.
         The local sums are made and the collective is issued before this returns;
         `wait()` gives the results. The values' components must not change before
-        `wait` (some leave only then).
+        `wait` (some leave only then). `overlap`: the caller computes before it waits
+        (`ReduceOptions.overlap`).
         """
         components = [inputs.component_arrays(value) for value in values]
-        pending = self._cross_worker(components, self._options.merge(options), reduce_op, site)
+        merged = self._options.merge(options)
+        pending = self._cross_worker(components, merged, reduce_op, site, overlap)
         workers = self._num_between_graph_workers
 
         def deliver(totals: list[Any]) -> list[Any]:
@@ -274,7 +282,12 @@ class CollectiveAllReduce(CrossDeviceOps):
         return Then([pending], deliver)
 
     def reduce_one_async(
-        self, reduce_op: ReduceOp, value: np.ndarray, options: CommunicationOptions, site: object
+        self,
+        reduce_op: ReduceOp,
+        value: np.ndarray,
+        options: CommunicationOptions,
+        site: object,
+        overlap: bool = False,
     ) -> Pending:
         """`reduce_values_async` of one host array that is this worker's only component.
 
@@ -283,7 +296,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         with one component: no local sum, one destination), without the distributed
         values around it.
         """
-        pending = self._cross_worker([[value]], self._options.merge(options), reduce_op, site)
+        merged = self._options.merge(options)
+        pending = self._cross_worker([[value]], merged, reduce_op, site, overlap)
         workers = self._num_between_graph_workers
 
         def deliver(totals: list[Any]) -> np.ndarray:

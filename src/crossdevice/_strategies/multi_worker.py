@@ -91,10 +91,11 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
     ) -> Any:
-        if self._worker_communicator is None:
+        ops = self._cross_device_ops
+        if self._worker_communicator is None or not isinstance(ops, CollectiveAllReduce):
             return super()._replica_all_reduce(replica_id, op, value, options)
         # One path: the asynchronous all-reduce, waited on at once.
-        return self._replica_all_reduce_async(replica_id, op, value, options).wait()
+        return self._issue_all_reduce(ops, replica_id, op, value, options, False).wait()
 
     def _replica_all_reduce_async(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
@@ -102,18 +103,30 @@ class _MultiWorkerExtended(ReplicatedExtended):
         ops = self._cross_device_ops
         if self._worker_communicator is None or not isinstance(ops, CollectiveAllReduce):
             return super()._replica_all_reduce_async(replica_id, op, value, options)
+        return self._issue_all_reduce(ops, replica_id, op, value, options, True)
+
+    def _issue_all_reduce(
+        self,
+        ops: CollectiveAllReduce,
+        replica_id: int,
+        op: ReduceOp,
+        value: Any,
+        options: CommunicationOptions | None,
+        overlap: bool,
+    ) -> Pending:
         # The user's line, read on the replica's own thread, and the value's nest
         # structure ({'a': x} and [x] have the same leaves: the fingerprint's shapes
         # alone would pass them): what the workers compare besides the values.
         merged = self._options.merge(options)
         if type(value) is np.ndarray and len(self._devices) == 1:
             # One host array and one replica (the per-step case): nothing to merge.
-            return ops.reduce_one_async(op, value, merged, (call_site(), _LEAF_STRUCTURE))
+            site = (call_site(), _LEAF_STRUCTURE)
+            return ops.reduce_one_async(op, value, merged, site, overlap)
         site = (call_site(), nest.structure_repr(value))
 
         def issue_fn(strategy: Any, *per_replica: Any) -> Pending:
             del strategy
-            return ops.reduce_values_async(op, per_replica, per_replica, merged, site)
+            return ops.reduce_values_async(op, per_replica, per_replica, merged, site, overlap)
 
         return self._merge_leaves_later(replica_id, value, issue_fn, "all_reduce", op.name)
 

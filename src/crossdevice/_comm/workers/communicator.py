@@ -314,7 +314,9 @@ class ProcessGroupCommunicator:
         own = tuple((t.dtype, t.numel()) for t in tensors)
 
         def job(sent: Layout | None) -> Job:
-            return Job(own if sent is None else sent, tensors, ours, filler.live)
+            return Job(
+                own if sent is None else sent, tensors, ours, filler.live, overlap=opts.overlap
+            )
 
         template = self._prints.all_reduce(
             opts, wires, tensors, layout, self._standing.local_count()

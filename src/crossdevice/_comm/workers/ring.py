@@ -27,6 +27,7 @@ on to the all-gather (sizes always match: every worker sends the predicted layou
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Final
 
 import numpy as np
@@ -34,7 +35,7 @@ import torch
 
 from crossdevice._arrays import host_kernels
 from crossdevice._arrays.buffer_pool import BufferPool
-from crossdevice._comm.workers.calls import Call
+from crossdevice._comm.workers.calls import Call, WaitFailedError
 from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.speculation import RoomPool
@@ -145,6 +146,10 @@ class RingTransport:
             works = [groups.recv(into, q, tag) for q, into in zip(peers, got, strict=True)]
             flight.mine.append((works, got))
         flight.sources = sources
+        if job.buffers is not None:  # where the sums go, taken here: not in the background
+            flight.outputs = [self._rooms.buffer(dtype, n)[:n] for dtype, n in job.layout]
+        if job.overlap:
+            flight.background()
         return flight
 
     def _finish(self, flight: _RingFlight) -> Reduced:
@@ -164,7 +169,7 @@ class RingTransport:
             for works, _ in flight.mine:
                 health.wait_messages(call, works)
             return None, True
-        outputs = [self._rooms.buffer(dtype, n)[:n] for dtype, n in job.layout]
+        outputs = flight.outputs
         # all-gather: every peer's summed pieces come straight into the outputs...
         later: list[Any] = []
         for q in (q for q in range(world) if q != rank):
@@ -183,7 +188,7 @@ class RingTransport:
             later.extend(groups.send(out, q, tag + 1) for q in range(world) if q != rank)
         health.wait_messages(call, flight.works)
         health.wait_messages(call, later)
-        flight.mine, flight.sources = [], []
+        flight.mine, flight.sources, flight.outputs = [], [], []
         return outputs, True
 
     def abandon(self, job: Job) -> list[Any]:
@@ -228,10 +233,14 @@ class _RingFlight:
 
     __slots__ = (
         "call",
+        "done",
+        "error",
         "headers",
         "job",
         "mine",
+        "outputs",
         "pieces",
+        "result",
         "said",
         "sources",
         "transport",
@@ -258,10 +267,41 @@ class _RingFlight:
         #: per piece of this worker's chunk: its receives, and what they fill.
         self.mine: list[tuple[list[Any], list[torch.Tensor]]] = []
         self.sources: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+        #: set when a background thread finished it (`background`), with its outcome.
+        self.done: threading.Event | None = None
+        self.result: Reduced = (None, False)
+        self.error: BaseException | None = None
+
+    def background(self) -> None:
+        """Finish it on a thread of its own while the caller computes (`Job.overlap`).
+
+        The sums and the all-gather otherwise wait for `finish`: only the reduce-scatter
+        would travel meanwhile (measured, 16 MiB on 2 workers: an 8 ms computation
+        between issue and wait hid 1-4 ms of the ring, all 8 ms of Gloo's all-reduce).
+        """
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name="crossdevice-ring", daemon=True).start()
+
+    def _run(self) -> None:
+        assert self.done is not None
+        try:
+            self.result = self.transport._finish(self)
+        except BaseException as err:  # raised by `finish`, in the caller's thread
+            self.error = err
+        finally:
+            self.done.set()
 
     def finish(self) -> Reduced:
         """Wait for the headers, check them, sum each piece as it comes, all-gather."""
-        return self.transport._finish(self)
+        if self.done is None:
+            return self.transport._finish(self)
+        # Every wait of the thread is bounded by the call's timeout; so is this one.
+        if not self.done.wait(self.call.remaining() + tuning.TUNING.backstop_slack_seconds):
+            raise WaitFailedError(TimeoutError(f"no reply within {self.call.timeout:g} s"))
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
