@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.comm.peers import timed_outcome
+
 #: Elements of the large values: 6 MiB of float32, above every size threshold (the
 #: donated local sums, the ring).
 LARGE = 3 << 19
@@ -135,15 +137,10 @@ def peer_fails(rank: int, world_size: int) -> dict[str, Any]:
 
     for _ in range(3):
         strategy.run(step, args=(False,))
-    start = time.monotonic()
-    try:
-        strategy.run(step, args=(True,))
-        outcome = ("returned", "")
-    except Exception as err:
-        outcome = (type(err).__name__, str(err))
+    out = timed_outcome(lambda: strategy.run(step, args=(True,)))
     # Rank 0 serves the store: its peers must read the abort mark before it goes.
     time.sleep(1.5)
-    return {"outcome": outcome, "elapsed": time.monotonic() - start}
+    return out
 
 
 def lost_peer(rank: int, world_size: int, how: str) -> dict[str, Any]:
@@ -175,10 +172,4 @@ def lost_peer(rank: int, world_size: int, how: str) -> dict[str, Any]:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(120)  # the harness kills us once worker 0 is done
-    start = time.monotonic()
-    try:
-        strategy.run(step)
-        outcome = ("returned", "")
-    except Exception as err:
-        outcome = (type(err).__name__, str(err))
-    return {"outcome": outcome, "elapsed": time.monotonic() - start}
+    return timed_outcome(lambda: strategy.run(step))
