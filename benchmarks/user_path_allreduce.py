@@ -36,16 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
 import numpy as np
+
+from benchmarks._launch import launch_or_work, take_turns
 
 __all__ = ["main"]
 
@@ -94,16 +93,13 @@ def _worker(args: argparse.Namespace) -> None:
         for name in ("gloo", "shm"):  # right before timing, and once more at the end
             if not np.array_equal(np.asarray(calls[name]()), expected):
                 raise SystemExit(f"{name}: wrong all-reduce result at {size} bytes")
-        times: dict[str, list[float]] = {name: [] for name in _IMPLS}
-        for i in range(args.warmup + args.rounds):
-            turn = i % len(_IMPLS)
-            for name in _IMPLS[turn:] + _IMPLS[:turn]:
-                dist.barrier(group=barrier_group)
-                start = time.perf_counter()
-                for _ in range(args.agg):
-                    calls[name]()
-                if i >= args.warmup:
-                    times[name].append((time.perf_counter() - start) / args.agg)
+        times = take_turns(
+            {name: calls[name] for name in _IMPLS},
+            args.rounds,
+            args.warmup,
+            lambda: dist.barrier(group=barrier_group),
+            repeat=args.agg,
+        )
         for name in ("gloo", "shm"):
             if not np.array_equal(np.asarray(calls[name]()), expected):
                 raise SystemExit(f"{name}: wrong all-reduce result at {size} bytes")
@@ -150,41 +146,10 @@ def _verdict(rows: list[dict[str, Any]]) -> None:
         print(f"# target {text}: {'met' if ok else 'NOT met'}")
 
 
-def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start `--workers` processes of this script with torchrun's variables on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(args.workers):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(args.workers),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(args.workers),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        command = [sys.executable, "-m", "benchmarks.user_path_allreduce", *argv, "--worker"]
-        procs.append(subprocess.Popen(command, env=env))
-    deadline = time.monotonic() + args.deadline
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            codes.append(proc.wait())
-    return max(codes)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line; launch the workers, or be one."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=2, help="processes to launch (2)")
     parser.add_argument(
         "--sizes", nargs="+", type=_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20]
     )
@@ -200,13 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         help="thresholds to set in every worker (crossdevice._core.tuning), e.g. "
         "ring_min_bytes=1G to keep every size off the ring",
     )
-    parser.add_argument("--deadline", type=float, default=1800.0, help="kill after (s)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return 0
-    return _launch(args, [a for a in argv if a != "--worker"])
+    return launch_or_work("benchmarks.user_path_allreduce", parser, argv, _worker, 1800.0)
 
 
 if __name__ == "__main__":
