@@ -70,6 +70,24 @@ def _global_batches(x: np.ndarray, y: np.ndarray, size: int) -> list[tuple[Any, 
     ]
 
 
+def tutorial_step(model: Any, optimizer: Any, size: int) -> Any:
+    """The tutorial's step on a strategy: per-example loss scaled by the global `size`."""
+    import torch
+
+    import crossdevice.torch as cdt
+
+    def step(inputs: Any) -> Any:
+        bx, by = inputs
+        per_example = torch.nn.functional.cross_entropy(model(bx), by, reduction="none")
+        loss = cdt.compute_average_loss(per_example, size)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
 # --- DDP workers ------------------------------------------------------------------------
 def _ddp_worker(rank: int, port: int, conn: Any) -> None:
     import torch
@@ -160,22 +178,10 @@ class _Crossdevice:
     def epoch(self, per_replica: int) -> float:
         import torch
 
-        import crossdevice.torch as cdt
-
         torch.set_num_threads(self.threads)
         size = per_replica * REPLICAS
         batches = self.cache.setdefault(per_replica, _global_batches(self.x, self.y, size))
-        model, optimizer = self.model, self.optimizer
-
-        def step(inputs: Any) -> Any:
-            bx, by = inputs
-            per_example = torch.nn.functional.cross_entropy(model(bx), by, reduction="none")
-            loss = cdt.compute_average_loss(per_example, size)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            return loss.detach()
-
+        step = tutorial_step(self.model, self.optimizer, size)
         start = time.perf_counter()
         for inputs in self.strategy.experimental_distribute_dataset(batches):
             self.strategy.run(step, args=(inputs,))

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.comm.peers import timed_outcome
+
 #: Elements per worker: 6 MiB of float32, above the ring's threshold.
 SIZE = 3 << 19
 
@@ -66,12 +68,7 @@ def abort(rank: int, world_size: int) -> dict[str, Any]:
     for _ in range(3):
         strategy.run(step)
     failing = True
-    start = time.monotonic()
-    try:
-        strategy.run(step)
-        outcome = ("returned", "")
-    except Exception as err:
-        outcome = (type(err).__name__, str(err))
+    out = timed_outcome(lambda: strategy.run(step))
     # Rank 0 serves the store: its peers must read the abort mark before it goes.
     time.sleep(1.5)
-    return {"outcome": outcome, "elapsed": time.monotonic() - start}
+    return out

@@ -18,7 +18,8 @@ A shorthand stands for the options wherever they would only name one thing: a re
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -27,9 +28,11 @@ from crossdevice._sync.call import CallSignature
 __all__ = [
     "BroadcastOptions",
     "Communicator",
+    "Done",
     "GatherOptions",
     "Pending",
     "ReduceOptions",
+    "Then",
 ]
 
 
@@ -45,12 +48,16 @@ class ReduceOptions:
         signature: what the caller reduces before any packing (shapes, nest structure,
             the user's line): peers compare it, so equal byte counts of different calls
             never pass for the same collective. None: the values' own shapes.
+        overlap: the caller computes while the all-reduce travels (`all_reduce_async`
+            waited on later): work a transport would do in `wait` (a ring's sums and
+            second phase) runs in the background instead. Results are the same bits.
     """
 
     op: ReduceOp = ReduceOp.SUM
     timeout: float | None = None
     divisor: float | None = None
     signature: CallSignature | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op", as_reduce_op(self.op))
@@ -129,8 +136,61 @@ class Pending(Protocol):
     def done(self) -> bool:
         """Whether `wait` would return at once."""
 
-    def wait(self) -> list[Any]:
+    def wait(self) -> Any:
         """The results; raises the collective's error. Bounded by the collective's timeout."""
+
+
+class Done:
+    """A collective that completed when it was issued: its `wait` returns `results`."""
+
+    __slots__ = ("_results",)
+
+    def __init__(self, results: Any) -> None:
+        self._results = results
+
+    def done(self) -> bool:
+        """Always: it completed when it was issued."""
+        return True
+
+    def wait(self) -> Any:
+        """The results."""
+        return self._results
+
+
+class Then:
+    """Collectives in flight, and what their results become: `shape(*results)`.
+
+    `wait()` waits for each of `pendings` in order (each bounded by its collective's
+    timeout) and returns `shape` of their results, computed once and kept; an error of
+    a collective is raised as itself, each time `wait` is asked. Waiting from several
+    threads is serialised (one waits on the collectives, the others on it).
+
+    Args:
+        pendings: the collectives, in the order they were issued.
+        shape: turns their results into what the caller gets.
+    """
+
+    __slots__ = ("_lock", "_pendings", "_result", "_shape")
+
+    def __init__(self, pendings: Sequence[Pending], shape: Callable[..., Any]) -> None:
+        self._pendings: tuple[Pending, ...] | None = tuple(pendings)
+        self._shape = shape
+        self._result: Any = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """Whether `wait` would return (or raise) at once."""
+        pendings = self._pendings
+        return pendings is None or all(p.done() for p in pendings)
+
+    def wait(self) -> Any:
+        """`shape` of the collectives' results (see the class doc)."""
+        with self._lock:  # bounded: its holder waits at most the collectives' timeouts
+            pendings = self._pendings
+            if pendings is not None:
+                self._result = self._shape(*(p.wait() for p in pendings))
+                self._pendings = None
+            return self._result
 
 
 @runtime_checkable

@@ -120,6 +120,14 @@ class Tuning:
         "1.17-1.33x; below, its two phases' extra wake-ups cost more than the copy.",
         "python -m benchmarks.user_path_allreduce",
     )
+    ring_piece_bytes: int = _knob(
+        8 * MiB,
+        "The ring sums and forwards a rank's chunk in pieces of at most this many bytes, so "
+        "the sum of one piece overlaps the transfer of the next; each piece costs four more "
+        "point-to-point ops. On 2 workers (2 runs, --agg 3) 8 MiB pieces took 1.01-1.08x "
+        "raw at 16-64 MiB, 1 MiB pieces 1.14-1.37x, unsplit chunks 1.03-1.23x.",
+        "python -m benchmarks.user_path_allreduce --tuning ring_piece_bytes=1M",
+    )
     header_apart_min_bytes: int = _knob(
         8 * MiB,
         "A first buffer this large carries no inline header behind it: the header travels "

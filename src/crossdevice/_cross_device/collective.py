@@ -13,11 +13,12 @@ value with one component per worker (a host value) divides by the worker count, 
 host-side collective group does.
 
 The user's line that asked for a reduction is part of what the workers compare
-(`call_site`): the strategy passes it down with the values (`reduce_values`).
+(`call_site`): the strategy passes it down with the values (`reduce_values_async`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -29,7 +30,9 @@ import numpy as np
 
 from crossdevice._arrays import NUMPY, backend_for, is_torch, packing
 from crossdevice._arrays.buffer_pool import BufferPool
+from crossdevice._arrays.handout import hand_out
 from crossdevice._comm.devices import algorithms
+from crossdevice._comm.protocol import Done, Pending, Then
 from crossdevice._core import tuning
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -47,6 +50,30 @@ __all__ = ["CollectiveAllReduce", "call_site"]
 _PACKAGE_DIR: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THREADING_FILE: Final = threading.__file__
 _RUNNER_FILE: Final = os.path.join(_PACKAGE_DIR, "_replica", "runner.py")
+
+
+def _reduction(
+    op: str, leaves: tuple[Any, ...], site: object, timeout: float | None, overlap: bool
+) -> Any:
+    """The cross-worker `ReduceOptions` of a reduction, remembered (steps repeat them).
+
+    The wire sums; the workers compare the values as the strategy reduces them (op,
+    shapes, dtypes: (2, 3) against (3, 2) is a mismatch) and the user's line.
+    """
+    try:
+        return _cached_reduction(op, leaves, site, timeout, overlap)
+    except TypeError:  # an unhashable site: made afresh
+        return _cached_reduction.__wrapped__(op, leaves, site, timeout, overlap)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_reduction(
+    op: str, leaves: tuple[Any, ...], site: object, timeout: float | None, overlap: bool
+) -> Any:
+    from crossdevice._comm.protocol import ReduceOptions
+
+    signature = CallSignature("all_reduce", op, None, leaves, site=site)
+    return ReduceOptions(ReduceOp.SUM, timeout, signature=signature, overlap=overlap)
 
 
 def call_site() -> tuple[str, str, int] | None:
@@ -111,23 +138,17 @@ class CollectiveAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
         op: ReduceOp,
         site: object,
-    ) -> list[Any]:
-        # Phase 2, cross-worker all-reduce: one numbered collective. Every worker splits
-        # the same way (same shapes everywhere), so the collectives match.
+        overlap: bool,
+    ) -> Pending:
+        # Phase 2, cross-worker all-reduce: one numbered collective, issued now; `wait`
+        # gives the totals. Every worker splits the same way (same shapes everywhere),
+        # so the collectives match.
         comm = self._communicator
         if comm is None or not components:
-            return [self._local_sum(arrays) for arrays in components]
-        from crossdevice._comm.protocol import ReduceOptions
-
+            return Done([self._local_sum(arrays) for arrays in components])
         firsts = [arrays[0] for arrays in components]
-        signature = CallSignature(
-            "all_reduce",
-            op.name,
-            None,
-            tuple((tuple(backend_for(x).shape(x)), str(x.dtype)) for x in firsts),
-            site=site,
-        )
-        reduce = ReduceOptions(ReduceOp.SUM, options.timeout_seconds, signature=signature)
+        leaves = tuple((tuple(x.shape), str(x.dtype)) for x in firsts)
+        reduce = _reduction(op.name, leaves, site, options.timeout_seconds, overlap)
         if all(type(a) is np.ndarray for arrays in components for a in arrays):
             return self._packed(components, options, reduce)
         sums = [self._local_sum(arrays) for arrays in components]
@@ -137,23 +158,29 @@ class CollectiveAllReduce(CrossDeviceOps):
             if backend_for(x).nbytes(x) >= tuning.TUNING.donate_min_bytes
         ]
         small = sorted(set(range(len(sums))) - set(large))
-        out: list[Any] = [None] * len(sums)
+        pendings: list[Pending] = []
         if large:
             # Local sums of ours, reduced where they lie (donated).
-            reduced = comm.all_reduce([sums[i] for i in large], reduce, donate=True)
-            for i, x in zip(large, reduced, strict=True):
-                out[i] = x
-        if small:
-            reduced = comm.batch_all_reduce(
-                [sums[i] for i in small], reduce, bytes_per_pack=options.bytes_per_pack
+            pendings.append(comm.all_reduce_async([sums[i] for i in large], reduce, donate=True))
+        if small:  # (issuing it completes the one above: one collective is in flight)
+            pendings.append(
+                comm.batch_all_reduce_async(
+                    [sums[i] for i in small], reduce, bytes_per_pack=options.bytes_per_pack
+                )
             )
-            for i, x in zip(small, reduced, strict=True):
-                out[i] = x
-        return out
+
+        def totals(*reduced: list[Any]) -> list[Any]:
+            out: list[Any] = [None] * len(sums)
+            for indices, values in zip([i for i in (large, small) if i], reduced, strict=True):
+                for i, x in zip(indices, values, strict=True):
+                    out[i] = x
+            return out
+
+        return Then(pendings, totals)
 
     def _packed(
         self, components: list[list[np.ndarray]], options: CommunicationOptions, reduce: Any
-    ) -> list[Any]:
+    ) -> Pending:
         # Host NumPy values. A large value with one local component (one replica per
         # worker) is sent as it is: no local sum to make, and the transport never writes
         # it (the ring reads it in place; Gloo's in-place all-reduce copies it). The rest
@@ -163,6 +190,12 @@ class CollectiveAllReduce(CrossDeviceOps):
         comm = self._communicator
         assert comm is not None
         donate_min = tuning.TUNING.donate_min_bytes
+        if len(components) == 1 and len(components[0]) == 1:
+            one = components[0][0]
+            if one.nbytes >= donate_min and one.flags.c_contiguous and one.flags.writeable:
+                # One large value of one replica (the per-step case): sent as it is.
+                pending = comm.all_reduce_async([one.reshape(-1)], reduce)
+                return Then([pending], lambda reduced: [reduced[0].reshape(one.shape)])
 
         def alone(i: int) -> bool:
             first = components[i][0]
@@ -202,38 +235,78 @@ class CollectiveAllReduce(CrossDeviceOps):
             packs[k].fill(parts, start, stop, dest, NUMPY.sum_n)
             return True
 
-        reduced = comm.all_reduce(
+        def unpack(reduced: list[np.ndarray]) -> list[Any]:
+            out: list[Any] = [None] * len(components)
+            for pack, flat in zip(packs, reduced, strict=True):
+                for i, value in zip(pack.members, pack.unpack(flat), strict=True):
+                    out[i] = value
+            return out
+
+        pending = comm.all_reduce_async(
             buffers, reduce, donate=donated, fill=fill if any(donated) else None
         )
-        out: list[Any] = [None] * len(components)
-        for pack, flat in zip(packs, reduced, strict=True):
-            for i, value in zip(pack.members, pack.unpack(flat), strict=True):
-                out[i] = value
-        return out
+        return Then([pending], unpack)
 
-    def reduce_values(
+    def reduce_values_async(
         self,
         reduce_op: ReduceOp,
         values: Sequence[DistributedValues],
         destinations: Sequence[Any],
         options: CommunicationOptions,
         site: object,
-    ) -> list[Any]:
+        overlap: bool = False,
+    ) -> Pending:
         """Reduce `values` across every replica of every worker, in one collective.
 
         `site` is what the workers compare besides the values: the user's line that
         asked (`call_site`), with the value's nest structure for a replica all-reduce.
+        The local sums are made and the collective is issued before this returns;
+        `wait()` gives the results. The values' components must not change before
+        `wait` (some leave only then). `overlap`: the caller computes before it waits
+        (`ReduceOptions.overlap`).
         """
         components = [inputs.component_arrays(value) for value in values]
-        totals = self._cross_worker(components, self._options.merge(options), reduce_op, site)
+        merged = self._options.merge(options)
+        pending = self._cross_worker(components, merged, reduce_op, site, overlap)
         workers = self._num_between_graph_workers
-        out = []
-        for value, destination, total in zip(values, destinations, totals, strict=True):
-            result = total
+
+        def deliver(totals: list[Any]) -> list[Any]:
+            out = []
+            for value, destination, total in zip(values, destinations, totals, strict=True):
+                result = total
+                if reduce_op == ReduceOp.MEAN:
+                    result = backend_for(total).divide(total, workers * len(value.values))
+                out.append(self._deliver(result, value, destination))
+            return out
+
+        return Then([pending], deliver)
+
+    def reduce_one_async(
+        self,
+        reduce_op: ReduceOp,
+        value: np.ndarray,
+        options: CommunicationOptions,
+        site: object,
+        overlap: bool = False,
+    ) -> Pending:
+        """`reduce_values_async` of one host array that is this worker's only component.
+
+        The per-step case of one replica per worker (a loss, a flat gradient buffer): the
+        same collective, fingerprint and result as `reduce_values_async` (its three phases
+        with one component: no local sum, one destination), without the distributed
+        values around it.
+        """
+        merged = self._options.merge(options)
+        pending = self._cross_worker([[value]], merged, reduce_op, site, overlap)
+        workers = self._num_between_graph_workers
+
+        def deliver(totals: list[Any]) -> np.ndarray:
+            total = totals[0]
             if reduce_op == ReduceOp.MEAN:
-                result = backend_for(total).divide(total, workers * len(value.values))
-            out.append(self._deliver(result, value, destination))
-        return out
+                total = NUMPY.divide(total, workers)
+            return hand_out(results.owned(total, [value]), copy=False)
+
+        return Then([pending], deliver)
 
     def reduce_implementation(
         self,
@@ -243,9 +316,9 @@ class CollectiveAllReduce(CrossDeviceOps):
         options: CommunicationOptions,
     ) -> Any:
         """Reduce one value across all replicas of all workers."""
-        return self.reduce_values(
+        return self.reduce_values_async(
             reduce_op, [per_replica_value], [destinations], options, call_site()
-        )[0]
+        ).wait()[0]
 
     def batch_reduce_implementation(
         self,
@@ -256,7 +329,9 @@ class CollectiveAllReduce(CrossDeviceOps):
         """Reduce every pair in one cross-worker collective."""
         values = [v for v, _ in value_destination_pairs]
         destinations = [d for _, d in value_destination_pairs]
-        return self.reduce_values(reduce_op, values, destinations, options, call_site())
+        return self.reduce_values_async(
+            reduce_op, values, destinations, options, call_site()
+        ).wait()
 
     def _gather_implementation(
         self,

@@ -18,6 +18,7 @@ import numpy as np
 from crossdevice._arrays import backend_for, is_array
 from crossdevice._arrays.handout import hand_out_all
 from crossdevice._comm.devices import algorithms
+from crossdevice._comm.protocol import Done, Pending, Then
 from crossdevice._core import context, nest, validate
 from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope, local_host_device
 from crossdevice._core.errors import ArgumentAssertionError
@@ -383,6 +384,17 @@ class StrategyExtended:
         """
         return list(self._replica_all_reduce(replica_id, op, tensors, None)), False
 
+    def _replica_all_reduce_async(
+        self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
+    ) -> Pending:
+        """`_replica_all_reduce` issued now, its result on `wait()` (bitwise the same).
+
+        Here it completes at once: the replicas of one process reduce in the rendezvous
+        round they meet in, with nothing to overlap. Strategies whose reductions cross
+        processes override it to leave the collective in flight.
+        """
+        return Done(self._replica_all_reduce(replica_id, op, value, options))
+
     def _host_leaves_stay(self) -> bool:
         """Whether host leaves of a replica all-reduce are reduced on the host.
 
@@ -430,11 +442,44 @@ class StrategyExtended:
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
-        arrays = tuple(as_reducible_leaf(x) for x in leaves)
-        sig = tuple((backend_for(x).shape(x), backend_for(x).dtype_name(x)) for x in arrays)
-        call = CallSignature(kind, argument, structure, sig, axis)
+        arrays, call = _leaf_call(leaves, structure, kind, argument, axis)
         merged = self._merge_call_checked(replica_id, merge_fn, arrays, call)
         return nest.unflatten(structure, list(merged))
+
+    def _merge_leaves_later(
+        self,
+        replica_id: int,
+        value: Any,
+        issue_fn: Callable[..., Pending],
+        kind: str,
+        argument: str,
+    ) -> Pending:
+        """`_merge_leaves` of a collective left in flight: `wait()` gives the nest.
+
+        `issue_fn(strategy, *per_replica_leaves)` runs once, in the same merge_call (the
+        same checks), and returns a pending collective whose `wait()` gives what
+        `_merge_leaves`'s `merge_fn` returns. Each replica waits on it for its own
+        component of every result; several replicas' waits are serialised (`Then`).
+        """
+        leaves, structure = nest.flatten(value)
+        if not leaves:
+            return Done(value)
+        arrays, call = _leaf_call(leaves, structure, kind, argument, None)
+        n = len(self._local_devices)
+
+        def merge_fn(strategy: ContainerStrategy, *per_replica: Any) -> Any:
+            pending = issue_fn(strategy, *per_replica)
+            if n == 1:  # a single replica's merge_call returns what merge_fn does
+                return pending
+            # One wait per replica, each picking that replica's components.
+            shared = Then([pending], lambda results: results)
+            return PerReplica(
+                [Then([shared], lambda r, i=i: select_replica(i, r)) for i in range(n)],
+                self._local_devices,
+            )
+
+        mine: Pending = self._merge_call_checked(replica_id, merge_fn, arrays, call)
+        return Then([mine], lambda merged: nest.unflatten(structure, list(merged)))
 
     def _local_results(self, value: Any) -> tuple[Any, ...]:
         if isinstance(value, DistributedValues):
@@ -544,3 +589,12 @@ def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Mirrored:
     if isinstance(total, np.generic):
         total = np.asarray(total)
     return Mirrored(hand_out_all(total, len(arrays)), devices=value._devices)
+
+
+def _leaf_call(
+    leaves: list[Any], structure: Any, kind: str, argument: str, axis: int | None
+) -> tuple[tuple[Any, ...], CallSignature]:
+    """A nest's leaves as arrays, and the call the replicas must agree on."""
+    arrays = tuple(as_reducible_leaf(x) for x in leaves)
+    sig = tuple((backend_for(x).shape(x), backend_for(x).dtype_name(x)) for x in arrays)
+    return arrays, CallSignature(kind, argument, structure, sig, axis)

@@ -14,6 +14,9 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, final
 
+import numpy as np
+
+from crossdevice._comm.protocol import Pending
 from crossdevice._core import context, nest, tuning
 from crossdevice._core.cluster import Cluster, cluster_from_resolver, resolve_cluster
 from crossdevice._core.devices import DeviceSpec, canonicalize, num_gpus
@@ -25,6 +28,7 @@ from crossdevice._core.errors import (
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.purpose import purpose
 from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.mirrored import create_mirrored_variable
 from crossdevice._strategies.replicated import ReplicatedExtended, canonical_devices
@@ -37,6 +41,9 @@ _NEXT_BATCH: Final = (
     "next(iterator) of a distributed dataset: its per-step check that some worker still has "
     "data, a collective every worker makes at every step"
 )
+
+#: The nest structure of a single array (what `nest.structure_repr` says of any leaf).
+_LEAF_STRUCTURE: Final = nest.structure_repr(0)
 
 #: Errors every worker raises together: no need to tell the peers.
 _SHARED_ERRORS: Final = (CollectiveMismatchError, CollectiveTimeoutError, WorkerFailedError)
@@ -57,7 +64,6 @@ class _MultiWorkerExtended(ReplicatedExtended):
         self._options = options
         self._num_workers = 1 if communicator is None else int(communicator.world_size)
         self._worker_index = 0 if communicator is None else int(communicator.rank)
-        from crossdevice._cross_device.collective import CollectiveAllReduce
 
         super().__init__(container_strategy, devices, CollectiveAllReduce(communicator, options))
         if communicator is not None:
@@ -100,24 +106,44 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _replica_all_reduce(
         self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
     ) -> Any:
-        if self._worker_communicator is None:
-            return super()._replica_all_reduce(replica_id, op, value, options)
-        from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
-
         ops = self._cross_device_ops
-        if not isinstance(ops, CollectiveAllReduce):  # pragma: no cover - always ours
+        if self._worker_communicator is None or not isinstance(ops, CollectiveAllReduce):
             return super()._replica_all_reduce(replica_id, op, value, options)
+        # One path: the asynchronous all-reduce, waited on at once.
+        return self._issue_all_reduce(ops, replica_id, op, value, options, False).wait()
+
+    def _replica_all_reduce_async(
+        self, replica_id: int, op: ReduceOp, value: Any, options: CommunicationOptions | None
+    ) -> Pending:
+        ops = self._cross_device_ops
+        if self._worker_communicator is None or not isinstance(ops, CollectiveAllReduce):
+            return super()._replica_all_reduce_async(replica_id, op, value, options)
+        return self._issue_all_reduce(ops, replica_id, op, value, options, True)
+
+    def _issue_all_reduce(
+        self,
+        ops: CollectiveAllReduce,
+        replica_id: int,
+        op: ReduceOp,
+        value: Any,
+        options: CommunicationOptions | None,
+        overlap: bool,
+    ) -> Pending:
         # The user's line, read on the replica's own thread, and the value's nest
         # structure ({'a': x} and [x] have the same leaves: the fingerprint's shapes
         # alone would pass them): what the workers compare besides the values.
-        site = (call_site(), nest.structure_repr(value))
         merged = self._options.merge(options)
+        if type(value) is np.ndarray and len(self._devices) == 1:
+            # One host array and one replica (the per-step case): nothing to merge.
+            site = (call_site(), _LEAF_STRUCTURE)
+            return ops.reduce_one_async(op, value, merged, site, overlap)
+        site = (call_site(), nest.structure_repr(value))
 
-        def merge_fn(strategy: Any, *per_replica: Any) -> list[Any]:
+        def issue_fn(strategy: Any, *per_replica: Any) -> Pending:
             del strategy
-            return ops.reduce_values(op, per_replica, per_replica, merged, site)
+            return ops.reduce_values_async(op, per_replica, per_replica, merged, site, overlap)
 
-        return self._merge_leaves(replica_id, value, merge_fn, "all_reduce", op.name, None)
+        return self._merge_leaves_later(replica_id, value, issue_fn, "all_reduce", op.name)
 
     def _merge_timeout(self) -> float | None:
         communicator = self._worker_communicator

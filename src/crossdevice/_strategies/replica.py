@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from crossdevice._comm.protocol import Done, Pending
 from crossdevice._core import context, nest, validate
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
@@ -21,7 +22,7 @@ from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 if TYPE_CHECKING:
     from crossdevice._strategies.base import Strategy
 
-__all__ = ["ReplicaContext"]
+__all__ = ["ReplicaContext", "all_reduce_async"]
 
 
 class ReplicaContext:
@@ -132,11 +133,7 @@ class ReplicaContext:
         Returns:
             The reduced nest (host results may be read-only arrays shared by replicas).
         """
-        op = as_reduce_op(reduce_op)
-        validate.reducible(value, "ReplicaContext.all_reduce")
-        if options is not None and not isinstance(options, CommunicationOptions):
-            raise ValueError(f"options must be a CommunicationOptions or None, got {options!r}")
-        self._check_current()
+        op = self._checked(reduce_op, value, options, "ReplicaContext.all_reduce")
         extended = self._strategy.extended
         if type(value) is not np.ndarray:  # a NumPy array never requires grad
             differentiable, leaves, structure = _needs_grad(value)
@@ -185,6 +182,15 @@ class ReplicaContext:
             return nest.unflatten(structure, gathered)
         return extended._replica_all_gather(self._replica_id, value, axis, options)
 
+    def _checked(self, reduce_op: ReduceOp | str, value: Any, options: Any, where: str) -> ReduceOp:
+        """The reduce op of an all-reduce whose arguments and context were checked."""
+        op = as_reduce_op(reduce_op)
+        validate.reducible(value, where)
+        if options is not None and not isinstance(options, CommunicationOptions):
+            raise ValueError(f"options must be a CommunicationOptions or None, got {options!r}")
+        self._check_current()
+        return op
+
     def _reduce_list(
         self, options: CommunicationOptions | None
     ) -> Callable[[ReduceOp, list[Any]], list[Any]]:
@@ -209,6 +215,46 @@ class ReplicaContext:
             f"<crossdevice.ReplicaContext replica_id_in_sync_group={self._replica_id} "
             f"of {type(self._strategy).__name__}>"
         )
+
+
+def all_reduce_async(
+    ctx: ReplicaContext,
+    reduce_op: ReduceOp | str,
+    value: Any,
+    options: CommunicationOptions | None = None,
+) -> Pending:
+    """`ctx.all_reduce(reduce_op, value, options)` issued now; `wait()` gives its result.
+
+    For a replica that can reduce one part of its work (a gradient bucket) as soon as it
+    is ready and go on computing: the collective is the one `all_reduce` makes (the same
+    fingerprint, checks and numbering), left in flight across workers, and `wait()`
+    returns bitwise what `all_reduce` would have returned. Every replica issues the same
+    all-reduces in the same order, as with `all_reduce`.
+
+    - `wait()` is bounded by the collective's timeout and raises what ended it, as
+      itself (`CollectiveMismatchError`, `WorkerFailedError`, `CollectiveTimeoutError`),
+      each time it is asked; `done()` says whether `wait` would return at once.
+    - At most one cross-worker collective is in flight: issuing the next one (another
+      `all_reduce_async`, any all-reduce, gather or merge) first completes this one.
+      Issue in order, wait in any order.
+    - `value` must not change before `wait()` returns (parts of it may leave only then).
+    - Within one process (replicas on threads, one device), and for values that require
+      grad (routed through autograd as `all_reduce` does), it completes before it
+      returns: there is nothing across processes to overlap.
+
+    Args:
+        ctx: the calling replica's context (`get_replica_context()`).
+        reduce_op: `ReduceOp.SUM`, `ReduceOp.MEAN`, or `"sum"`/`"mean"`.
+        value: a nest of arrays, the same structure and shapes on every replica.
+        options: a `CommunicationOptions`.
+
+    Returns:
+        A pending all-reduce: `wait()` returns the reduced nest, `done()` whether it has.
+    """
+    op = ctx._checked(reduce_op, value, options, "all_reduce_async")
+    if type(value) is not np.ndarray and _needs_grad(value)[0]:
+        return Done(ctx.all_reduce(op, value, options))
+    return ctx._strategy.extended._replica_all_reduce_async(ctx._replica_id, op, value, options)
 
 
 def _needs_grad(value: Any) -> tuple[bool, list[Any], Any]:

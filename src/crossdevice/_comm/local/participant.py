@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from typing import Any, Final, Protocol
 
 from crossdevice._arrays import backend_for
-from crossdevice._comm.protocol import BroadcastOptions, GatherOptions, ReduceOptions
+from crossdevice._comm.protocol import BroadcastOptions, Done, GatherOptions, ReduceOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._sync.call import CallSignature
 from crossdevice._sync.rendezvous import Rendezvous
 
-__all__ = ["Done", "Participant", "ReplicaCommunicator"]
+__all__ = ["Participant", "ReplicaCommunicator"]
 
 #: A barrier is a merge_call round that merges nothing.
 _BARRIER: Final = CallSignature("barrier")
@@ -66,23 +66,6 @@ class ReplicaCommunicator(Protocol):
 
     def abort(self, exc: BaseException) -> None:
         """Release every waiting replica."""
-
-
-class Done:
-    """A collective that completed when it was issued (`Pending` of in-process peers)."""
-
-    __slots__ = ("_results",)
-
-    def __init__(self, results: list[Any]) -> None:
-        self._results = results
-
-    def done(self) -> bool:
-        """Always: it completed when it was issued."""
-        return True
-
-    def wait(self) -> list[Any]:
-        """The results."""
-        return self._results
 
 
 class Participant:

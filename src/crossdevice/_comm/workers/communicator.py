@@ -42,8 +42,10 @@ except ImportError:  # pragma: no cover - exercised only without torch
 
 from crossdevice._comm.protocol import (
     BroadcastOptions,
+    Done,
     GatherOptions,
     ReduceOptions,
+    Then,
 )
 from crossdevice._comm.workers import fingerprint as fp
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
@@ -52,11 +54,11 @@ from crossdevice._comm.workers.gloo import ProcessGroupTransport
 from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.integrity import Integrity
-from crossdevice._comm.workers.packs import batch_all_reduce
+from crossdevice._comm.workers.packs import batch_all_reduce_async
 from crossdevice._comm.workers.ring import RingTransport
 from crossdevice._comm.workers.sequence import FillFailedError, Pending, Sequencer, guarded_fill
 from crossdevice._comm.workers.shm import SharedMemoryTransport
-from crossdevice._comm.workers.speculation import Filler, RoomPool, layout_digest
+from crossdevice._comm.workers.speculation import Filler, RoomPool
 from crossdevice._comm.workers.start import (
     check_joined_group,
     health_store,
@@ -78,7 +80,6 @@ from crossdevice._core.errors import (
 )
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._sync.call import cached_digest
 
 __all__ = ["ProcessGroupCommunicator"]
 
@@ -121,6 +122,8 @@ class ProcessGroupCommunicator:
         self._options = CommunicationOptions().merge(options)
         self._owns_default_group = False
         self._rooms = RoomPool()
+        #: encoded all-reduce fingerprints, sequence number 0, by what makes them.
+        self._prints = fp.ReductionPrints()
         if dist.is_initialized():
             check_joined_group(cluster)
         else:
@@ -307,36 +310,24 @@ class ProcessGroupCommunicator:
         ours = tuple(d or w.owned for w, d in zip(wires, donated, strict=True) if w.tensor.numel())
         tensors = [w.tensor.reshape(-1) for w in live]
         layout = host_layout(tensors)
-        signature = opts.signature
-        shapes = (
-            signature.shapes_digest()
-            if signature is not None
-            else cached_digest(tuple((tuple(w.tensor.shape), w.dtype) for w in wires))
-        )
         filler = Filler(guarded_fill(fill), [w.tensor.numel() for w in wires])
         own = tuple((t.dtype, t.numel()) for t in tensors)
 
         def job(sent: Layout | None) -> Job:
-            return Job(own if sent is None else sent, tensors, ours, filler.live)
-
-        with self._collective("all_reduce", opts.timeout) as call:
-            mine = fp.Fingerprint(
-                seq=call.seq,
-                kind="all_reduce",
-                op=(signature.argument if signature is not None else opts.op.name).lower(),
-                local_replicas=self._standing.local_count(),
-                buffers=len(wires),
-                nbytes=sum(t.numel() * t.element_size() for t in tensors),
-                dtypes=cached_digest(tuple(w.tensor.dtype for w in wires)),
-                shapes=shapes,
-                structure=0 if signature is None else signature.structure_digest(),
-                cuda=any(t.is_cuda for t in tensors),
-                layout=layout_digest(layout),
+            return Job(
+                own if sent is None else sent, tensors, ours, filler.live, overlap=opts.overlap
             )
+
+        template = self._prints.all_reduce(
+            opts, wires, tensors, layout, self._standing.local_count()
+        )
+        with self._collective("all_reduce", opts.timeout) as call:
+            header = template.copy()
+            header[1] = call.seq
             checked = self._guard(
                 call,
                 lambda: self._integrity.start(
-                    call, mine, layout, job, lambda: describe_wires(wires)
+                    call, header, layout, job, lambda: describe_wires(wires)
                 ),
             )
 
@@ -367,20 +358,38 @@ class ProcessGroupCommunicator:
         *,
         bytes_per_pack: int | None = None,
     ) -> list[Any]:
+        """`batch_all_reduce_async(...).wait()`: see there."""
+        return self.batch_all_reduce_async(values, options, bytes_per_pack=bytes_per_pack).wait()
+
+    def batch_all_reduce_async(
+        self,
+        values: Sequence[Any],
+        options: ReduceOptions | ReduceOp | str = ReduceOp.SUM,
+        *,
+        bytes_per_pack: int | None = None,
+    ) -> Then | Done:
         """All-reduce many arrays in few flat packs: grouped by kind, device and dtype.
 
         Values of one group are packed in order into flat buffers of about
         `bytes_per_pack` bytes (None takes the communicator's options, 0 one pack per
         group), filled as they leave (`packs.py`); all packs are reduced in one numbered
         collective and unpacked to the values' shapes. The fingerprint covers every
-        value's shape and dtype, not only the packs' sizes.
+        value's shape and dtype, not only the packs' sizes. Issued as `all_reduce_async`
+        is (the values must not change before `wait`).
 
         Returns:
-            The reduced values, in the order and of the kinds of `values`.
+            A pending collective whose `wait()` returns the reduced values, in the order
+            and of the kinds of `values`.
         """
         pack_bytes = self._options.bytes_per_pack if bytes_per_pack is None else bytes_per_pack
-        return batch_all_reduce(
-            self.all_reduce, self._to_wire, self._rooms, values, options, pack_bytes, self.size
+        return batch_all_reduce_async(
+            self.all_reduce_async,
+            self._to_wire,
+            self._rooms,
+            values,
+            options,
+            pack_bytes,
+            self.size,
         )
 
     def all_gather(self, value: Any, axis: GatherOptions | int = 0) -> Any:

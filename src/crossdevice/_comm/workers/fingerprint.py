@@ -25,12 +25,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from crossdevice._sync.call import cached_digest as cached_digest
 from crossdevice._sync.call import digest as digest
+
+if TYPE_CHECKING:
+    import torch
+
+    from crossdevice._comm.protocol import ReduceOptions
+    from crossdevice._comm.workers.transport import Layout
+    from crossdevice._comm.workers.wire import Wire
 
 __all__ = [
     "HEADER_LEN",
@@ -38,6 +45,7 @@ __all__ = [
     "MAX_NDIM",
     "OPS",
     "Fingerprint",
+    "ReductionPrints",
     "abort_print",
     "abort_reason",
     "cached_digest",
@@ -242,3 +250,59 @@ def decode_detail(data: np.ndarray) -> str:
     """A peer's detail: bounded, undecodable bytes replaced, control characters dropped."""
     text = bytes(data[:DETAIL_BYTES].tobytes()).rstrip(b"\0").decode("utf-8", "replace")
     return "".join(c if c.isprintable() else "?" for c in text)[:300]
+
+
+class ReductionPrints:
+    """All-reduces' encoded fingerprints with sequence number 0, remembered.
+
+    A training step repeats its all-reduces, and with them everything of their
+    fingerprints but the number (`header[1]`, set per call on a copy).
+    """
+
+    def __init__(self) -> None:
+        self._prints: dict[Any, np.ndarray] = {}
+
+    def all_reduce(
+        self,
+        opts: ReduceOptions,
+        wires: Sequence[Wire],
+        tensors: Sequence[torch.Tensor],
+        layout: Layout | None,
+        local_replicas: int,
+    ) -> np.ndarray:
+        """The template of an all-reduce of `wires` (flattened to `tensors`).
+
+        `layout`: the buffers it sends (None: not predicted; its digest is 0).
+        """
+        signature = opts.signature
+        key = (
+            signature,
+            opts.op,
+            tuple(
+                (w.dtype, w.tensor.dtype, tuple(w.tensor.shape), w.tensor.is_cuda) for w in wires
+            ),
+            local_replicas,
+        )
+        template = self._prints.get(key)
+        if template is None:
+            template = Fingerprint(
+                seq=0,
+                kind="all_reduce",
+                op=(signature.argument if signature is not None else opts.op.name).lower(),
+                local_replicas=local_replicas,
+                buffers=len(wires),
+                nbytes=sum(t.numel() * t.element_size() for t in tensors),
+                dtypes=cached_digest(tuple(w.tensor.dtype for w in wires)),
+                shapes=(
+                    signature.shapes_digest()
+                    if signature is not None
+                    else cached_digest(tuple((tuple(w.tensor.shape), w.dtype) for w in wires))
+                ),
+                structure=0 if signature is None else signature.structure_digest(),
+                cuda=any(t.is_cuda for t in tensors),
+                layout=0 if layout is None else digest(layout),
+            ).encode()
+            if len(self._prints) >= 256:
+                self._prints.clear()
+            self._prints[key] = template
+        return template

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from crossdevice._comm.workers.calls import Call
 from crossdevice._comm.workers.groups import Groups
@@ -85,9 +84,7 @@ class ProcessGroupTransport:
         for tensor, span in ops:
             if fill is not None and span is not None:
                 fill(*span)
-            works.append(
-                dist.all_reduce(tensor, group=self._groups.group_for(tensor), async_op=True)
-            )
+            works.append(self._groups.all_reduce(tensor))
 
         def finish() -> Reduced:
             self._health.wait_works(call, works)
@@ -100,7 +97,7 @@ class ProcessGroupTransport:
         """Launch the ops of `job` (zeros, an abort header) without waiting for them."""
         tensors = self._predictor.zeros(job.layout)
         ops, _, _ = speculative_ops(job.layout, tensors, job.header)
-        return [(dist.all_reduce(t, group=self._groups.host, async_op=True), t) for t, _ in ops]
+        return [(self._groups.all_reduce(t), t) for t, _ in ops]
 
     def _writable(self, job: Job) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """(what Gloo reduces in place, this worker's results as views of it).

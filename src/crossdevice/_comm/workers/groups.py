@@ -54,6 +54,27 @@ class Groups:
         """The group that carries `tensor`: NCCL's for CUDA tensors (when there is one)."""
         return self.cuda if tensor.is_cuda else self.host
 
+    def all_reduce(self, tensor: torch.Tensor) -> Any:
+        """Launch an in-place SUM of `tensor` on its group; returns the work.
+
+        The process group's own method: `torch.distributed.all_reduce`'s checks and
+        logging cost ~40 us a call (measured) and guard nothing these tensors need
+        (contiguous, of a wire dtype, of this process).
+        """
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        return self.group_for(tensor).allreduce([tensor], opts)
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """Launch a send of host `tensor` to rank `peer` on the Gloo group."""
+        return self.host.send([tensor], peer, tag)
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """Launch a receive into host `tensor` from rank `peer` on the Gloo group."""
+        return self.host.recv([tensor], peer, tag)
+
     @property
     def alive(self) -> bool:
         """Whether the groups still exist (not destroyed)."""

@@ -235,9 +235,34 @@ class HealthBoard:
             raise WaitFailedError(err) from err
 
     def wait_works(self, call: Call, works: Sequence[Any]) -> None:
-        """`wait` for each of a process group's pending works, in order."""
+        """`wait` for each of a process group's pending collective works, in order."""
         for work in works:
             self.wait(call, functools.partial(_work_done, work))
+
+    def wait_messages(self, call: Call, works: Sequence[Any]) -> None:
+        """Wait for each pending point-to-point work (a send, a receive), in order.
+
+        Gloo's sends and receives cannot be watched like the collectives: a `wait` that
+        times out fails the operation (it does not only give up waiting), and
+        `is_completed` stays False until a `wait` returns (both measured, torch 2.13). So
+        each is waited on once (only once: a second wait blocks for a message that never
+        comes), for the rest of the collective's timeout: a peer that
+        died closes its connection and fails the wait at once; a live one that does not
+        come is reported when the timeout expires (the ring's peers quit it through its
+        header, `RingTransport.abandon`).
+        """
+        shortest = tuning.TUNING.min_wait_seconds
+        for work in works:
+            remaining = call.remaining()
+            try:
+                if remaining < shortest:
+                    raise TimeoutError(f"no reply within {call.timeout:g} s")
+                work.wait(datetime.timedelta(seconds=remaining))
+            except (RuntimeError, TimeoutError) as err:
+                late = call.remaining() < shortest
+                raise WaitFailedError(
+                    TimeoutError(f"no reply within {call.timeout:g} s") if late else err
+                ) from err
 
     def diagnose(
         self, call: Call, err: Exception, standing: Standing

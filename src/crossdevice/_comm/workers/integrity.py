@@ -31,6 +31,7 @@ from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.speculation import MAX_INLINE_WORKERS, Predictor
 from crossdevice._comm.workers.transport import Flight, Job, Layout, Transport
 from crossdevice._comm.workers.wire import DTYPE_CODES
+from crossdevice._core import tuning
 from crossdevice._core.errors import CollectiveMismatchError, WorkerFailedError
 
 __all__ = ["Checked", "Integrity"]
@@ -58,40 +59,51 @@ class Integrity:
         self._health = health
         self.transports = transports
         self.predictor = Predictor()
+        self._chosen: dict[Layout, Transport] = {}
+        self._chosen_under = tuning.TUNING
 
     def transport_for(self, layout: Layout) -> Transport:
-        """The first transport enabled for `layout` (the same on every worker)."""
-        for transport in self.transports:
-            if transport.enabled(layout):
-                return transport
-        raise AssertionError(f"no transport takes {layout!r}")  # the last takes any
+        """The first transport enabled for `layout` (the same on every worker).
+
+        Remembered per layout (a step repeats its layouts) for the thresholds in force.
+        """
+        if self._chosen_under is not tuning.TUNING:
+            self._chosen.clear()
+            self._chosen_under = tuning.TUNING
+        chosen = self._chosen.get(layout)
+        if chosen is None:
+            chosen = next(t for t in self.transports if t.enabled(layout))  # the last takes any
+            if len(self._chosen) >= 256:
+                self._chosen.clear()
+            self._chosen[layout] = chosen
+        return chosen
 
     # -- all-reduce ---------------------------------------------------------------------
 
     def start(
         self,
         call: Call,
-        mine: fp.Fingerprint,
+        header: np.ndarray,
         layout: Layout | None,
         job: Callable[[Layout | None], Job],
         detail: Callable[[], str],
     ) -> Checked:
-        """Start an all-reduce whose fingerprint is `mine`; `Checked.finish` for the sums.
+        """Start an all-reduce of encoded fingerprint `header`; `Checked.finish` has the sums.
 
         Predicted: the data leaves at once with the header inside it (one round trip).
         Else the headers are exchanged and checked first, then the data leaves. `layout`
         is this call's host layout (None: CUDA values); `job(sent)` makes the transport's
         job for the layout sent, with this worker's buffers (None: its own layout).
         """
-        header = mine.encode()
         predicted = self._predict()
         if predicted:
             sent = job(predicted) if predicted == layout else Job(predicted, None)
             sent.header = header
             flight = self.transport_for(predicted).start(call, sent)
-            return Checked(self, call, mine, layout, job, detail, sent, flight)
-        self._exchange(call, mine, detail, learn=layout)
-        return Checked(self, call, mine, layout, job, detail, None, self._data(call, layout, job))
+            return Checked(self, call, header, layout, job, detail, sent, flight)
+        self._exchange(call, header, detail, learn=layout)
+        data = self._data(call, layout, job)
+        return Checked(self, call, header, layout, job, detail, None, data)
 
     def _data(self, call: Call, layout: Layout | None, job: Callable[..., Job]) -> Flight:
         """The data of an agreed all-reduce, on the transport its layout takes."""
@@ -113,7 +125,7 @@ class Integrity:
             # Equal fingerprints mean equal layouts: nobody's call fit either; the data
             # follows as without a guess.
         else:
-            self._exchange(call, checked.mine, checked.detail, learn=layout)
+            self._exchange(call, checked.header, checked.detail, learn=layout)
             if sent.buffers is not None:
                 # This worker's buffers were summed with other data: never hand them out
                 # (and the exchanged headers agreed: see the message).
@@ -147,28 +159,31 @@ class Integrity:
         for one, and if every header matches (they all make this same call), that was
         the whole check.
         """
+        header = mine.encode()
         predicted = self._predict()
         if predicted:
-            header = mine.encode()
             sent = Job(predicted, None, header=header)
             _, agrees = self.transport_for(predicted).start(call, sent).finish()
             if agrees:
                 self.predictor.learn([header] * self._standing.world_size, None)
                 return [mine] * self._standing.world_size
-        return self._exchange(call, mine, detail, learn=None)
+        return self._exchange(call, header, detail, learn=None)
 
     def _exchange(
         self,
         call: Call,
-        mine: fp.Fingerprint,
+        header: np.ndarray,
         detail: Callable[[], str] | None,
         learn: Layout | None,
     ) -> list[fp.Fingerprint]:
-        header = mine.encode()
         rows = self.gather_small(call, torch.from_numpy(header))
         fields: list[str] = []
         if (rows == header).all():
-            prints = [mine] * self._standing.world_size  # every row is ours: valid
+            # Every row is ours (valid by construction): decoded once.
+            mine = fp.Fingerprint.decode(
+                header, rank=self._standing.rank, num_dtypes=len(DTYPE_CODES)
+            )
+            prints = [mine] * self._standing.world_size
         else:
             prints = self._decode(call, rows)
             fields = fp.mismatched_fields(prints)
@@ -247,13 +262,13 @@ class Integrity:
 class Checked:
     """An all-reduce `Integrity.start`ed: `finish` checks it and returns the results."""
 
-    __slots__ = ("call", "detail", "flight", "integrity", "job", "layout", "mine", "sent")
+    __slots__ = ("call", "detail", "flight", "header", "integrity", "job", "layout", "sent")
 
     def __init__(
         self,
         integrity: Integrity,
         call: Call,
-        mine: fp.Fingerprint,
+        header: np.ndarray,
         layout: Layout | None,
         job: Callable[[Layout | None], Job],
         detail: Callable[[], str],
@@ -262,7 +277,7 @@ class Checked:
     ) -> None:
         self.integrity = integrity
         self.call = call
-        self.mine = mine
+        self.header = header
         self.layout = layout
         self.job = job
         self.detail = detail

@@ -1,4 +1,4 @@
-"""Many values in few flat buffers across workers: `batch_all_reduce` and its `LazyPacks`.
+"""Many values in few flat buffers across workers: `batch_all_reduce_async`, `LazyPacks`.
 
 The values are grouped by kind, device and dtype and cut into packs of about
 `bytes_per_pack` bytes by the one packer (`crossdevice._arrays.packing`); every pack is
@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from crossdevice._arrays.packing import Pack, plan
-from crossdevice._comm.protocol import ReduceOptions
+from crossdevice._comm.protocol import Done, Pending, ReduceOptions, Then
 from crossdevice._comm.workers.speculation import RoomPool
 from crossdevice._comm.workers.wire import Wire, divide
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._sync.call import CallSignature
 
-__all__ = ["LazyPacks", "batch_all_reduce"]
+__all__ = ["LazyPacks", "batch_all_reduce_async"]
 
 
 class LazyPacks:
@@ -70,19 +70,20 @@ class LazyPacks:
         return True
 
 
-def batch_all_reduce(
-    all_reduce: Callable[..., list[Any]],
+def batch_all_reduce_async(
+    all_reduce_async: Callable[..., Pending],
     to_wire: Callable[[Any], Wire],
     rooms: RoomPool,
     values: Sequence[Any],
     options: ReduceOptions | ReduceOp | str,
     bytes_per_pack: int,
     world_size: int,
-) -> list[Any]:
-    """Pack `values`, `all_reduce` the packs (one collective), unpack the results.
+) -> Then | Done:
+    """Pack `values`, issue the all-reduce of the packs (one collective); `wait` unpacks.
 
     Args:
-        all_reduce: the communicator's `all_reduce` (donated packs, lazily filled).
+        all_reduce_async: the communicator's `all_reduce_async` (donated packs, lazily
+            filled).
         to_wire: the communicator's conversion of a value to what travels.
         rooms: where the host packs come from.
         values: arrays of any shapes and dtypes, the same on every worker.
@@ -91,7 +92,8 @@ def batch_all_reduce(
         world_size: the number of workers (MEAN's divisor by default).
 
     Returns:
-        The reduced values, in the order and of the kinds of `values`.
+        A pending collective whose `wait()` returns the reduced values, in the order and
+        of the kinds of `values`.
     """
     opts = ReduceOptions.of(options)
     wires = [to_wire(v) for v in values]
@@ -106,19 +108,22 @@ def batch_all_reduce(
         bytes_per_pack,
     )
     if not packs:
-        return []
+        return Done([])
     lazy = LazyPacks(rooms, [[wires[i].tensor.reshape(-1) for i in p.members] for p in packs])
     summed = opts.replace(op=ReduceOp.SUM, divisor=None)
-    flats = all_reduce(lazy.flats, summed, donate=True, fill=lazy.fill)
-    results: list[Any] = [None] * len(wires)
-    for pack, flat in zip(packs, flats, strict=True):
-        first = wires[pack.members[0]]
-        exact = flat.dtype == first.dtype
-        if count is not None and exact and (flat.is_floating_point() or flat.is_complex()):
-            flat.div_(count)  # one division per pack instead of per value
-            exact = False
-        for i, piece in zip(pack.members, pack.unpack(flat), strict=True):
-            result = wires[i].result(piece.view(wires[i].tensor.shape))
-            # Integer MEAN: divide in the value's own backend, as all_reduce does.
-            results[i] = divide(result, count) if count is not None and exact else result
-    return results
+
+    def unpack(flats: list[torch.Tensor]) -> list[Any]:
+        results: list[Any] = [None] * len(wires)
+        for pack, flat in zip(packs, flats, strict=True):
+            first = wires[pack.members[0]]
+            exact = flat.dtype == first.dtype
+            if count is not None and exact and (flat.is_floating_point() or flat.is_complex()):
+                flat.div_(count)  # one division per pack instead of per value
+                exact = False
+            for i, piece in zip(pack.members, pack.unpack(flat), strict=True):
+                result = wires[i].result(piece.view(wires[i].tensor.shape))
+                # Integer MEAN: divide in the value's own backend, as all_reduce does.
+                results[i] = divide(result, count) if count is not None and exact else result
+        return results
+
+    return Then([all_reduce_async(lazy.flats, summed, donate=True, fill=lazy.fill)], unpack)

@@ -112,7 +112,11 @@ class Predictor:
         if self._last is not None and (self._last in self._next or len(self._next) < MAX_ENTRIES):
             self._next[self._last] = layout
         # The sequence number (value 1) differs from step to step: it is not history.
-        self._last = b"".join(row[:1].tobytes() + row[2:].tobytes() for row in rows)
+        first = rows[0]
+        if all(row is first for row in rows):  # every worker's header is this one
+            self._last = (first[:1].tobytes() + first[2:].tobytes()) * len(rows)
+        else:
+            self._last = b"".join(row[:1].tobytes() + row[2:].tobytes() for row in rows)
 
     def zeros(self, layout: Layout) -> list[torch.Tensor]:
         """Zero buffers of `layout` (the first with room for the inline header).
@@ -176,7 +180,10 @@ def speculative_ops(
             ops.append((slots, None))
         else:
             slots = tensors[0][-INLINE_SLOTS:]
-            slots.copy_(torch.tensor(mine, dtype=slots.dtype))
+            if slots.device.type == "cpu":
+                slots.numpy()[:] = mine
+            else:  # pragma: no cover - host layouts only carry inline headers
+                slots.copy_(torch.tensor(mine, dtype=slots.dtype))
     cut = tuning.TUNING
     for index, ((dtype, numel), tensor) in enumerate(zip(layout, tensors, strict=True)):
         step = numel
@@ -207,6 +214,15 @@ def inline_agrees(summed: torch.Tensor, mine: list[int], world_size: int) -> boo
     return all(int(g) == world_size * m and g == int(g) for g, m in zip(got, mine, strict=True))
 
 
+@functools.lru_cache(maxsize=64)
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """NumPy's dtype for a torch dtype, None when NumPy has none (bfloat16)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
+
+
 class RoomPool:
     """Recycled flat host buffers with room for the inline header behind their data.
 
@@ -226,9 +242,8 @@ class RoomPool:
 
     def buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A flat tensor of `numel` + `INLINE_SLOTS` elements, recycled when NumPy has it."""
-        try:
-            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        except TypeError:
+        np_dtype = _numpy_dtype(dtype)
+        if np_dtype is None:
             return torch.empty(numel + INLINE_SLOTS, dtype=dtype)
         base = self.take(np_dtype, numel).base
         assert isinstance(base, np.ndarray)

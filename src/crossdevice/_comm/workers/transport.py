@@ -58,6 +58,7 @@ class Job:
             whether it wrote anything; None: the buffers are filled already.
         header: this worker's encoded fingerprint, checked against every worker's while
             the data moves; None: the fingerprints were exchanged and agreed before.
+        overlap: the caller computes before it waits (`ReduceOptions.overlap`).
     """
 
     layout: Layout
@@ -65,6 +66,7 @@ class Job:
     donated: tuple[bool, ...] = ()
     fill: Callable[..., bool] | None = None
     header: np.ndarray | None = None
+    overlap: bool = False
 
     def fill_all(self) -> None:
         """Write every buffer whole now (a transport that reads them all at once)."""
