@@ -221,8 +221,8 @@ def main() -> None:
             )
             results[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
     base = results.get("torch")
-    header = ("step s (median)", "peak RSS GB", "step / torch", "RSS / torch")
-    print(f"{'':8} {header[0]:>16} {header[1]:>12} {header[2]:>13} {header[3]:>12}")
+    header = ("step s (median)", "peak RSS GB", "step / torch [min, max]", "RSS / torch")
+    print(f"{'':8} {header[0]:>16} {header[1]:>12} {header[2]:>24} {header[3]:>12}")
     for kind, runs in results.items():
         step = statistics.median(r["step"] for r in runs)
         peak = statistics.median(r["peak_mb"] for r in runs) / 1024
@@ -230,7 +230,8 @@ def main() -> None:
         if base:
             ratios = [r["step"] / b["step"] for r, b in zip(runs, base, strict=True)]
             memory = [r["peak_mb"] / b["peak_mb"] for r, b in zip(runs, base, strict=True)]
-            line += f" {statistics.median(ratios):13.2f} {statistics.median(memory):12.2f}"
+            spread = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]"
+            line += f" {spread:>24} {statistics.median(memory):12.2f}"
         print(line)
 
 

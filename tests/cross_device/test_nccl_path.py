@@ -241,17 +241,25 @@ def test_the_gate_is_per_dtype_not_per_batch(fake: FakeNccl) -> None:
     assert [c.float().tolist() for c in components(out[1])] == [[2.0, 5.0]] * 2
 
 
-def test_old_nccl_without_bfloat16_takes_the_in_order_sum(
-    fake: FakeNccl, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("version", [(2, 21, 5), (2, 9, 9)], ids=["nccl-bf16", "nccl-no-bf16"])
+def test_half_precision_is_summed_in_float32_and_rounded_once(
+    fake: FakeNccl, monkeypatch: pytest.MonkeyPatch, dtype: Any, version: tuple[int, ...]
 ) -> None:
-    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 9, 9))
-    parts = [torch.tensor([0.1, 1e3, -7.3]).to(torch.bfloat16) * (k + 1) for k in range(3)]
-    value = per_replica(parts, 3)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: version)
+    generator = torch.Generator().manual_seed(0)
+    parts = [
+        (torch.randn(4096, generator=generator) * (1 + 100 * (k % 2))).to(dtype) for k in range(4)
+    ]
+    value = per_replica(parts, 4)
     (result,) = NcclAllReduce().batch_reduce("sum", [(value, value)])
-    in_order = parts[0] + parts[1] + parts[2]
+    once = (parts[0].float() + parts[1].float() + parts[2].float() + parts[3].float()).to(dtype)
     for c in components(result):
-        assert torch.equal(c, in_order)
-    assert not fake.calls
+        assert c.dtype == dtype
+        assert torch.equal(c, once)
+    assert [call[1] for call in fake.calls] == [torch.float32]  # the wire is float32
+    per_addition = parts[0] + parts[1] + parts[2] + parts[3]
+    assert not torch.equal(per_addition, once)  # rounding at every addition differs
 
 
 # --- MEAN without a second pass -----------------------------------------------------------

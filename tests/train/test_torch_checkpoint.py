@@ -191,3 +191,37 @@ def test_a_shuffling_dataloader_resumes_its_epoch_on_another_layout(
     resumed = [torch.cat(other.experimental_local_results(step)) for step in again]
     assert [t.tolist() for t in resumed] == [t.tolist() for t in rest]
     assert sorted(torch.cat(seen + resumed).tolist()) == list(range(48))
+
+
+def test_a_mirrored_grad_scaler_round_trips_on_every_replica(
+    torch_module: Any, tmp_path: Path
+) -> None:
+    import crossdevice.torch as cdt
+
+    torch = torch_module
+    strategy = mirrored(2)
+    with strategy.scope():
+        net = torch.nn.Linear(3, 2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+        model, optimizer, scaler = cdt.prepare(net, torch.optim.Adam(net.parameters()), scaler)
+    assert model.shares_storage
+
+    def step() -> None:
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()  # grows the scale every step (growth_interval=1)
+
+    for _ in range(3):
+        strategy.run(step)
+    ckpt = cd.train.Checkpoint(model=model, optimizer=optimizer, scaler=scaler)
+    path = ckpt.write(tmp_path / "s")
+    saved = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        strategy.run(step)
+    assert strategy.experimental_local_results(strategy.run(scaler.get_scale)) == (65536.0,) * 2
+    ckpt.read(path).assert_consumed()
+    assert strategy.experimental_local_results(strategy.run(scaler.get_scale)) == (8192.0,) * 2
+    for replica in model.replicas:
+        for value, expected in zip(replica.parameters(), saved, strict=True):
+            assert torch.equal(value, expected)

@@ -48,7 +48,6 @@ NCCL_MAX: Final = 2
 #: ncclAvg, NCCL >= 2.10: the mean in one pass (floats: each input pre-multiplied by 1/n).
 NCCL_AVG: Final = 4
 _AVG_SINCE: Final = (2, 10, 0)
-_BF16_SINCE: Final = (2, 10, 0)
 
 #: Held around every `torch.cuda.nccl` launch in this process (see the module docstring).
 _LAUNCH_LOCK: Final = threading.Lock()
@@ -129,17 +128,19 @@ def sum_route(dtype: Any) -> SumRoute:
         The route. Anything not listed (float8_e8m0fnu, float4, quantized, bit types)
         takes the in-order sum, which raises where torch itself cannot add the dtype.
     """
-    return _sum_route(dtype, nccl_version() >= _BF16_SINCE)
+    return _sum_route(dtype)
 
 
 @functools.lru_cache(maxsize=64)
-def _sum_route(dtype: Any, bf16: bool) -> SumRoute:
+def _sum_route(dtype: Any) -> SumRoute:
     import torch
 
-    native_float = {torch.float16, torch.float32, torch.float64}
-    if bf16:
-        native_float.add(torch.bfloat16)
-    if dtype in native_float:
+    if dtype in (torch.float16, torch.bfloat16):
+        # Summed in float32 and rounded once, as the host path sums them: NCCL's own
+        # half-precision sum stores every partial sum in the dtype, one rounding per hop
+        # (what DDP does). The wire carries twice the bytes.
+        return SumRoute(UPCAST, torch.float32, floating=True)
+    if dtype in (torch.float32, torch.float64):
         return SumRoute(NATIVE, dtype, floating=True)
     if dtype in (torch.int8, torch.uint8, torch.int32, torch.int64):
         return SumRoute(NATIVE, dtype)
