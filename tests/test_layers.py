@@ -129,16 +129,30 @@ def _module_of(name: str, modules: set[str]) -> str | None:
 
 
 def _graph() -> dict[str, set[str]]:
-    """Module -> the crossdevice modules it imports (parent packages left out: importing a
-    submodule imports its parents, which is no dependency of one's own)."""
+    """Module -> the crossdevice modules it imports.
+
+    The bare parent package of a `from package.sub import x` is left out (importing a
+    submodule imports its parents, which is no dependency of one's own), but a name taken
+    from a parent package's `__init__` (`from crossdevice._arrays import is_torch` inside
+    `crossdevice._arrays.numpy_backend`) is an edge like any other.
+    """
     paths = {module: path for path, module in _modules()}
+    # Compiled extensions (built from a .c file beside them) are modules that import nothing.
+    extensions = {
+        ".".join(c.relative_to(ROOT.parent).with_suffix("").parts) for c in ROOT.rglob("*.c")
+    }
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
         targets = set()
         for _, name in _imports(path, module, names=True):
-            target = _module_of(name, set(paths))
-            if target is not None and target != module and not module.startswith(target + "."):
-                targets.add(target)
+            target = _module_of(name, set(paths) | extensions)
+            if target in extensions:
+                continue
+            if target is None or target == module:
+                continue
+            if module.startswith(target + ".") and name == target:
+                continue  # the implicit import of a parent package
+            targets.add(target)
         graph[module] = targets
     return graph
 

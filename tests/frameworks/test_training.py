@@ -283,16 +283,22 @@ def test_optimizer_follows_schedulers_and_refuses_cross_replica_step(torch: Any,
 
 def test_threads_per_replica_policy(torch: Any, cdt: Any) -> None:
     torch.set_num_threads(2)
-    with mirrored(4).scope():
+    strategy = mirrored(4)
+    with strategy.scope():
         cdt.MirroredModule(torch.nn.Linear(2, 1))
     assert torch.get_num_threads() == cdt.default_threads_per_replica(4)
+    strategy.close()  # (the count comes back with the last such strategy: a test below)
     torch.set_num_threads(2)
-    with mirrored(4).scope():
+    strategy = mirrored(4)
+    with strategy.scope():
         cdt.MirroredModule(torch.nn.Linear(2, 1), threads_per_replica=0)
     assert torch.get_num_threads() == 2
-    with mirrored(2).scope():
+    strategy.close()
+    strategy = mirrored(2)
+    with strategy.scope():
         cdt.MirroredModule(torch.nn.Linear(2, 1), threads_per_replica=3)
     assert torch.get_num_threads() == 3
+    strategy.close()
     with pytest.raises(ValueError, match="threads_per_replica"), mirrored(2).scope():
         cdt.MirroredModule(torch.nn.Linear(2, 1), threads_per_replica=-1)
 
@@ -392,8 +398,9 @@ print("ok")
 
 
 def test_torch_is_untouched_while_no_strategy_uses_it(torch: Any) -> None:
-    # A fresh process: torch's functions are replaced from a multi-replica strategy's
-    # first run until it is closed or collected, and never by a one-replica strategy.
+    # A fresh process: torch's functions (and its thread count) are replaced from a
+    # multi-replica strategy's first run or prepare until it is closed or collected, and
+    # never by a one-replica strategy.
     import subprocess
     import sys
 
@@ -403,19 +410,23 @@ before = (torch.rand, torch.nn.Module.__call__, torch.autograd.backward, torch.g
 def same():
     now = (torch.rand, torch.nn.Module.__call__, torch.autograd.backward, torch.get_rng_state)
     return all(a is b for a, b in zip(before, now))
+torch.set_num_threads(2)
 crossdevice.config.set_logical_cpu_devices(2)
 one = crossdevice.OneDeviceStrategy("CPU:0")
 one.run(lambda: torch.rand(1))
 assert same(), "a one-replica strategy patched torch"
 two = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
+assert same(), "patched before any use"
 with two.scope():
-    model = crossdevice.torch.prepare(torch.nn.Linear(2, 1))
-assert same(), "patched before any run"
+    model = crossdevice.torch.prepare(torch.nn.Linear(2, 1), threads_per_replica=1)
+assert not same(), "not patched by prepare"
+assert torch.get_num_threads() == 1, "the thread policy did not apply"
 two.run(lambda: model(torch.ones(1, 2)).sum().backward())
 assert not same(), "not patched inside use"
 del model
 two.close()
 assert same(), "still patched after close"
+assert torch.get_num_threads() == 2, "torch's thread count not restored"
 three = crossdevice.MirroredStrategy(["CPU:0", "CPU:1"])
 three.run(lambda: torch.rand(1))
 assert not same()

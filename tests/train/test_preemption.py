@@ -175,7 +175,8 @@ def test_termination_config_checks_its_arguments(
 def test_several_workers_agree_about_every_agree_seconds_not_every_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from crossdevice._train import job, preemption
+    from crossdevice._core import tuning
+    from crossdevice._train import job
 
     calls: list[np.ndarray] = []
 
@@ -196,7 +197,7 @@ def test_several_workers_agree_about_every_agree_seconds_not_every_step(
         handler.run(lambda: time.sleep(0.0001))
         steps += 1
     agreements = len(calls)
-    assert 3 <= agreements <= 1.0 / preemption.AGREE_SECONDS + 3  # one per ~0.2 s
+    assert 3 <= agreements <= 1.0 / tuning.TUNING.preemption_agree_seconds + 3  # one per ~0.2 s
     assert steps > 20 * agreements
     assert calls[0].tolist() == [0, 1]  # the first proposal: agree again at the next step
     os.kill(os.getpid(), signal.SIGTERM)

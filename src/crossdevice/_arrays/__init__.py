@@ -7,26 +7,14 @@ are NumPy values.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from crossdevice._arrays.base import ArrayBackend as ArrayBackend
+from crossdevice._arrays.detect import get_torch_backend as get_torch_backend
+from crossdevice._arrays.detect import is_torch as is_torch
 from crossdevice._arrays.numpy_backend import NUMPY as NUMPY
 
 __all__ = ["NUMPY", "ArrayBackend", "backend_for", "get_torch_backend", "is_array", "is_torch"]
-
-
-def is_torch(x: object) -> bool:
-    """Whether `x` is a torch tensor (without importing torch when it is not loaded)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def get_torch_backend() -> ArrayBackend:
-    """The torch backend; ImportError with the install line when torch is missing."""
-    from crossdevice._arrays.torch_backend import TORCH
-
-    return TORCH
 
 
 def backend_for(x: Any) -> ArrayBackend:

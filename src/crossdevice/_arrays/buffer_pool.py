@@ -16,6 +16,8 @@ from typing import Final
 
 import numpy as np
 
+from crossdevice._core import tuning
+
 __all__ = ["BufferPool"]
 
 #: `sys.getrefcount` of a pooled buffer that only the pool holds: the pool's list, the
@@ -28,12 +30,12 @@ class BufferPool:
 
     Args:
         per_key: buffers kept per (dtype, length).
-        max_bytes: bytes kept in all.
+        max_bytes: bytes kept in all; None: `TUNING.buffer_pool_max_bytes`.
     """
 
-    def __init__(self, per_key: int = 2, max_bytes: int = 2 * 1024**3) -> None:
+    def __init__(self, per_key: int = 2, max_bytes: int | None = None) -> None:
         self._per_key = per_key
-        self._max_bytes = max_bytes
+        self._max_bytes = tuning.TUNING.buffer_pool_max_bytes if max_bytes is None else max_bytes
         self._bytes = 0
         self._buffers: dict[tuple[np.dtype, int], list[np.ndarray]] = {}
         self._lock = threading.Lock()

@@ -9,9 +9,9 @@ copied where it is not (docs/design.md §3; TF tensors are immutable):
   itself when nobody else sees it (`copy=False`), every other holder gets a copy.
 
 Every place that hands a result to replicas goes through here: the cross-device ops'
-results (`_cross_device/results.py`, `host.py`), the replica threads' shared all-reduce
-and all-gather results (`_strategies/replicated.py`) and the host leaves of GPU replicas
-(`_strategies/extended.py`).
+results (`_cross_device/results.py`, `host.py`, the in-order sums of `nccl.py`), the
+replica threads' shared all-reduce and all-gather results (`_strategies/replicated.py`)
+and the host leaves of GPU replicas (`_strategies/extended.py`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from typing import Any, Final
 import numpy as np
 
 from crossdevice._arrays import host_kernels
+from crossdevice._arrays.detect import get_torch_backend, is_torch
 
 __all__ = ["NUMPY", "NumpyBackend"]
 
@@ -41,8 +42,6 @@ class NumpyBackend:
     def to_device(self, x: Any, device: str) -> Any:
         """Host → host returns `x`; host → GPU makes a torch CUDA tensor."""
         if "GPU" in device:
-            from crossdevice._arrays import get_torch_backend
-
             torch_be = get_torch_backend()
             # np.asarray(order="C"), not np.ascontiguousarray: that makes a 0-d array 1-d.
             return torch_be.to_device(torch_be.asarray(np.asarray(x, order="C")), device)
@@ -129,8 +128,6 @@ class NumpyBackend:
 
     def to_numpy_value(self, value: Any) -> Any:
         """Torch tensors become NumPy arrays; everything else passes."""
-        from crossdevice._arrays import is_torch
-
         if is_torch(value):
             return value.detach().cpu().numpy()
         return value

@@ -10,16 +10,18 @@ that, and this module is the only place that does it:
 * `torch_random`: the drawing functions, dropout and `torch.get_rng_state` /
   `set_rng_state` use the running replica's own generator;
 * the torch training layer (`crossdevice._frameworks.torch`): `torch.autograd.backward`
-  (gradient buckets are reduced when the outermost backward pass ends), and LR
-  schedulers' `step` and `AveragedModel.update_parameters`, which run once per step.
+  (gradient buckets are reduced when the outermost backward pass ends), LR schedulers'
+  `step`, `AveragedModel.update_parameters` and the gradient clipping functions, which
+  run once per step, and torch's intra-op thread count (lowered while replicas compute in
+  parallel, put back on removal unless the user changed it since).
 
 Each replacement calls torch's function unchanged outside `strategy.run`, inside a
 strategy with one replica per process, and while `torch.compile` traces (the
 replacements never reach a compiled graph). They are installed when a strategy with
-several replicas in sync first runs with torch imported, and removed when the last such
-strategy is closed or collected, so torch is untouched while no such strategy is in use.
-A replacement is made once per torch function and reused, so code compiled while it is
-installed keeps matching its guards.
+several replicas in sync first runs with torch imported (or a module is prepared on it),
+and removed when the last such strategy is closed or collected, so torch is untouched
+while no such strategy is in use. A replacement is made once per torch function and
+reused, so code compiled while it is installed keeps matching its guards.
 """
 
 from __future__ import annotations

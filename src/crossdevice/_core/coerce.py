@@ -2,8 +2,9 @@
 
 TF accepts an enum member or its name as a string in several places
 (`tf.distribute.ReduceOp`, `VariableSynchronization`, `VariableAggregation`,
-`CommunicationImplementation`, `InputReplicationMode`); every one of them goes through
-here, so a string in any case is accepted everywhere and a bad value raises the same
+`CommunicationImplementation`, `InputReplicationMode`), and crossdevice's own string
+choices are `StrEnum`s (replica execution modes, buffer aggregations); every one of them
+goes through here, so a string in any case is accepted everywhere and a bad value raises the same
 kind of error naming what was received and what would have been accepted.
 """
 
@@ -66,6 +67,7 @@ def coerce_enum(
             return kind[value.upper()]
         except KeyError:
             pass
-    choices = [member.name for member in kind]
+    # A StrEnum is spelled by its values ('threads', 'first_replica'); others by name.
+    choices = [m.value if issubclass(kind, enum.StrEnum) else m.name for m in kind]
     text = message or "expected a {kind} (one of {choices}, or its name), received {value}"
     raise error(text.format(value=repr(value), choices=choices, kind=kind.__name__))

@@ -10,10 +10,11 @@ measurement) that chose it: `reason(name)` and `benchmark(name)` read them back.
 
 Not here: sizes fixed by a format (a fingerprint's 672-byte header, a shared-memory
 segment's layout and its 8 MiB slots), bounds on hostile input (`MAX_PEER_BYTES`,
-`MAX_TF_CONFIG_BYTES`), and hardware constants (a 64-byte cache line). Measurements quoted
-are from the 2-core AMD EPYC
-dev VM (32 MiB L3) unless said otherwise; the torch training layer keeps its own bucket
-sizes (`_frameworks/torch`).
+`MAX_TF_CONFIG_BYTES`), hardware constants (a 64-byte cache line), and bounds derived
+from a field where they are used (a heartbeat thread joined within two publish intervals
+and a second). Measurements quoted are from the 2-core AMD EPYC dev VM (32 MiB L3) unless
+said otherwise; the torch training layer keeps its own bucket sizes (`_frameworks/torch`:
+DDP's defaults, a user's choice).
 """
 
 from __future__ import annotations
@@ -246,6 +247,39 @@ class Tuning:
         "How long the cooperative scheduler sleeps at most, when every replica waits for a "
         "deadline, before it looks again for a gate another thread released.",
         "tests/strategies/test_cooperative.py",
+    )
+    auto_try_below_seconds: float = _knob(
+        1e-3,
+        "Replica execution 'auto' tries a step function cooperatively only when its "
+        "threaded runs took less than this: above a millisecond the thread hand-offs "
+        "(tens of microseconds a step) cannot be what makes a step slow.",
+        "python -m benchmarks.run_overhead",
+    )
+    buffer_pool_max_bytes: int = _knob(
+        2 * 1024 * MiB,
+        "Bytes of recycled large output buffers kept in all (per pool): enough for the "
+        "results of a few 64 MiB-per-replica rounds, bounded so that a run of ever-new "
+        "shapes cannot grow the process without end.",
+        "tests/collectives (buffer pool tests)",
+    )
+    # --- checkpoints and preemption (_train) ------------------------------------------
+    checkpoint_write_timeout_seconds: float = _knob(
+        1800.0,
+        "The longest a save waits for the previous checkpoint's write: several GB on a slow "
+        "disk, with room; a write that takes longer is reported, not waited on for ever.",
+        "python -m benchmarks.checkpoint_stall (1.08 s for 25M parameters)",
+    )
+    preemption_watch_seconds: float = _knob(
+        1.0,
+        "How often a termination_watcher_fn is polled (TF's interval).",
+        "TF's PreemptionCheckpointHandler",
+    )
+    preemption_agree_seconds: float = _knob(
+        0.2,
+        "Workers agree on termination notices about this often (every step, for longer "
+        "steps): one agreement cost 1.4 ms on a loaded 2-core host, 130% of a trivial "
+        "2-worker run, so short steps share one; a notice waits at most about this long.",
+        "tests/train/test_preemption.py",
     )
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Final, final
 
 from crossdevice._arrays import backend_for
+from crossdevice._arrays.handout import hand_out_each
 from crossdevice._comm.devices import algorithms, nccl_calls
 from crossdevice._core.devices import DeviceSpec, get_logical_gpu_devices, num_gpus
 from crossdevice._core.reduce_op import ReduceOp
@@ -105,17 +106,6 @@ def _nccl_mode(devices: tuple[str, ...], logical_gpus: int | None) -> tuple[str,
 nccl_status.cache_clear = _nccl_mode.cache_clear  # type: ignore[attr-defined]
 
 
-def _distinct(values: Sequence[Any]) -> list[Any]:
-    """`values`, with a copy in place of every repeat of an earlier object."""
-    seen: set[int] = set()
-    out = []
-    for value in values:
-        fresh = backend_for(value).copy(value) if id(value) in seen else value
-        seen.add(id(fresh))
-        out.append(fresh)
-    return out
-
-
 def _in_order_all_reduce(
     pieces: list[Any], devices: tuple[str, ...], reduce_op: ReduceOp
 ) -> list[Any]:
@@ -125,7 +115,7 @@ def _in_order_all_reduce(
     `ReductionToOneDevice`'s arithmetic, so results are bitwise those of the CPU path.
     """
     total = algorithms.reduce_to_one(pieces, devices[0], reduce_op)
-    return _distinct(algorithms.broadcast(total, devices))
+    return hand_out_each(algorithms.broadcast(total, devices))
 
 
 def _nccl_all_reduce(

@@ -16,11 +16,14 @@ logger, and reported by `ReplicaRunner.execution_choices` (a strategy's
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections.abc import Callable
 from typing import Any, Final, Literal
 
+from crossdevice._core import tuning
+from crossdevice._core.coerce import coerce_enum
 from crossdevice._sync import waiting
 
 __all__ = [
@@ -33,10 +36,19 @@ __all__ = [
 
 _LOG: Final = logging.getLogger("crossdevice")
 
+
 #: `set_replica_execution` choices: replica threads only (the default), cooperative
 #: replicas (greenlets on the caller's thread) only, or pick per step function by timing
 #: both once.
-EXECUTION_MODES: Final = ("threads", "cooperative", "auto")
+class ExecutionMode(enum.StrEnum):
+    """How `strategy.run` executes in-process host replicas (see `set_replica_execution`)."""
+
+    THREADS = "threads"
+    COOPERATIVE = "cooperative"
+    AUTO = "auto"
+
+
+EXECUTION_MODES: Final = tuple(m.value for m in ExecutionMode)
 
 _execution: list[str] = ["threads"]
 
@@ -66,10 +78,9 @@ def set_replica_execution(mode: Literal["auto", "threads", "cooperative"]) -> No
     Raises:
         ValueError: an unknown mode, or a cooperative mode without greenlet installed.
     """
-    if mode not in EXECUTION_MODES:
-        raise ValueError(
-            f"replica execution must be one of {list(EXECUTION_MODES)}, received {mode!r}"
-        )
+    mode = coerce_enum(
+        mode, ExecutionMode, message="replica execution must be one of {choices}, received {value}"
+    ).value
     if mode != "threads" and not waiting.available():
         raise ValueError(
             f"replica execution {mode!r} needs the greenlet package, which is not "
@@ -86,7 +97,8 @@ def get_replica_execution() -> str:
 class Tuner:
     """Per step function: run it on threads and cooperatively, then keep the faster mode.
 
-    A new function runs on threads. If that took under `TRY_BELOW` seconds it is tried
+    A new function runs on threads. If that took under
+    `TUNING.auto_try_below_seconds` it is tried
     cooperatively `SAMPLES` times, and threads `SAMPLES` times; then the mode with the
     smaller median is chosen for good (logged once). Medians, not averages: one run
     stalled by the machine (a GC pause, another process) must not decide. The choice is
@@ -94,7 +106,6 @@ class Tuner:
     a step's behaviour depend on it.
     """
 
-    TRY_BELOW: Final = 1e-3
     SAMPLES: Final = 3
     MAX_FUNCTIONS: Final = 256
 
@@ -110,7 +121,7 @@ class Tuner:
         if stats.choice is not None:
             return stats.choice == "cooperative"
         threads, coop = stats.times
-        if threads and min(threads) >= self.TRY_BELOW:
+        if threads and min(threads) >= tuning.TUNING.auto_try_below_seconds:
             self._decide(key, stats, "threads")
             return False
         if len(coop) < self.SAMPLES:

@@ -1,4 +1,6 @@
-"""`Strategy` and `StrategyExtended`: the public template methods of every strategy.
+"""`Strategy`: the public template methods of every strategy.
+
+`StrategyExtended`'s are in `extended.py` (re-exported here).
 
 Template methods validate their arguments and context, then call a hook that the
 concrete strategy implements (`_call_for_each_replica`, `_reduce_to`, `_batch_reduce_to`,

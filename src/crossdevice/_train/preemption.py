@@ -19,8 +19,8 @@ Save periodically with the same manager for that case.
 
 Where TF uses its coordination service (a background thread, keys in a store) we use
 the strategy's own all-reduce: on several workers one small collective every
-`AGREE_SECONDS` of steps (every step, when steps are longer), none in one process, and
-no dependency on how the workers talk.
+`TUNING.preemption_agree_seconds` of steps (every step, when steps are longer), none in
+one process, and no dependency on how the workers talk.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from crossdevice._core import tuning
 from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError
 from crossdevice._strategies.context import has_strategy
 from crossdevice._train import job
@@ -53,14 +54,8 @@ RESTART_EXIT_CODE: Final = 42
 Non-zero, so that a launcher restarts the job: `torchrun --max-restarts=N` restarts it
 on any non-zero exit (each restart uses one of the N), as Borg does for TF.
 """
-#: How often a `termination_watcher_fn` is polled (TF: every second).
-WATCH_SECONDS: Final = 1.0
 #: TF's margin before a grace period's end: this many mean step times, for the save.
 _GRACE_STEPS: Final = 6
-#: Several workers agree on notices about this often (every step, for longer steps):
-#: one all-reduce per agreement cost 1.4 ms on a loaded 2-core host, 130% of a trivial
-#: 2-worker `run`, so short steps share one. A notice then waits at most about this long.
-AGREE_SECONDS: Final = 0.2
 _MAX_INTERVAL: Final = 10_000
 
 
@@ -216,7 +211,7 @@ class PreemptionCheckpointHandler:
             return
 
         def poll() -> None:
-            while not self._notice.wait(WATCH_SECONDS):
+            while not self._notice.wait(tuning.TUNING.preemption_watch_seconds):
                 if watcher():
                     self._note()
 
@@ -259,7 +254,7 @@ class PreemptionCheckpointHandler:
         between steps too, such as `next(iterator)` (which agrees with the other workers
         whether any has data). Other errors pass through. When the loop ends, the workers
         agree once more, so that a notice that came after their last agreement (less than
-        `AGREE_SECONDS` before the end) still saves and exits.
+        `TUNING.preemption_agree_seconds` before the end) still saves and exits.
 
         Example::
 
@@ -313,8 +308,8 @@ class PreemptionCheckpointHandler:
 
         One process: the flag itself. Several: at agreed boundaries only, an all-reduce
         of `[flag, interval]`, in which the chief proposes how many boundaries to the
-        next agreement (about `AGREE_SECONDS` of steps), so that short steps do not each
-        pay for a collective; the boundaries in between say no at once.
+        next agreement (about `TUNING.preemption_agree_seconds` of steps), so that short
+        steps do not each pay for a collective; the boundaries in between say no at once.
         """
         now = time.monotonic()
         if self._last_boundary is not None:
@@ -330,7 +325,9 @@ class PreemptionCheckpointHandler:
         interval = 0
         if self._chief:  # one interval for all; before any timing, the next boundary
             seconds = self._boundary_time
-            interval = 1 if seconds == 0 else round(AGREE_SECONDS / seconds)
+            interval = (
+                1 if seconds == 0 else round(tuning.TUNING.preemption_agree_seconds / seconds)
+            )
             interval = max(1, min(_MAX_INTERVAL, interval))
         try:
             flags, interval = job.sum_over_workers(

@@ -24,10 +24,10 @@ from typing import Any, Final
 import numpy as np
 
 from crossdevice._arrays import is_torch
+from crossdevice._core import tuning
 
 __all__ = [
     "WRITER_NICENESS",
-    "WRITE_TIMEOUT_SECONDS",
     "BackgroundWriter",
     "Stager",
     "wait_for_path",
@@ -35,8 +35,6 @@ __all__ = [
 
 _LOG: Final = logging.getLogger("crossdevice")
 
-#: The longest a save waits for the previous write (several GB on a slow disk, with room).
-WRITE_TIMEOUT_SECONDS: Final = 1800.0
 #: The writer thread runs this much nicer than training (Linux, best effort): the write
 #: is background work. With 25M parameters on a loaded 2-core VM, a training step took
 #: 1.67x and 1.80x its time while a write ran at the same priority, 1.19x and 1.30x with
@@ -63,7 +61,7 @@ def wait_for_path(path: str, *, inside: bool = False) -> None:
     for writer in writers:
         thread = writer._thread
         if thread is not None:
-            thread.join(WRITE_TIMEOUT_SECONDS)
+            thread.join(tuning.TUNING.checkpoint_write_timeout_seconds)
 
 
 def _same_layout(buffer: Any, array: Any) -> bool:
@@ -147,13 +145,18 @@ class BackgroundWriter:
                 if _IN_FLIGHT.get(self._what) is self:
                     del _IN_FLIGHT[self._what]
 
-    def wait(self, timeout: float = WRITE_TIMEOUT_SECONDS) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Wait for the write in flight; raise its error, if it failed.
+
+        Args:
+            timeout: seconds; None: `TUNING.checkpoint_write_timeout_seconds`.
 
         Raises:
             TimeoutError: it has not finished within `timeout` seconds.
         """
         thread = self._thread
+        if timeout is None:
+            timeout = tuning.TUNING.checkpoint_write_timeout_seconds
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():

@@ -24,19 +24,32 @@ not the global batch's (`SyncBatchNorm` computes BatchNorm's over the global bat
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Final
 
 import torch
 
+from crossdevice._core.coerce import coerce_enum
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.context import get_replica_context
 
 __all__ = ["AGGREGATIONS", "BufferSync", "resolve_aggregations"]
 
+
 #: The aggregations a buffer can declare.
-AGGREGATIONS: Final = ("mean", "sum", "max", "first_replica", "none")
+class Aggregation(enum.StrEnum):
+    """What a buffer's replicas agree on after a training-mode forward (`buffer_aggregation`)."""
+
+    MEAN = "mean"
+    SUM = "sum"
+    MAX = "max"
+    FIRST_REPLICA = "first_replica"
+    NONE = "none"
+
+
+AGGREGATIONS: Final = tuple(m.value for m in Aggregation)
 _NORM_STATS: Final = ("running_mean", "running_var")
 
 
@@ -59,11 +72,9 @@ def resolve_aggregations(
         )
     declared = dict(declared or {})
     for pattern, value in declared.items():
-        if value not in AGGREGATIONS:
-            raise ValueError(
-                f"buffer_aggregation[{pattern!r}] must be one of {list(AGGREGATIONS)}, "
-                f"got {value!r}"
-            )
+        key = repr(pattern).replace("{", "{{").replace("}", "}}")
+        message = f"buffer_aggregation[{key}] must be one of {{choices}}, got {{value}}"
+        declared[pattern] = coerce_enum(value, Aggregation, message=message).value
     names = dict(module.named_buffers())
     for pattern in declared:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from crossdevice._arrays import torch_guard, torch_patches
+from crossdevice._arrays.packing import plan
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._frameworks.torch import backward, once  # noqa: F401 - torch patches
 from crossdevice._frameworks.torch.buffers import BufferSync, resolve_aggregations
@@ -134,6 +135,7 @@ class MirroredModule(torch.nn.Module):
             compile_replicas(replicas, compiled)
         _broadcast_from_chief(strategy, replicas)
         self._setup(strategy, replicas, op, bucket_cap_bytes, aggregations, autocast, shared)
+        strategy._patch_torch()  # its replicas run in parallel: the patches (and threads)
         apply_thread_policy(len(replicas), threads_per_replica)
 
     def _setup(
@@ -575,18 +577,17 @@ def _broadcast_from_chief(strategy: Strategy, replicas: list[torch.nn.Module]) -
     communicator = getattr(strategy.extended, "_worker_communicator", None)
     tensors = [*replicas[0].parameters(), *replicas[0].buffers()]
     if communicator is not None and tensors:
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for k, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(k)
+        packs = plan(
+            [t.dtype for t in tensors],
+            [tuple(t.shape) for t in tensors],
+            [t.element_size() for t in tensors],
+        )
         with torch.no_grad():
-            for indices in by_dtype.values():
-                flat = torch.cat([tensors[k].detach().reshape(-1).cpu() for k in indices])
+            for pack in packs:  # one per dtype
+                flat = torch.cat([tensors[k].detach().reshape(-1).cpu() for k in pack.members])
                 chief = torch.as_tensor(communicator.broadcast(flat, root=0))
-                offset = 0
-                for k in indices:
-                    n = tensors[k].numel()
-                    tensors[k].copy_(chief[offset : offset + n].view_as(tensors[k]))
-                    offset += n
+                for k, value in zip(pack.members, pack.unpack(chief), strict=True):
+                    tensors[k].copy_(value)
     if len(replicas) > 1:
         with torch.no_grad():
             for replica in replicas[1:]:

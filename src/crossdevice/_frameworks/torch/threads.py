@@ -7,6 +7,10 @@ replica made a CNN epoch 18% faster). The thread count is per process, so it is 
 once, when a module is mirrored: `cores // local replicas`, at least 1. Pass
 `threads_per_replica` to `prepare`/`MirroredModule` to choose, or 0 to leave torch's
 setting alone.
+
+The change is one of torch's process-wide patches (`crossdevice._arrays.torch_patches`):
+torch's count is put back when the last strategy with several replicas is closed or
+collected, unless the user set another count since.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import os
 from collections.abc import Iterator
 
 import torch
+
+from crossdevice._arrays import torch_patches
 
 __all__ = ["all_cores", "apply_thread_policy", "default_threads_per_replica"]
 
@@ -55,6 +61,8 @@ def apply_thread_policy(local_replicas: int, threads_per_replica: int | None) ->
     current = torch.get_num_threads()
     if threads_per_replica == 0 or local_replicas <= 1:
         return current
+    if _ACTIVE is None:
+        return current  # the patches are not in force (no strategy needs parallel replicas)
     if threads_per_replica is None:
         # Only ever lower torch's count: a user who chose fewer threads keeps them.
         target = min(current, default_threads_per_replica(local_replicas))
@@ -62,6 +70,7 @@ def apply_thread_policy(local_replicas: int, threads_per_replica: int | None) ->
         target = threads_per_replica
     if target != current:
         torch.set_num_threads(target)
+        _ACTIVE.ours = target
         _LOG.info(
             "crossdevice.torch: %d replicas run in parallel; torch intra-op threads set "
             "from %d to %d (pass threads_per_replica= to choose, 0 to keep torch's)",
@@ -89,3 +98,30 @@ def all_cores() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(current)
+
+
+class _ThreadCount:
+    """torch's intra-op thread count before the policy lowered it; `remove` puts it back."""
+
+    def __init__(self) -> None:
+        self.before = torch.get_num_threads()
+        self.ours: int | None = None  # the count the policy set, if it set one
+
+    def remove(self) -> None:
+        global _ACTIVE
+        _ACTIVE = None
+        if self.ours is not None and torch.get_num_threads() == self.ours:
+            torch.set_num_threads(self.before)
+
+
+#: The thread count to restore while the patches are in force.
+_ACTIVE: _ThreadCount | None = None
+
+
+def _install() -> _ThreadCount:
+    global _ACTIVE
+    _ACTIVE = _ThreadCount()
+    return _ACTIVE
+
+
+torch_patches.register(torch_patches.Patch(hook=_install))
