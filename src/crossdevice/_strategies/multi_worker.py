@@ -45,6 +45,10 @@ _NEXT_BATCH: Final = (
 #: The nest structure of a single array (what `nest.structure_repr` says of any leaf).
 _LEAF_STRUCTURE: Final = nest.structure_repr(0)
 
+#: What a flat buffer reduction (a gradient bucket) says of its structure, for the workers
+#: to compare: it differs from any nest's, so it never pairs with a plain all-reduce.
+_FLAT_STRUCTURE: Final = "<flat bucket>"
+
 #: Errors every worker raises together: no need to tell the peers.
 _SHARED_ERRORS: Final = (CollectiveMismatchError, CollectiveTimeoutError, WorkerFailedError)
 
@@ -119,6 +123,26 @@ class _MultiWorkerExtended(ReplicatedExtended):
         if self._worker_communicator is None or not isinstance(ops, CollectiveAllReduce):
             return super()._replica_all_reduce_async(replica_id, op, value, options)
         return self._issue_all_reduce(ops, replica_id, op, value, options, True)
+
+    def _replica_reduce_flat_async(
+        self, replica_id: int, op: ReduceOp, flat: Any, leaves: tuple[Any, ...], wire_dtype: Any
+    ) -> Pending | None:
+        """A replica's flat buffer, given away, all-reduced across workers where it lies.
+
+        `crossdevice.torch`'s gradient buckets (`CollectiveAllReduce.reduce_flat_async`).
+        Only with one replica per worker, where nothing local is merged: None elsewhere
+        (the caller then takes `ReplicaContext.all_reduce`'s path).
+        """
+        del replica_id  # the only local replica
+        ops = self._cross_device_ops
+        if (
+            self._worker_communicator is None
+            or len(self._devices) != 1
+            or not isinstance(ops, CollectiveAllReduce)
+        ):
+            return None
+        site = (call_site(), _FLAT_STRUCTURE)
+        return ops.reduce_flat_async(op, flat, self._options, site, leaves, wire_dtype)
 
     def _issue_all_reduce(
         self,
