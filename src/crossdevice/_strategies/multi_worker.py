@@ -67,6 +67,8 @@ class _MultiWorkerExtended(ReplicatedExtended):
         self._cluster = cluster
         self._options = options
         self._num_workers = 1 if communicator is None else int(communicator.world_size)
+        #: The last step's has-data agreement, issued by `next(iterator)` and not waited on.
+        self._has_data_pending: Pending | None = None
         self._worker_index = 0 if communicator is None else int(communicator.rank)
 
         super().__init__(container_strategy, devices, CollectiveAllReduce(communicator, options))
@@ -179,8 +181,14 @@ class _MultiWorkerExtended(ReplicatedExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         communicator = self._worker_communicator
+        pending, self._has_data_pending = self._has_data_pending, None
         try:
-            return super()._call_for_each_replica(fn, args, kwargs)
+            result = super()._call_for_each_replica(fn, args, kwargs)
+            if pending is not None:
+                # A step that made no collective: its input's agreement ends here, so
+                # a peer's mismatch is this step's error on every worker.
+                pending.wait()
+            return result
         except BaseException as err:
             # A step that raised on this worker leaves its peers waiting in a collective
             # it will never join (or, if it carries on, pairing with the wrong one): mark
@@ -358,7 +366,14 @@ class MultiWorkerMirroredStrategy(Strategy):
 
             def step_sync(has_data: bool) -> bool:
                 with purpose(_NEXT_BATCH):
-                    return bool(communicator.any_has_data(has_data))
+                    if not has_data:
+                        return bool(communicator.any_has_data(False))
+                    # This worker has data, so some worker has: the answer is known. The
+                    # agreement (peers that ran dry wait on it) is left in flight, to
+                    # overlap with the step; the step's first collective, or the end of
+                    # `run`, completes it and raises what it found.
+                    extended._has_data_pending = communicator.any_has_data_async(True)
+                    return True
 
             dataset._step_sync = step_sync
         return dataset
