@@ -15,8 +15,6 @@ from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
 from tests.frameworks.workers import bucket_training, compressed_gradients
 from tests.multi_worker.harness import run_workers
 
-pytestmark = [pytest.mark.multiprocess]
-
 STEPS = 6
 
 
@@ -37,6 +35,7 @@ def _plain(torch: Any) -> list[np.ndarray]:
         torch.set_default_dtype(dtype)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("op", ["sum", "mean"])
 def test_buckets_reduced_where_they_lie_train_like_plain_torch_and_as_before(
     torch: Any, op: str
@@ -56,6 +55,7 @@ def test_buckets_reduced_where_they_lie_train_like_plain_torch_and_as_before(
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(reference, start, strict=True)) > 1e-3
 
 
+@pytest.mark.multiprocess
 def test_bf16_gradients_are_rounded_once_and_summed_in_float32(torch: Any) -> None:
     results = [r.unwrap() for r in run_workers(compressed_gradients, 2, timeout=60)]
     for k, reduced in enumerate(results[0]["reduced"]):
@@ -70,3 +70,15 @@ def test_bf16_gradients_are_rounded_once_and_summed_in_float32(torch: Any) -> No
         error = (torch.from_numpy(reduced).double() - exact).abs()
         assert bool((error <= 2.0**-8 * scale + 1e-30).all())
         assert bool((error > 0).any())  # it did travel in bf16
+
+
+@pytest.mark.parametrize("bad", ["bf16", "torch.int32"])
+def test_gradient_dtype_must_be_a_floating_torch_dtype(torch: Any, bad: str) -> None:
+    import crossdevice as cd
+    import crossdevice.torch as cdt
+
+    dtype = torch.int32 if bad == "torch.int32" else bad
+    strategy = cd.MirroredStrategy(["CPU:0"])
+    with strategy.scope(), pytest.raises(ValueError, match="floating torch dtype") as info:
+        cdt.prepare(torch.nn.Linear(2, 1), gradient_dtype=dtype)
+    assert repr(dtype) in str(info.value)
