@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
-from tests.frameworks.workers import bucket_training, compressed_gradients
+from tests.frameworks.workers import bucket_training, bucket_views, compressed_gradients
 from tests.multi_worker.harness import run_workers
 
 STEPS = 6
@@ -53,6 +53,21 @@ def test_buckets_reduced_where_they_lie_train_like_plain_torch_and_as_before(
     assert worst <= 1e-12
     start = [p.detach().numpy() for p in mlp(torch).double().parameters()]
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(reference, start, strict=True)) > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
+def test_a_gradient_kept_from_a_step_keeps_its_bucket(shared_memory: str) -> None:
+    """Every .grad lies in one buffer per bucket (reduced there on Gloo), recycled only
+    once nothing refers to it: a gradient a program kept from a step (`g = p.grad`)
+    never changes under it, as DDP's persistent gradient_as_bucket_view would change it."""
+    env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
+    for result in [r.unwrap() for r in run_workers(bucket_views, 2, timeout=60, env=env)]:
+        first, second = result["storages"]
+        assert len(first) == 1  # every .grad lies in the one bucket
+        assert len(second) == 1
+        assert first != second
+        assert result["first_unchanged"]
 
 
 @pytest.mark.multiprocess

@@ -111,3 +111,34 @@ def compressed_gradients(rank: int, world_size: int) -> dict[str, Any]:
         "local": [p.grad.numpy() for p in plain.parameters()],
         "reduced": [g.numpy() for g in reduced],
     }
+
+
+def bucket_views(rank: int, world_size: int) -> dict[str, Any]:
+    """Two steps of one bucket on one replica per worker: what `.grad` lies in."""
+    del world_size
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import mlp
+
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.full((4, 6), float(rank + 1))
+
+    def step() -> list[Any]:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        optimizer.step()
+        return grads
+
+    first = strategy.run(step)
+    kept = [g.clone() for g in first]
+    second = strategy.run(step)
+    return {
+        "storages": [{g.untyped_storage().data_ptr() for g in gs} for gs in (first, second)],
+        "first_unchanged": all(torch.equal(a, b) for a, b in zip(first, kept, strict=True)),
+    }

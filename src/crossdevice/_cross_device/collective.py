@@ -311,17 +311,21 @@ class CollectiveAllReduce(CrossDeviceOps):
     def reduce_flat_async(
         self,
         reduce_op: ReduceOp,
-        flat: Any,
+        parts: Sequence[Any],
         options: CommunicationOptions | None,
         site: object,
         leaves: tuple[Any, ...],
         wire_dtype: Any = None,
     ) -> Pending:
-        """All-reduce a flat buffer that is this worker's only component, where it lies.
+        """All-reduce `parts` end to end as one flat buffer, this worker's only component.
 
-        The gradient bucket of one replica per worker (`crossdevice.torch`): the caller
-        gives `flat` away, so it is reduced in place (no local sum, no pack, no copy
-        out) and the result may be `flat` itself. Each element is summed as in
+        The gradient bucket of one replica per worker (`crossdevice.torch`): `parts`
+        (1-D tensors of one dtype and device) are copied once into one flat buffer,
+        which is reduced where it lies (no local sum, no copy out): the result is that
+        buffer. On the host it is one of the communicator's recycled buffers with room
+        for the inline fingerprint (`pack_buffer`), recycled only once nothing refers
+        to it (a gradient kept from an earlier step keeps its buffer). Each element is
+        summed as in
         `reduce_values_async` of the values the buffer holds (element-wise sums do not
         depend on how values are laid out in buffers), so results are bitwise equal.
         `leaves` describes those values ((shape, dtype) each), compared across workers
@@ -338,6 +342,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         comm = self._communicator
         assert comm is not None  # the strategy offers this path only across workers
         merged = self._options.merge(options)
+        flat = self._flat_buffer(parts)
         if wire_dtype is not None and wire_dtype != flat.dtype:
             pending: Pending = Done([self._compressed_sum(flat, wire_dtype, merged)])
         else:
@@ -352,6 +357,22 @@ class CollectiveAllReduce(CrossDeviceOps):
             return total
 
         return Then([pending], deliver)
+
+    def _flat_buffer(self, parts: Sequence[Any]) -> Any:
+        """`torch.cat(parts)`, into a `pack_buffer` where NumPy has the dtype (host)."""
+        import torch
+
+        first = parts[0]
+        comm = self._communicator
+        assert comm is not None
+        if first.device.type == "cpu":
+            try:
+                dtype = np.dtype(str(first.dtype).removeprefix("torch."))
+            except TypeError:  # bfloat16: NumPy has none
+                return torch.cat(list(parts))
+            room = comm.pack_buffer(dtype, sum(p.numel() for p in parts))
+            return torch.cat(list(parts), out=torch.from_numpy(room))
+        return torch.cat(list(parts))
 
     def _compressed_sum(self, flat: Any, wire_dtype: Any, options: CommunicationOptions) -> Any:
         """Every worker's `flat` sent as `wire_dtype`, added in rank order in float32."""

@@ -127,9 +127,14 @@ class _MultiWorkerExtended(ReplicatedExtended):
         return self._issue_all_reduce(ops, replica_id, op, value, options, True)
 
     def _replica_reduce_flat_async(
-        self, replica_id: int, op: ReduceOp, flat: Any, leaves: tuple[Any, ...], wire_dtype: Any
+        self,
+        replica_id: int,
+        op: ReduceOp,
+        parts: Sequence[Any],
+        leaves: tuple[Any, ...],
+        wire_dtype: Any,
     ) -> Pending | None:
-        """A replica's flat buffer, given away, all-reduced across workers where it lies.
+        """A replica's `parts` as one flat buffer, all-reduced across workers where it lies.
 
         `crossdevice.torch`'s gradient buckets (`CollectiveAllReduce.reduce_flat_async`).
         Only with one replica per worker, where nothing local is merged: None elsewhere
@@ -144,7 +149,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
         ):
             return None
         site = (call_site(), _FLAT_STRUCTURE)
-        return ops.reduce_flat_async(op, flat, self._options, site, leaves, wire_dtype)
+        return ops.reduce_flat_async(op, parts, self._options, site, leaves, wire_dtype)
 
     def _issue_all_reduce(
         self,

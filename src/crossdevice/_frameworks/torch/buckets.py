@@ -4,13 +4,14 @@
 all-reduce and says what each parameter's reduced gradient is. Three paths, one result:
 
 * **Across workers, one replica per worker** (DDP's layout): the bucket's gradients are
-  copied once into one fresh flat buffer, with the bucket's `used` flags at its end, and
-  that buffer is all-reduced across workers where it lies (given away, reduced in
-  place: `CollectiveAllReduce.reduce_flat_async`). The reduced gradients are views into
-  it, as DDP's `gradient_as_bucket_view` gives (no copy out), and the all-reduce is left
-  in flight while backward computes the next buckets; the outermost backward pass waits
-  for every bucket when it returns. A fresh buffer every step, not a persistent one:
-  a gradient a program kept from an earlier step (`g = p.grad`) never changes under it.
+  copied once into one flat buffer, with the bucket's `used` flags at its end, and that
+  buffer is all-reduced across workers where it lies (reduced in place:
+  `CollectiveAllReduce.reduce_flat_async`). The reduced gradients are views into it, as
+  DDP's `gradient_as_bucket_view` gives (no copy out), and the all-reduce is left in
+  flight while backward computes the next buckets; the outermost backward pass waits
+  for every bucket when it returns. The buffer is recycled only once nothing refers to
+  it: a gradient a program kept from an earlier step (`g = p.grad`) never changes under
+  it (DDP's persistent bucket would change it).
 * **Host replicas that store parameters once** (`share_storage`): one reduced buffer
   for every replica (`_replica_all_reduce_shared`).
 * **Otherwise** `ReplicaContext.all_reduce`'s collective, issued with `all_reduce_async`
@@ -62,7 +63,7 @@ def issue_flat(
     """
     reduce_flat = ctx.strategy.extended._replica_reduce_flat_async  # type: ignore[attr-defined]
     replica = ctx.replica_id_in_sync_group
-    pending = reduce_flat(replica, op, _pack(grads, params), _leaves(params), wire_dtype)
+    pending = reduce_flat(replica, op, _parts(grads, params), _leaves(params), wire_dtype)
     if pending is None:
         return None
     return Then([pending], lambda total: _views(total, params))
@@ -107,10 +108,10 @@ def flat_reducible(
     return not any(g is not None and g.requires_grad for g in grads)
 
 
-def _pack(
+def _parts(
     grads: Sequence[torch.Tensor | None], params: Sequence[torch.nn.Parameter]
-) -> torch.Tensor:
-    """The bucket's gradients end to end in one fresh flat buffer, then the `used` flags."""
+) -> list[torch.Tensor]:
+    """The bucket's gradients flattened, in order, then the `used` flags (one flat buffer)."""
     first = params[0]
     parts = [
         p.new_zeros(p.numel()) if g is None else g.reshape(-1)
@@ -119,7 +120,7 @@ def _pack(
     parts.append(
         torch.tensor([g is not None for g in grads], dtype=first.dtype, device=first.device)
     )
-    return torch.cat(parts)
+    return parts
 
 
 def _leaves(params: Sequence[torch.nn.Parameter]) -> tuple[Any, ...]:
