@@ -16,8 +16,8 @@ the strategy hands its replica). Variants, each one epoch per turn, in a rotatin
 * `local`: the same steps with no communication at all (each worker trains alone on its
   slice): the compute floor.
 * `comm`: only the epoch's gradient all-reduces, through the `gloo` strategy (one
-  `ReplicaContext.all_reduce` per step of tensors shaped as the gradients, plus the
-  bucket's `used` flags, as `crossdevice.torch` sends them): the communication alone.
+  bucket per step, shaped as the gradients, issued and waited on as `crossdevice.torch`
+  does it: one flat buffer reduced where it lies): the communication alone.
 
 The overlap: how much of the communication an epoch hides behind compute is
 `(local + comm - gloo) / comm` (0: none, as when the gradients are reduced after the
@@ -97,8 +97,8 @@ class _Turns:
         self.ddp_optimizer = torch.optim.Adam(self.ddp.parameters(), lr=1e-3, eps=1e-7)
         self.local = _model(torch)
         self.local_optimizer = torch.optim.Adam(self.local.parameters(), lr=1e-3, eps=1e-7)
-        self.grads = [torch.zeros_like(p) for p in self.local.parameters()]
-        self.grads.append(torch.ones(len(self.grads)))  # the bucket's `used` flags
+        self.params = list(self.local.parameters())
+        self.grads = [torch.zeros_like(p) for p in self.params]
         self.x, self.y = _data()
 
     def epochs(self, per_worker: int) -> tuple[int, dict[str, Callable[[], None]]]:
@@ -121,9 +121,15 @@ class _Turns:
 
     def _communicate(self, steps: int) -> None:
         import crossdevice
+        from crossdevice._frameworks.torch import buckets
 
         def reduce_grads() -> Any:
-            return crossdevice.get_replica_context().all_reduce("sum", self.grads)
+            ctx = crossdevice.get_replica_context()
+            pending = buckets.issue_flat(
+                ctx, crossdevice.ReduceOp.SUM, self.grads, self.params, None
+            )
+            assert pending is not None  # one replica per worker: the flat path
+            return pending.wait()
 
         for _ in range(steps):
             self.gloo.run(reduce_grads)

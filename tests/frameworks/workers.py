@@ -32,3 +32,113 @@ def fp16_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         "backoffs": sum(1 for i in range(1, steps) if first[i] < first[i - 1]),
         "params": [p.detach().numpy() for r in model.replicas for p in r.parameters()],
     }
+
+
+def bucket_training(rank: int, world_size: int, op: str, flat: bool, steps: int) -> list[Any]:
+    """One replica per worker trains `mlp` in float64, three gradient buckets
+    ([b2, W2], [b1], [W1]).
+
+    Each step accumulates two micro-batches (the first inside `no_sync`) and clears the
+    gradients in place on odd steps (`zero_grad(set_to_none=False)`), so reduced parts
+    are taken out and added back. `flat=False` takes `ReplicaContext.all_reduce`'s path
+    (what every bucket took before buckets were reduced where they lie). Returns the
+    final parameters.
+    """
+    del rank, world_size
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
+
+    torch.set_default_dtype(torch.float64)
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        net = mlp(torch)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+        model, optimizer = cdt.prepare(net, sgd, gradient_reduction=op, bucket_cap_bytes=256)
+    if not flat:
+        model.__dict__["_gradients"]._flat = False
+    divisor = GLOBAL_BATCH if op == "sum" else GLOBAL_BATCH // strategy.num_replicas_in_sync
+
+    def step(x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad(set_to_none=i % 2 == 0)
+        half = x.shape[0] // 2
+        with model.no_sync():
+            (
+                torch.nn.functional.cross_entropy(model(x[:half]), y[:half], reduction="sum")
+                / divisor
+            ).backward()
+        (
+            torch.nn.functional.cross_entropy(model(x[half:]), y[half:], reduction="sum") / divisor
+        ).backward()
+        optimizer.step()
+
+    for i, (x, y) in enumerate(
+        strategy.experimental_distribute_dataset(global_batches(torch, steps))
+    ):
+        strategy.run(step, args=(x, y, i))
+    return [p.detach().numpy() for p in model.module.parameters()]
+
+
+def compressed_gradients(rank: int, world_size: int) -> dict[str, Any]:
+    """One backward of a float32 linear model with `gradient_dtype=torch.bfloat16`.
+
+    Returns this worker's own gradient (a plain copy of the model on its slice) and the
+    reduced gradient every worker gets.
+    """
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 32)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank + 1))
+    plain = torch.nn.Linear(64, 32)
+    plain.load_state_dict(net.state_dict())
+    plain(x).square().sum().backward()
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = cdt.prepare(net, gradient_dtype=torch.bfloat16)
+
+    def step() -> Any:
+        model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    reduced = strategy.run(step)
+    return {
+        "local": [p.grad.numpy() for p in plain.parameters()],
+        "reduced": [g.numpy() for g in reduced],
+    }
+
+
+def bucket_views(rank: int, world_size: int) -> dict[str, Any]:
+    """Two steps of one bucket on one replica per worker: what `.grad` lies in."""
+    del world_size
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import mlp
+
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.full((4, 6), float(rank + 1))
+
+    def step() -> list[Any]:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        optimizer.step()
+        return grads
+
+    first = strategy.run(step)
+    kept = [g.clone() for g in first]
+    second = strategy.run(step)
+    return {
+        "storages": [{g.untyped_storage().data_ptr() for g in gs} for gs in (first, second)],
+        "first_unchanged": all(torch.equal(a, b) for a, b in zip(first, kept, strict=True)),
+    }

@@ -155,3 +155,30 @@ def sync_on_read_on_chief_only(rank: int, world_size: int, local: int) -> dict[s
             "elapsed": time.monotonic() - start,
         }
     return {"type": None}
+
+
+def has_data_in_flight(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 comes to each `next(iterator)` a second late; rank 0 times its own calls."""
+    del world_size
+    import crossdevice as cd
+
+    strategy = _strategy(1)
+    batches = [np.full((2, 1), float(i + 1), np.float32) for i in range(3)]
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+
+    def step(x: Any) -> Any:
+        return cd.get_replica_context().all_reduce("sum", x)
+
+    waits, sums = [], []
+    for _ in batches:
+        if rank == 1:
+            time.sleep(1.0)
+        start = time.monotonic()
+        x = next(iterator)
+        waits.append(time.monotonic() - start)
+        sums.append(_np(strategy.run(step, args=(x,))))
+    try:
+        next(iterator)
+    except StopIteration:
+        return {"waits": waits, "sums": sums}
+    raise AssertionError("the iterator went on past the data")

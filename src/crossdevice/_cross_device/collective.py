@@ -308,6 +308,87 @@ class CollectiveAllReduce(CrossDeviceOps):
 
         return Then([pending], deliver)
 
+    def reduce_flat_async(
+        self,
+        reduce_op: ReduceOp,
+        parts: Sequence[Any],
+        options: CommunicationOptions | None,
+        site: object,
+        leaves: tuple[Any, ...],
+        wire_dtype: Any = None,
+    ) -> Pending:
+        """All-reduce `parts` end to end as one flat buffer, this worker's only component.
+
+        The gradient bucket of one replica per worker (`crossdevice.torch`): `parts`
+        (1-D tensors of one dtype and device) are copied once into one flat buffer,
+        which is reduced where it lies (no local sum, no copy out): the result is that
+        buffer. On the host it is one of the communicator's recycled buffers with room
+        for the inline fingerprint (`pack_buffer`), recycled only once nothing refers
+        to it (a gradient kept from an earlier step keeps its buffer). Each element is
+        summed as in
+        `reduce_values_async` of the values the buffer holds (element-wise sums do not
+        depend on how values are laid out in buffers), so results are bitwise equal.
+        `leaves` describes those values ((shape, dtype) each), compared across workers
+        with `site` as `reduce_values_async` compares its values. Issued now, left in
+        flight (`ReduceOptions.overlap`): `wait()` gives the reduced buffer.
+
+        `wire_dtype` (a torch dtype narrower than `flat`'s, e.g. `torch.bfloat16`): each
+        worker sends its buffer rounded to it and every worker adds the gathered
+        buffers in rank order in float32 (or `flat`'s dtype if wider), then rounds back
+        to `flat`'s dtype: half the bytes on the wire, one rounding per worker's value
+        and none per addition (DDP's bf16 hook adds in bf16). That path gathers
+        synchronously: it completes before this returns.
+        """
+        comm = self._communicator
+        assert comm is not None  # the strategy offers this path only across workers
+        merged = self._options.merge(options)
+        flat = self._flat_buffer(parts)
+        if wire_dtype is not None and wire_dtype != flat.dtype:
+            pending: Pending = Done([self._compressed_sum(flat, wire_dtype, merged)])
+        else:
+            reduce = _reduction(reduce_op.name, leaves, site, merged.timeout_seconds, True)
+            pending = comm.all_reduce_async([flat], reduce, donate=True)
+        workers = self._num_between_graph_workers
+
+        def deliver(totals: list[Any]) -> Any:
+            total = totals[0]
+            if reduce_op == ReduceOp.MEAN:
+                total = backend_for(total).divide(total, workers)
+            return total
+
+        return Then([pending], deliver)
+
+    def _flat_buffer(self, parts: Sequence[Any]) -> Any:
+        """`torch.cat(parts)`, into a `pack_buffer` where NumPy has the dtype (host)."""
+        import torch
+
+        first = parts[0]
+        comm = self._communicator
+        assert comm is not None
+        if first.device.type == "cpu":
+            try:
+                dtype = np.dtype(str(first.dtype).removeprefix("torch."))
+            except TypeError:  # bfloat16: NumPy has none
+                return torch.cat(list(parts))
+            room = comm.pack_buffer(dtype, sum(p.numel() for p in parts))
+            return torch.cat(list(parts), out=torch.from_numpy(room))
+        return torch.cat(list(parts))
+
+    def _compressed_sum(self, flat: Any, wire_dtype: Any, options: CommunicationOptions) -> Any:
+        """Every worker's `flat` sent as `wire_dtype`, added in rank order in float32."""
+        import torch
+
+        from crossdevice._comm.protocol import GatherOptions
+
+        comm = self._communicator
+        assert comm is not None
+        sent = flat.to(wire_dtype).reshape(1, -1)
+        rows = comm.all_gather(sent, GatherOptions(0, options.timeout_seconds))
+        total = rows[0].to(torch.promote_types(flat.dtype, torch.float32))
+        for row in rows[1:]:
+            total.add_(row)  # rounded up to total's dtype, added exactly once each
+        return total.to(flat.dtype)
+
     def reduce_implementation(
         self,
         reduce_op: ReduceOp,

@@ -45,6 +45,10 @@ _NEXT_BATCH: Final = (
 #: The nest structure of a single array (what `nest.structure_repr` says of any leaf).
 _LEAF_STRUCTURE: Final = nest.structure_repr(0)
 
+#: What a flat buffer reduction (a gradient bucket) says of its structure, for the workers
+#: to compare: it differs from any nest's, so it never pairs with a plain all-reduce.
+_FLAT_STRUCTURE: Final = "<flat bucket>"
+
 #: Errors every worker raises together: no need to tell the peers.
 _SHARED_ERRORS: Final = (CollectiveMismatchError, CollectiveTimeoutError, WorkerFailedError)
 
@@ -63,6 +67,8 @@ class _MultiWorkerExtended(ReplicatedExtended):
         self._cluster = cluster
         self._options = options
         self._num_workers = 1 if communicator is None else int(communicator.world_size)
+        #: The last step's has-data agreement, issued by `next(iterator)` and not waited on.
+        self._has_data_pending: Pending | None = None
         self._worker_index = 0 if communicator is None else int(communicator.rank)
 
         super().__init__(container_strategy, devices, CollectiveAllReduce(communicator, options))
@@ -120,6 +126,31 @@ class _MultiWorkerExtended(ReplicatedExtended):
             return super()._replica_all_reduce_async(replica_id, op, value, options)
         return self._issue_all_reduce(ops, replica_id, op, value, options, True)
 
+    def _replica_reduce_flat_async(
+        self,
+        replica_id: int,
+        op: ReduceOp,
+        parts: Sequence[Any],
+        leaves: tuple[Any, ...],
+        wire_dtype: Any,
+    ) -> Pending | None:
+        """A replica's `parts` as one flat buffer, all-reduced across workers where it lies.
+
+        `crossdevice.torch`'s gradient buckets (`CollectiveAllReduce.reduce_flat_async`).
+        Only with one replica per worker, where nothing local is merged: None elsewhere
+        (the caller then takes `ReplicaContext.all_reduce`'s path).
+        """
+        del replica_id  # the only local replica
+        ops = self._cross_device_ops
+        if (
+            self._worker_communicator is None
+            or len(self._devices) != 1
+            or not isinstance(ops, CollectiveAllReduce)
+        ):
+            return None
+        site = (call_site(), _FLAT_STRUCTURE)
+        return ops.reduce_flat_async(op, parts, self._options, site, leaves, wire_dtype)
+
     def _issue_all_reduce(
         self,
         ops: CollectiveAllReduce,
@@ -155,8 +186,14 @@ class _MultiWorkerExtended(ReplicatedExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         communicator = self._worker_communicator
+        pending, self._has_data_pending = self._has_data_pending, None
         try:
-            return super()._call_for_each_replica(fn, args, kwargs)
+            result = super()._call_for_each_replica(fn, args, kwargs)
+            if pending is not None:
+                # A step that made no collective: its input's agreement ends here, so
+                # a peer's mismatch is this step's error on every worker.
+                pending.wait()
+            return result
         except BaseException as err:
             # A step that raised on this worker leaves its peers waiting in a collective
             # it will never join (or, if it carries on, pairing with the wrong one): mark
@@ -334,7 +371,14 @@ class MultiWorkerMirroredStrategy(Strategy):
 
             def step_sync(has_data: bool) -> bool:
                 with purpose(_NEXT_BATCH):
-                    return bool(communicator.any_has_data(has_data))
+                    if not has_data:
+                        return bool(communicator.any_has_data(False))
+                    # This worker has data, so some worker has: the answer is known. The
+                    # agreement (peers that ran dry wait on it) is left in flight, to
+                    # overlap with the step; the step's first collective, or the end of
+                    # `run`, completes it and raises what it found.
+                    extended._has_data_pending = communicator.any_has_data_async(True)
+                    return True
 
             dataset._step_sync = step_sync
         return dataset

@@ -453,11 +453,17 @@ class ProcessGroupCommunicator:
         One numbered collective; the flag rides in the fingerprint header, so it costs
         one small message and no data phase.
         """
+        return bool(self.any_has_data_async(has_data, timeout=timeout).wait())
+
+    def any_has_data_async(self, has_data: bool, *, timeout: float | None = None) -> Pending:
+        """`any_has_data` issued now; `wait()` (or the next collective) completes it."""
         with self._collective("has_data", timeout) as call:
             local = self._standing.local_count()
             mine = fp.Fingerprint(call.seq, "has_data", local_replicas=local, arg=int(has_data))
-            prints = self._guard(call, lambda: self._integrity.agree(call, mine))
-        return any(p.arg for p in prints)
+            finish = self._guard(call, lambda: self._integrity.agree_later(call, mine))
+        pending = Pending(self._sequencer, call, finish, lambda ps: any(p.arg for p in ps))
+        self._sequencer.pending = pending
+        return pending
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait until every worker reaches this barrier (a numbered collective)."""

@@ -169,6 +169,26 @@ class Integrity:
                 return [mine] * self._standing.world_size
         return self._exchange(call, header, detail, learn=None)
 
+    def agree_later(self, call: Call, mine: fp.Fingerprint) -> Callable[[], list[fp.Fingerprint]]:
+        """`agree`, its header exchange issued now: the returned function completes it.
+
+        For a collective whose caller needs no answer yet (`any_has_data_async`): the
+        exchange runs in the process group's threads while the caller computes. A
+        predicted all-reduce is taken part in at once, as `agree` does (its ops must
+        pair one for one with the peers' all-reduce).
+        """
+        if self._predict():
+            prints = self.agree(call, mine)
+            return lambda: prints
+        header = mine.encode()
+        table, work = self._gather_small_async(torch.from_numpy(header))
+
+        def finish() -> list[fp.Fingerprint]:
+            self._health.wait_works(call, [work])
+            return self._check_rows(call, header, table.numpy(), None, learn=None)
+
+        return finish
+
     def _exchange(
         self,
         call: Call,
@@ -177,6 +197,17 @@ class Integrity:
         learn: Layout | None,
     ) -> list[fp.Fingerprint]:
         rows = self.gather_small(call, torch.from_numpy(header))
+        return self._check_rows(call, header, rows, detail, learn)
+
+    def _check_rows(
+        self,
+        call: Call,
+        header: np.ndarray,
+        rows: np.ndarray,
+        detail: Callable[[], str] | None,
+        learn: Layout | None,
+    ) -> list[fp.Fingerprint]:
+        """Every worker's header row, checked against ours (`_exchange`)."""
         fields: list[str] = []
         if (rows == header).all():
             # Every row is ours (valid by construction): decoded once.
@@ -207,11 +238,16 @@ class Integrity:
 
     def gather_small(self, call: Call, mine: torch.Tensor) -> np.ndarray:
         """Every worker's small host tensor `mine`, stacked in rank order, waited on as `call`."""
+        table, work = self._gather_small_async(mine)
+        self._health.wait_works(call, [work])
+        return table.numpy()
+
+    def _gather_small_async(self, mine: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(the rank-order table every worker's `mine` lands in, the gather's work)."""
         table = torch.empty((self._standing.world_size, *mine.shape), dtype=mine.dtype)
         outs = list(table.unbind(0))
         work = dist.all_gather(outs, mine, group=self._groups.host, async_op=True)
-        self._health.wait_works(call, [work])
-        return table.numpy()
+        return table, work
 
     def _decode(self, call: Call, rows: np.ndarray) -> list[fp.Fingerprint]:
         """Every worker's header, checked; WorkerFailedError if a peer sent an abort."""

@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
 from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
@@ -137,7 +135,7 @@ class Sequencer:
 
 
 class Pending:
-    """An all-reduce in flight (`ProcessGroupCommunicator.all_reduce_async`).
+    """A collective in flight (`ProcessGroupCommunicator.all_reduce_async`, `any_has_data_async`).
 
     `wait()` returns the reduced values, or raises what ended the all-reduce (each time
     it is asked); `done()` says whether it completed.
@@ -149,21 +147,21 @@ class Pending:
         self,
         sequencer: Sequencer,
         call: Call,
-        finish: Callable[[], list[torch.Tensor]],
-        shape: Callable[[list[torch.Tensor]], list[Any]],
+        finish: Callable[[], Any],
+        shape: Callable[[Any], Any],
     ) -> None:
         self._sequencer = sequencer
         self._call = call
-        self._finish: Callable[[], list[torch.Tensor]] | None = finish
+        self._finish: Callable[[], Any] | None = finish
         self._shape = shape
-        self._results: list[Any] | None = None
+        self._results: Any = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """Whether it completed (`wait` returns, or raises, at once)."""
         return self._finish is None
 
-    def wait(self) -> list[Any]:
+    def wait(self) -> Any:
         """The reduced values; raises what ended the all-reduce (each time it is asked)."""
         if self._finish is not None:
             sequencer = self._sequencer
@@ -174,7 +172,6 @@ class Pending:
                 sequencer.lock.release()
         if self._error is not None:
             raise self._error
-        assert self._results is not None
         return self._results
 
     def complete(self) -> None:

@@ -4,13 +4,22 @@ Each replica's trainable parameters are split into buckets of about `bucket_cap_
 in reverse registration order (roughly the order backward produces gradients, as in
 DDP's reducer). A hook on each parameter (`register_post_accumulate_grad_hook`) counts
 the gradients ready in its bucket; when the next bucket in order is complete the replica
-all-reduces it with `ReplicaContext.all_reduce`, one packed call per bucket, so the
-replicas' values are added in replica order and every replica gets bitwise the same
-gradients. Buckets are reduced strictly in order on every replica, so replicas whose
-backward passes visit parameters in different orders still meet in the same
-collectives. What is left when the outermost backward pass returns (parameters that got
-no gradient) is reduced then (`backward.py` tracks the passes); a parameter that no
-replica used keeps what it had, as in a single-replica run.
+issues its all-reduce (`buckets.py`: `ReplicaContext.all_reduce`'s collective, or across
+workers with one replica each a flat buffer reduced where it lies, `.grad` views into
+it), one call per bucket, so the replicas' values are added in replica order and every
+replica gets bitwise the same gradients. Buckets are issued strictly in order on every
+replica, so replicas whose backward passes visit parameters in different orders still
+meet in the same collectives. What is left when the outermost backward pass returns
+(parameters that got no gradient) is issued then (`backward.py` tracks the passes); a
+parameter that no replica used keeps what it had, as in a single-replica run.
+
+Across workers a bucket's all-reduce stays in flight while backward computes the next
+buckets; the outermost backward pass waits for all of them, in order, before it returns
+(so `.grad` is complete after `loss.backward()`, as with DDP, and an error of any
+collective, a mismatch between workers included, is raised by that `backward()`).
+Between replicas of one process a reduction completes when it is issued, and `.grad`
+is set at once (with shared storage a replica's local bucket goes as soon as it is
+reduced).
 
 What is reduced is the gradient not reduced yet, never the whole `.grad`: when a pass
 starts, a gradient that an earlier reduction produced (the agreed part) is taken out of
@@ -39,7 +48,9 @@ from typing import Any, Final
 
 import torch
 
+from crossdevice._comm.protocol import Pending
 from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._frameworks.torch import buckets
 from crossdevice._strategies.context import get_replica_context
 from crossdevice._sync import waiting as cooperative
 
@@ -74,6 +85,7 @@ class _ReplicaState:
         "in_pass",
         "layout",
         "next_bucket",
+        "pending",
         "produced",
         "produced_shared",
         "produced_version",
@@ -91,6 +103,8 @@ class _ReplicaState:
         self.ready: list[int] = []
         self.seen = [False] * num_params
         self.next_bucket = 0
+        # Bucket all-reduces issued in this pass, in order, not yet given to `.grad`.
+        self.pending: list[tuple[list[int], Pending]] = []
         # The agreed part of .grad, taken out while a pass accumulates the local part.
         self.base: list[torch.Tensor | None] = [None] * num_params
         # .grad holds an agreed (reduced) value: the tensor in `produced`, maybe changed
@@ -146,6 +160,10 @@ class GradientSync:
         # Hooks per replica and parameter; torch refuses one on a frozen parameter, so a
         # parameter gets its hook when a pass first finds it trainable.
         self._handles: list[list[Any]] = [[None] * len(p) for p in self._params]
+        #: The dtype gradients travel in between workers (`prepare(gradient_dtype=)`);
+        #: None: their own. Summed in float32 either way.
+        self.gradient_dtype: torch.dtype | None = None
+        self._flat = True  # try the flat bucket path (`buckets.py`) until a strategy refuses
         #: The one-time warning about a local mean loss under the SUM rule was given.
         self.warned_mean_loss = False
         if self.enabled:
@@ -220,7 +238,9 @@ class GradientSync:
         try:
             if state.hooked and not self._no_sync[replica]:
                 self._reduce_ready(replica, final=True)
+                self._finish(replica)
         finally:
+            state.pending = []
             state.in_pass = False
             self._restore_bases(replica)
 
@@ -228,6 +248,9 @@ class GradientSync:
         """The pass raised: leave the state clean for the next step."""
         state = self._states[replica]
         state.in_pass = False
+        # Buckets issued before the error are left unread: the step's error reaches the
+        # strategy, which tells the other workers (their collectives end with it).
+        state.pending = []
         self._restore_bases(replica)
 
     def _restore_bases(self, replica: int) -> None:
@@ -308,27 +331,41 @@ class GradientSync:
             self._reduce_bucket(replica, buckets[b])
 
     def _reduce_bucket(self, replica: int, bucket: list[int]) -> None:
+        """Issue the bucket's all-reduce; `_finish` gives the parameters its results."""
         params = self._params[replica]
         state = self._states[replica]
-        local = []
-        used = torch.zeros(len(bucket), dtype=torch.float32)
-        for k, index in enumerate(bucket):
-            grad = params[index].grad  # only the part not reduced yet (begin_pass)
-            if grad is None:
-                # Nothing from this replica: it adds zeros, the others' sum stands.
-                local.append(torch.zeros_like(params[index]))
-            else:
-                local.append(grad)
-                used[k] = 1.0
+        grads = [params[i].grad for i in bucket]  # only the parts not reduced yet
+        like = [params[i] for i in bucket]
         ctx = get_replica_context()
         assert ctx is not None  # passes only begin inside a replica
-        if self.shared:
-            reduced, one_buffer = ctx.strategy.extended._replica_all_reduce_shared(
-                ctx.replica_id_in_sync_group, self._op, [*local, used]
-            )
+        pending = None
+        if (
+            self._flat
+            and not self.shared
+            and buckets.flat_reducible(ctx.strategy.extended, grads, like)
+        ):
+            pending = buckets.issue_flat(ctx, self._op, grads, like, self.gradient_dtype)
+            self._flat = pending is not None  # the strategy's layout does not change
+        if pending is None:
+            pending = buckets.issue(ctx, self._op, grads, like, self.shared)
+        if not state.pending and pending.done():
+            # Complete already (replicas of one process): `.grad` now, so the local
+            # gradients go as the bucket does (shared storage's memory bound).
+            self._assign(replica, bucket, pending.wait())
         else:
-            reduced, one_buffer = ctx.all_reduce(self._op, [*local, used]), False
-        users = reduced[-1]
+            state.pending.append((bucket, pending))
+
+    def _finish(self, replica: int) -> None:
+        """Wait for the pass's bucket all-reduces, in order; their results become `.grad`."""
+        state = self._states[replica]
+        pending, state.pending = state.pending, []
+        for bucket, reduction in pending:
+            self._assign(replica, bucket, reduction.wait())
+
+    def _assign(self, replica: int, bucket: list[int], result: buckets.Reduced) -> None:
+        params = self._params[replica]
+        state = self._states[replica]
+        reduced, users, one_buffer = result
         with torch.no_grad():
             for k, index in enumerate(bucket):
                 param = params[index]

@@ -29,6 +29,7 @@ def prepare(
     scaler: Any = None,
     mixed_precision: str | None = None,
     share_storage: bool | None = None,
+    gradient_dtype: torch.dtype | None = None,
 ) -> Any:
     """Mirror modules and optimizers on a strategy; returns them in the order given.
 
@@ -65,6 +66,12 @@ def prepare(
             CPU, unless an optimizer's step needs a closure (LBFGS evaluates the model
             on every replica). In-place writes to parameters inside `strategy.run`
             (outside a `merge_fn`) are then errors: every replica would make them.
+        gradient_dtype: the dtype gradients travel in between workers, e.g.
+            `torch.bfloat16` (half the bytes; DDP's bf16 compression hook): each
+            worker's gradients are rounded to it once and added in float32, in rank
+            order (docs/guides/gradient-compression.md gives the error bound). Needs a
+            `MultiWorkerMirroredStrategy` with one replica per worker; replicas in one
+            process are always added in full precision. None: their own dtype.
 
     Returns:
         The mirrored object for one argument, else a tuple in argument order.
@@ -72,7 +79,8 @@ def prepare(
     Raises:
         TypeError: an argument is neither a module nor an optimizer, or a prepared
             module is passed without a new optimizer.
-        ValueError: a module is a replica copy of a prepared model.
+        ValueError: a module is a replica copy of a prepared model, or
+            `gradient_dtype` is not a floating dtype or several replicas share a worker.
 
     Example:
         >>> import crossdevice, crossdevice.torch, torch
@@ -86,6 +94,7 @@ def prepare(
     """
     strategy = strategy_or_current(strategy, "crossdevice.torch.prepare")
     autocast = _autocast_dtype(mixed_precision)
+    _check_gradient_dtype(gradient_dtype, strategy)
     scalers = [o for o in objects if isinstance(o, torch.amp.GradScaler)]
     if scaler is not None:
         scalers.append(scaler)
@@ -126,6 +135,7 @@ def prepare(
                 autocast=autocast,
                 share_storage=share_storage,
             )
+            mirrored.__dict__["_gradients"].gradient_dtype = gradient_dtype
             modules.append(mirrored)
             out.append(mirrored)
         elif isinstance(obj, torch.optim.Optimizer | torch.amp.GradScaler):
@@ -154,6 +164,24 @@ def _autocast_dtype(mixed_precision: str | None) -> torch.dtype | None:
     if mixed_precision not in dtypes:
         raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
     return dtypes[mixed_precision]
+
+
+def _check_gradient_dtype(gradient_dtype: Any, strategy: Strategy) -> None:
+    if gradient_dtype is None:
+        return
+    if not isinstance(gradient_dtype, torch.dtype) or not gradient_dtype.is_floating_point:
+        raise ValueError(
+            "gradient_dtype must be None or a floating torch dtype such as torch.bfloat16, "
+            f"got {gradient_dtype!r}"
+        )
+    local = len(strategy.extended.worker_devices)
+    if getattr(strategy.extended, "_num_workers", 1) > 1 and local > 1:
+        raise ValueError(
+            f"gradient_dtype={gradient_dtype!r} compresses what one replica per worker "
+            f"sends, but this worker has {local} replicas: build the "
+            "MultiWorkerMirroredStrategy with one device per worker (torchrun one process "
+            "per device), or leave gradient_dtype=None"
+        )
 
 
 def mark_replica_copy(obj: Any, replica_id: int, strategy: Strategy | None = None) -> Any:

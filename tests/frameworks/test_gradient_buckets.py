@@ -1,0 +1,99 @@
+"""Gradient buckets across workers: reduced where they lie, in flight during backward.
+
+2 workers x 1 replica (DDP's layout): each bucket is one flat buffer all-reduced in
+place, its parameters' gradients views into it (`buckets.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
+from tests.frameworks.workers import bucket_training, bucket_views, compressed_gradients
+from tests.multi_worker.harness import run_workers
+
+STEPS = 6
+
+
+def _plain(torch: Any) -> list[np.ndarray]:
+    """Plain torch on the same global batches: the reference."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = mlp(torch)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+        for x, y in global_batches(torch, STEPS):
+            sgd.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(x), y, reduction="sum") / GLOBAL_BATCH
+            loss.backward()
+            sgd.step()
+        return [p.detach().numpy() for p in net.parameters()]
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_buckets_reduced_where_they_lie_train_like_plain_torch_and_as_before(
+    torch: Any, op: str
+) -> None:
+    flat = [r.unwrap() for r in run_workers(bucket_training, 2, args=(op, True, STEPS), timeout=90)]
+    before = [
+        r.unwrap() for r in run_workers(bucket_training, 2, args=(op, False, STEPS), timeout=90)
+    ]
+    for a, b in zip(flat[0], flat[1], strict=True):
+        np.testing.assert_array_equal(a, b)  # the workers agree bitwise
+    for a, b in zip(flat[0], before[0], strict=True):
+        np.testing.assert_array_equal(a, b)  # bitwise what all_reduce's path gives
+    reference = _plain(torch)
+    worst = max(float(np.max(np.abs(a - b))) for a, b in zip(flat[0], reference, strict=True))
+    assert worst <= 1e-12
+    start = [p.detach().numpy() for p in mlp(torch).double().parameters()]
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(reference, start, strict=True)) > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
+def test_a_gradient_kept_from_a_step_keeps_its_bucket(shared_memory: str) -> None:
+    """Every .grad lies in one buffer per bucket (reduced there on Gloo), recycled only
+    once nothing refers to it: a gradient a program kept from a step (`g = p.grad`)
+    never changes under it, as DDP's persistent gradient_as_bucket_view would change it."""
+    env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
+    for result in [r.unwrap() for r in run_workers(bucket_views, 2, timeout=60, env=env)]:
+        first, second = result["storages"]
+        assert len(first) == 1  # every .grad lies in the one bucket
+        assert len(second) == 1
+        assert first != second
+        assert result["first_unchanged"]
+
+
+@pytest.mark.multiprocess
+def test_bf16_gradients_are_rounded_once_and_summed_in_float32(torch: Any) -> None:
+    results = [r.unwrap() for r in run_workers(compressed_gradients, 2, timeout=60)]
+    for k, reduced in enumerate(results[0]["reduced"]):
+        np.testing.assert_array_equal(reduced, results[1]["reduced"][k])  # every worker alike
+        locals_ = [torch.from_numpy(r["local"][k]) for r in results]
+        # Each worker's gradient rounded to bf16 once, added in rank order in float32.
+        expected = locals_[0].bfloat16().float() + locals_[1].bfloat16().float()
+        np.testing.assert_array_equal(reduced, expected.numpy())
+        # The documented bound: |error| <= 2**-8 * sum |g_w| (bf16's rounding, once each)
+        exact = locals_[0].double() + locals_[1].double()
+        scale = locals_[0].double().abs() + locals_[1].double().abs()
+        error = (torch.from_numpy(reduced).double() - exact).abs()
+        assert bool((error <= 2.0**-8 * scale + 1e-30).all())
+        assert bool((error > 0).any())  # it did travel in bf16
+
+
+@pytest.mark.parametrize("bad", ["bf16", "torch.int32"])
+def test_gradient_dtype_must_be_a_floating_torch_dtype(torch: Any, bad: str) -> None:
+    import crossdevice as cd
+    import crossdevice.torch as cdt
+
+    dtype = torch.int32 if bad == "torch.int32" else bad
+    strategy = cd.MirroredStrategy(["CPU:0"])
+    with strategy.scope(), pytest.raises(ValueError, match="floating torch dtype") as info:
+        cdt.prepare(torch.nn.Linear(2, 1), gradient_dtype=dtype)
+    assert repr(dtype) in str(info.value)
