@@ -87,6 +87,26 @@ def test_bf16_gradients_are_rounded_once_and_summed_in_float32(torch: Any) -> No
         assert bool((error > 0).any())  # it did travel in bf16
 
 
+@pytest.mark.multiprocess
+def test_bf16_gradients_of_three_workers_are_summed_in_float32(torch: Any) -> None:
+    # A bfloat16 model: its gradients are sent as they are and added in float32, rounded
+    # once; Gloo's own bf16 all-reduce would round after each of the two additions.
+    results = [
+        r.unwrap() for r in run_workers(compressed_gradients, 3, args=("bfloat16",), timeout=90)
+    ]
+    assert {r["dtype"] for r in results} == {"torch.bfloat16"}
+    rounded_each_time = False
+    for k, reduced in enumerate(results[0]["reduced"]):
+        for other in results[1:]:
+            np.testing.assert_array_equal(reduced, other["reduced"][k])  # every worker alike
+        locals_ = [torch.from_numpy(r["local"][k]) for r in results]
+        once = (locals_[0] + locals_[1] + locals_[2]).bfloat16().float()  # float32, in order
+        np.testing.assert_array_equal(reduced, once.numpy())
+        chain = (locals_[0].bfloat16() + locals_[1].bfloat16()) + locals_[2].bfloat16()
+        rounded_each_time |= not torch.equal(chain.float(), once)
+    assert rounded_each_time  # the data tell the two apart
+
+
 @pytest.mark.parametrize("bad", ["bf16", "torch.int32"])
 def test_gradient_dtype_must_be_a_floating_torch_dtype(torch: Any, bad: str) -> None:
     import crossdevice as cd

@@ -81,11 +81,11 @@ def bucket_training(rank: int, world_size: int, op: str, flat: bool, steps: int)
     return [p.detach().numpy() for p in model.module.parameters()]
 
 
-def compressed_gradients(rank: int, world_size: int) -> dict[str, Any]:
-    """One backward of a float32 linear model with `gradient_dtype=torch.bfloat16`.
+def compressed_gradients(rank: int, world_size: int, dtype: str = "float32") -> dict[str, Any]:
+    """One backward of a linear model of `dtype` with `gradient_dtype=torch.bfloat16`.
 
-    Returns this worker's own gradient (a plain copy of the model on its slice) and the
-    reduced gradient every worker gets.
+    Returns this worker's own gradient (a plain copy of the model on its slice, as float32)
+    and the reduced gradient every worker gets (as float32).
     """
     import torch
 
@@ -93,9 +93,9 @@ def compressed_gradients(rank: int, world_size: int) -> dict[str, Any]:
     import crossdevice.torch as cdt
 
     torch.manual_seed(0)
-    net = torch.nn.Linear(64, 32)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank + 1))
-    plain = torch.nn.Linear(64, 32)
+    net = torch.nn.Linear(64, 32).to(getattr(torch, dtype))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank + 1)).to(net.weight)
+    plain = torch.nn.Linear(64, 32).to(net.weight)
     plain.load_state_dict(net.state_dict())
     plain(x).square().sum().backward()
     strategy = crossdevice.MultiWorkerMirroredStrategy()
@@ -108,8 +108,9 @@ def compressed_gradients(rank: int, world_size: int) -> dict[str, Any]:
 
     reduced = strategy.run(step)
     return {
-        "local": [p.grad.numpy() for p in plain.parameters()],
-        "reduced": [g.numpy() for g in reduced],
+        "local": [p.grad.float().numpy() for p in plain.parameters()],
+        "reduced": [g.float().numpy() for g in reduced],
+        "dtype": str(reduced[0].dtype),
     }
 
 

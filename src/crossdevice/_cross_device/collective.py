@@ -332,7 +332,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         with `site` as `reduce_values_async` compares its values. Issued now, left in
         flight (`ReduceOptions.overlap`): `wait()` gives the reduced buffer.
 
-        `wire_dtype` (a torch dtype narrower than `flat`'s, e.g. `torch.bfloat16`): each
+        `wire_dtype` (a torch dtype narrower than `flat`'s, e.g. `torch.bfloat16`, or a
+        half-precision `flat`'s own): each
         worker sends its buffer rounded to it and every worker adds the gathered
         buffers in rank order in float32 (or `flat`'s dtype if wider), then rounds back
         to `flat`'s dtype: half the bytes on the wire, one rounding per worker's value
@@ -343,7 +344,9 @@ class CollectiveAllReduce(CrossDeviceOps):
         assert comm is not None  # the strategy offers this path only across workers
         merged = self._options.merge(options)
         flat = self._flat_buffer(parts)
-        if wire_dtype is not None and wire_dtype != flat.dtype:
+        if wire_dtype is not None and (wire_dtype != flat.dtype or flat.element_size() < 4):
+            # Narrower on the wire, or half-precision gradients sent as they are: either
+            # way added in float32 (Gloo would add them in their own precision).
             pending: Pending = Done([self._compressed_sum(flat, wire_dtype, merged)])
         else:
             reduce = _reduction(reduce_op.name, leaves, site, merged.timeout_seconds, True)
