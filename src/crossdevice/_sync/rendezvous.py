@@ -43,10 +43,17 @@ the end of `run` and be woken once more, one more hand-off of the GIL per step (
 us on the 2-core dev VM; measured with 4 replica threads and no work: 69 us a step with
 one round, 57 us with replica 0 last). Aborts, resets, timeouts and departures still wake
 everyone at once.
+
+Tracing (`crossdevice._trace`): every arrival is noted in `history` (the flight recorder:
+each replica's last 1,000 calls, one tuple each, always on), and a failure (replicas that
+disagree, a timeout) writes a flight-recorder report whose path ends the error's message.
+With tracing on (`_trace.on`, one attribute read when off) each replica's wait, the
+reduction and its shares are recorded, and the last arriver feeds the straggler report.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
@@ -57,6 +64,8 @@ from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from crossdevice._sync.call import CallSignature
 from crossdevice._sync.rounds import Round
 from crossdevice._sync.waiting import block
+from crossdevice._trace import flight as _flight
+from crossdevice._trace import state as _trace
 
 __all__ = ["MERGE_CALL_MISMATCH", "Rendezvous", "is_rendezvous_error"]
 
@@ -105,6 +114,11 @@ class Rendezvous:
         self._broken: str | None = None
         self._mismatch: str | None = None
         self._departed: set[int] = set()
+        #: (seq, replica, kind, arrival time, arrival order, leaves): the flight recorder.
+        self.history: collections.deque[tuple[int, int, str, float, int, Any]] = collections.deque(
+            maxlen=_flight.COLLECTIVES * num_replicas
+        )
+        _flight.register(self, _flight.rendezvous_group)
 
     @property
     def num_replicas(self) -> int:
@@ -142,6 +156,16 @@ class Rendezvous:
                 )
             rnd.arrivals[replica_id] = arrival
             rnd.count += 1
+            self.history.append(
+                (
+                    rnd.seq,
+                    replica_id,
+                    arrival.kind,
+                    now := _monotonic(),
+                    rnd.count,
+                    getattr(arrival, "sig", None),
+                )
+            )
             last = rnd.count == self._n
             if last:
                 self._seq += 1
@@ -159,6 +183,8 @@ class Rendezvous:
             # Outside the lock: a merge_fn may take long, and abort() must still reach
             # the replicas waiting meanwhile.
             self._complete(rnd, replica_id)
+            if _trace.on:
+                _trace.left(self, rnd, replica_id, now, last=True)
             with self._lock:
                 rnd.ready = True
                 self._wake_round_locked(rnd)
@@ -168,6 +194,8 @@ class Rendezvous:
             finally:
                 if rnd.held is not None and replica_id:
                     self._leave(rnd)
+            if _trace.on:
+                _trace.left(self, rnd, replica_id, now, last=False)
         if rnd.error is not None:
             kind, message = rnd.error
             error = kind(message)
@@ -191,6 +219,7 @@ class Rendezvous:
         kind: str,
     ) -> None:
         """Take this replica's share of a round's work, then wait for the others'."""
+        start = _monotonic() if _trace.on else 0.0
         try:
             if rnd.failure is None:  # a peer's share failed: skip, but still report
                 work(replica_id)
@@ -208,6 +237,8 @@ class Rendezvous:
                 self._sleepers.append((replica_id, gate))
         if not last:
             self._wait(replica_id, gate, rnd, "finish", deadline, timeout, kind)
+        if start and _trace.on:
+            _trace.shared(rnd, replica_id, start)
         if rnd.failure is not None:
             self._raise_failure(rnd, replica_id)
 
@@ -295,19 +326,21 @@ class Rendezvous:
         kind = rnd.kind = first.kind
         handler = first.handler
         try:
-            for a in arrivals:
-                if a.kind != kind or a.handler is not handler:
-                    rnd.set_error(
-                        RuntimeError,
-                        f"{self._name}: the replicas called different collectives: "
-                        f"{rnd.describe_calls()}. Every replica must make the same "
-                        "merge_call, all_reduce and all_gather calls in the same order.",
-                    )
-                    return
-            handler.complete(rnd, replica_id)
+            if all(a.kind == kind and a.handler is handler for a in arrivals):
+                handler.complete(rnd, replica_id)
+            else:
+                rnd.set_error(
+                    RuntimeError,
+                    f"{self._name}: the replicas called different collectives: "
+                    f"{rnd.describe_calls()}. Every replica must make the same "
+                    "merge_call, all_reduce and all_gather calls in the same order.",
+                )
         except BaseException as exc:
             rnd.failure, rnd.failure_replica = exc, replica_id
             rnd.work = None
+        if rnd.error is not None:  # the replicas disagree: where the report is ends the message
+            error, message = rnd.error
+            rnd.error = (error, message + _report(error, message, _odd_ones(rnd)))
 
     def _finish_work_locked(self, rnd: Round, replica_id: int) -> None:
         rnd.done += 1
@@ -454,13 +487,15 @@ class Rendezvous:
             missing = [r for r in range(self._n) if r not in rnd.done_ids]
             what = "did not finish their share"
         arrived = [r for r in range(self._n) if r not in missing]
-        self._broken = (
+        message = (
             f"{self._name}: {kind} #{rnd.seq} timed out after {timeout} s: replicas "
             f"{missing} {what} (arrived: {arrived}). Every replica must make the same "
             "collectives in the same order; if the step is just slow, raise the timeout "
             "(CommunicationOptions.timeout_seconds). Call reset() before reusing the "
             "communicator."
         )
+        culprits = [f"replica {r}" for r in missing]
+        self._broken = message + _report(CollectiveTimeoutError, message, culprits)
         self._wake_locked()
         raise CollectiveTimeoutError(self._broken)
 
@@ -472,9 +507,11 @@ class Rendezvous:
         if len(waiting) + len(self._departed - set(waiting)) < self._n:
             return
         call = next(a.handler.describe(a) for a in rnd.arrivals if a is not None)
-        self._mismatch = f"{self._name}: " + MERGE_CALL_MISMATCH.format(
+        message = f"{self._name}: " + MERGE_CALL_MISMATCH.format(
             done=sorted(self._departed), waiting=waiting, call=call, seq=rnd.seq
         )
+        culprits = [f"replica {r}" for r in sorted(self._departed)]
+        self._mismatch = message + _report(RuntimeError, message, culprits)
         self._wake_locked()
 
 
@@ -492,6 +529,11 @@ class _MergeArrival:
         self.call = call
         self.value = value
         self.merge = merge
+
+    @property
+    def sig(self) -> tuple[tuple[Any, Any], ...]:
+        """The leaves' (shape, dtype), for the flight recorder."""
+        return self.call.leaves
 
 
 class _MergeHandler:
@@ -523,6 +565,24 @@ class _MergeHandler:
 
 _MERGE: Final = _MergeHandler()
 _MergeArrival.handler = _MERGE
+
+
+_monotonic: Final = time.monotonic
+
+
+def _report(kind: type[BaseException], message: str, culprits: list[str]) -> str:
+    """Write a flight-recorder report of an error every replica raises; the note for it."""
+    return _flight.report(kind.__name__, message, culprits)
+
+
+def _odd_ones(rnd: Round) -> list[str]:
+    """The replicas whose call differs from what most replicas called (a mismatch's culprits)."""
+    try:
+        calls = [a.handler.describe(a) if a is not None else None for a in rnd.arrivals]
+    except Exception:  # a description that fails must not hide the error
+        return []
+    common = max(set(calls), key=calls.count)
+    return [f"replica {r}" for r, c in enumerate(calls) if c != common]
 
 
 def _held_lock() -> Any:

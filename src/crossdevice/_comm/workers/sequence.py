@@ -15,6 +15,7 @@ ends a collective badly into the error its caller gets (`guard`):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -32,12 +33,17 @@ from crossdevice._core.errors import (
     CollectiveTimeoutError,
     WorkerFailedError,
 )
+from crossdevice._trace import flight as _flight
+from crossdevice._trace import state as _trace
+from crossdevice._trace.workers import sequencer_group
 
 __all__ = ["FillFailedError", "Pending", "Sequencer", "guarded_fill"]
 
 #: Errors every worker raises alike, before any data moves (or after every worker saw
 #: the same thing): nothing to tell the peers.
 _ALIKE = (CollectiveMismatchError, WorkerFailedError, CollectiveTimeoutError, ValueError, TypeError)
+#: Collective failures that write a flight-recorder report (`crossdevice._trace.flight`).
+_REPORTED = (CollectiveMismatchError, WorkerFailedError, CollectiveTimeoutError, KeyboardInterrupt)
 
 
 class FillFailedError(Exception):
@@ -76,6 +82,9 @@ class Sequencer:
         self._groups = groups
         self._abort = abort
         self._name = name
+        #: The last collectives' `Call`s: the flight recorder (`crossdevice._trace`).
+        self.history: collections.deque[Call] = collections.deque(maxlen=_flight.COLLECTIVES)
+        _flight.register(self, sequencer_group)
 
     @contextlib.contextmanager
     def collective(self, name: str, timeout: float) -> Iterator[Call]:
@@ -98,7 +107,11 @@ class Sequencer:
             self.settle()
             self.seq += 1
             self._health.reached = self.seq  # published by the board's thread
-            yield Call(name, self.seq, timeout, time.monotonic(), purpose=purpose.current())
+            call = Call(name, self.seq, timeout, time.monotonic(), purpose=purpose.current())
+            self.history.append(call)
+            if _trace.on:
+                _trace.worker_issued(self, call)
+            yield call
         finally:
             self.lock.release()
 
@@ -120,20 +133,29 @@ class Sequencer:
     def guard(self, call: Call, run: Callable[[], Any]) -> Any:
         """Run a collective's work; turn what ends it badly into the error the caller gets."""
         try:
-            return run()
+            result = run()
         except WaitFailedError as err:
             self._standing.broken = f"{call.label} failed"
             failure = self._health.diagnose(call, err.cause, self._standing)
             self._groups.destroy(keep_alive=True)
+            _flight.attach(failure, tag=f"-rank{self._standing.rank}")
             raise failure from failure.__cause__
         except FillFailedError as err:
             self._abort(err.error)
             raise err.error from None
-        except _ALIKE:
+        except _ALIKE as err:
+            if isinstance(err, _REPORTED):
+                _flight.attach(err, tag=f"-rank{self._standing.rank}")
             raise
         except BaseException as err:
+            if isinstance(err, _REPORTED):
+                _flight.attach(err, tag=f"-rank{self._standing.rank}")
             self._abort(err)
             raise
+        call.ended = time.monotonic()
+        if _trace.on:
+            _trace.worker_ended(self, call)
+        return result
 
 
 class Pending:
