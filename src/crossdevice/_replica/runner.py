@@ -455,7 +455,7 @@ class ReplicaRunner:
                 self._broken = exc
         if first:
             if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, maybe of a stuck run: say where
-                _flight.attach(exc)
+                _flight.attach(exc, source=self._rendezvous)
             self._rendezvous.abort(exc)
 
     def _finish_run(self) -> list[Any]:

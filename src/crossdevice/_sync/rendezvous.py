@@ -340,7 +340,7 @@ class Rendezvous:
             rnd.work = None
         if rnd.error is not None:  # the replicas disagree: where the report is ends the message
             error, message = rnd.error
-            rnd.error = (error, message + _report(error, message, _odd_ones(rnd)))
+            rnd.error = (error, message + _report(self, error, message, _odd_ones(rnd)))
 
     def _finish_work_locked(self, rnd: Round, replica_id: int) -> None:
         rnd.done += 1
@@ -495,7 +495,7 @@ class Rendezvous:
             "communicator."
         )
         culprits = [f"replica {r}" for r in missing]
-        self._broken = message + _report(CollectiveTimeoutError, message, culprits)
+        self._broken = message + _report(self, CollectiveTimeoutError, message, culprits)
         self._wake_locked()
         raise CollectiveTimeoutError(self._broken)
 
@@ -511,7 +511,7 @@ class Rendezvous:
             done=sorted(self._departed), waiting=waiting, call=call, seq=rnd.seq
         )
         culprits = [f"replica {r}" for r in sorted(self._departed)]
-        self._mismatch = message + _report(RuntimeError, message, culprits)
+        self._mismatch = message + _report(self, RuntimeError, message, culprits)
         self._wake_locked()
 
 
@@ -570,9 +570,11 @@ _MergeArrival.handler = _MERGE
 _monotonic: Final = time.monotonic
 
 
-def _report(kind: type[BaseException], message: str, culprits: list[str]) -> str:
+def _report(
+    rendezvous: Rendezvous, kind: type[BaseException], message: str, culprits: list[str]
+) -> str:
     """Write a flight-recorder report of an error every replica raises; the note for it."""
-    return _flight.report(kind.__name__, message, culprits)
+    return _flight.report(kind.__name__, message, culprits, source=rendezvous)
 
 
 def _odd_ones(rnd: Round) -> list[str]:

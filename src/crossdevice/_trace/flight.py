@@ -84,7 +84,13 @@ def report_dir() -> str | None:
     return chosen or os.path.join(tempfile.gettempdir(), "crossdevice-flight")
 
 
-def report(error_type: str, message: str, culprits: Sequence[str] = (), tag: str = "") -> str:
+def report(
+    error_type: str,
+    message: str,
+    culprits: Sequence[str] = (),
+    tag: str = "",
+    source: Any = None,
+) -> str:
     """Write a report of `error_type: message`; return the note to end its message with.
 
     Never raises (a report that cannot be written says so in the note: the error it
@@ -95,6 +101,8 @@ def report(error_type: str, message: str, culprits: Sequence[str] = (), tag: str
         message: the error's message.
         culprits: who is at fault, when known ("replica 2", "rank 1").
         tag: added to the file name (a worker's "rank1").
+        source: the registered source where it failed: its group comes first, marked
+            `"failed": true`.
     """
     directory = report_dir()
     if directory is None:
@@ -110,11 +118,13 @@ def report(error_type: str, message: str, culprits: Sequence[str] = (), tag: str
         with _LOCK:
             sources = list(_SOURCES.items())
         groups = []
-        for source, render in sources:
+        for each, render in sorted(sources, key=lambda item: item[0] is not source):
             try:
-                groups.append(render(source, now))
+                group = render(each, now)
             except Exception as err:  # a source half torn down: report the rest
-                groups.append({"name": repr(source), "error": repr(err), "collectives": []})
+                group = {"name": repr(each), "error": repr(err), "collectives": []}
+            group["failed"] = each is source
+            groups.append(group)
         data = {
             "format": "crossdevice flight recorder report 1",
             "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -138,7 +148,9 @@ def report(error_type: str, message: str, culprits: Sequence[str] = (), tag: str
     return f"\nFlight recorder report: {base}.txt (and .json)"
 
 
-def attach(exc: BaseException, culprits: Sequence[str] = (), tag: str = "") -> None:
+def attach(
+    exc: BaseException, culprits: Sequence[str] = (), tag: str = "", source: Any = None
+) -> None:
     """Write a report of `exc` and end its message with where it is (once per exception).
 
     The type is kept; the message (its first argument) gets the note, or, for an
@@ -150,7 +162,7 @@ def attach(exc: BaseException, culprits: Sequence[str] = (), tag: str = "") -> N
         setattr(exc, _MARK, True)
     except AttributeError:  # pragma: no cover - exceptions take attributes
         return
-    note = report(type(exc).__name__, str(exc), culprits, tag)
+    note = report(type(exc).__name__, str(exc), culprits, tag, source)
     if not note:
         return
     if len(exc.args) >= 1 and isinstance(exc.args[0], str) and str(exc) == exc.args[0]:
@@ -187,9 +199,10 @@ def as_text(data: dict[str, Any]) -> str:
         lines.append(f"Culprits: {', '.join(data['culprits'])}")
     lines.append(f"Times are {data['times']}.")
     for group in data["groups"]:
+        failed = " (where it failed)" if group.get("failed") else ""
         lines += [
             "",
-            f"== {group['name']} ({group.get('kind', '?')}): last collectives, newest last",
+            f"== {group['name']}{failed} ({group.get('kind', '?')}): last collectives, newest last",
         ]
         for entry in group["collectives"]:
             lines.append("  " + entry["text"] if "text" in entry else "  " + json.dumps(entry))

@@ -25,7 +25,9 @@ def load(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: expected a crossdevice trace (JSON), could not read it: {err}")
+        raise ValueError(
+            f"{path}: expected a crossdevice trace (JSON), could not read it: {err}"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError(
             f"{path}: expected a trace-event JSON object with a 'traceEvents' list, received "
@@ -71,8 +73,8 @@ def merge(paths: Sequence[str], out: str) -> dict[str, Any]:
     offsets = [0.0 if aligned is None else e[aligned] - ends[0][aligned] for e in ends]
     events: list[dict[str, Any]] = []
     for data, rank, offset in zip(datas, ranks, offsets, strict=True):
-        for event in data["traceEvents"]:
-            event = dict(event)
+        for original in data["traceEvents"]:
+            event = dict(original)
             event["pid"] = rank
             if "ts" in event:
                 event["ts"] = round(float(event["ts"]) - offset, 3)

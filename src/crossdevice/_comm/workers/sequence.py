@@ -138,18 +138,18 @@ class Sequencer:
             self._standing.broken = f"{call.label} failed"
             failure = self._health.diagnose(call, err.cause, self._standing)
             self._groups.destroy(keep_alive=True)
-            _flight.attach(failure, tag=f"-rank{self._standing.rank}")
+            _flight.attach(failure, tag=f"-rank{self._standing.rank}", source=self)
             raise failure from failure.__cause__
         except FillFailedError as err:
             self._abort(err.error)
             raise err.error from None
         except _ALIKE as err:
             if isinstance(err, _REPORTED):
-                _flight.attach(err, tag=f"-rank{self._standing.rank}")
+                _flight.attach(err, tag=f"-rank{self._standing.rank}", source=self)
             raise
         except BaseException as err:
             if isinstance(err, _REPORTED):
-                _flight.attach(err, tag=f"-rank{self._standing.rank}")
+                _flight.attach(err, tag=f"-rank{self._standing.rank}", source=self)
             self._abort(err)
             raise
         call.ended = time.monotonic()
