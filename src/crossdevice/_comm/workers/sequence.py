@@ -138,24 +138,29 @@ class Sequencer:
             self._standing.broken = f"{call.label} failed"
             failure = self._health.diagnose(call, err.cause, self._standing)
             self._groups.destroy(keep_alive=True)
-            _flight.attach(failure, tag=f"-rank{self._standing.rank}", source=self)
+            self._report(call, failure)
             raise failure from failure.__cause__
         except FillFailedError as err:
             self._abort(err.error)
             raise err.error from None
         except _ALIKE as err:
             if isinstance(err, _REPORTED):
-                _flight.attach(err, tag=f"-rank{self._standing.rank}", source=self)
+                self._report(call, err)
             raise
         except BaseException as err:
             if isinstance(err, _REPORTED):
-                _flight.attach(err, tag=f"-rank{self._standing.rank}", source=self)
+                self._report(call, err)
             self._abort(err)
             raise
         call.ended = time.monotonic()
         if _trace.on:
             _trace.worker_ended(self, call)
         return result
+
+    def _report(self, call: Call, error: BaseException) -> None:
+        """Write a flight-recorder report of `error`, which ended `call` (it did not end)."""
+        call.ended = 0.0
+        _flight.attach(error, tag=f"-rank{self._standing.rank}", source=self)
 
 
 class Pending:
