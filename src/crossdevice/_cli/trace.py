@@ -3,10 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["register", "run"]
+__all__ = ["add_trace_argument", "register", "run", "tracing"]
+
+
+def add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    """`--trace FILE` for a command that runs steps (`demo`, `bench`)."""
+    parser.add_argument(
+        "--trace",
+        metavar="FILE.json",
+        default=None,
+        help=(
+            "record a timeline (Chrome/Perfetto trace JSON; one file per worker, "
+            "FILE.worker<rank>.json) and log stragglers; see `crossdevice trace`"
+        ),
+    )
+
+
+@contextlib.contextmanager
+def tracing(path: str | None, quiet: bool = False) -> Iterator[None]:
+    """Inside: `crossdevice.experimental.trace(path)` when `path` is given; says where it went."""
+    if not path:
+        yield
+        return
+    from crossdevice._trace.session import trace
+
+    with trace(path) as session:
+        yield
+    if not quiet:
+        for written in session.written:
+            print(f"trace written to {written} (open it in https://ui.perfetto.dev)")
 
 
 def register(subparsers: Any) -> None:

@@ -63,7 +63,7 @@ from typing import Any, Final
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from crossdevice._sync.call import CallSignature
 from crossdevice._sync.rounds import Round
-from crossdevice._sync.waiting import block
+from crossdevice._sync.waiting import block, in_cooperative_replica
 from crossdevice._trace import flight as _flight
 from crossdevice._trace import state as _trace
 
@@ -144,7 +144,8 @@ class Rendezvous:
             CollectiveTimeoutError: a peer did not arrive within `timeout`.
             ReplicaAbortedError: `abort` was called (a peer failed).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        now = _monotonic()  # outside the lock: a longer hold costs peers a futex sleep
+        deadline = None if timeout is None else now + timeout
         with self._lock:
             if self._aborted is not None or self._broken is not None or self._mismatch:
                 self._raise_if_unusable(None)
@@ -156,16 +157,8 @@ class Rendezvous:
                 )
             rnd.arrivals[replica_id] = arrival
             rnd.count += 1
-            self.history.append(
-                (
-                    rnd.seq,
-                    replica_id,
-                    arrival.kind,
-                    now := _monotonic(),
-                    rnd.count,
-                    getattr(arrival, "sig", None),
-                )
-            )
+            sig = getattr(arrival, "sig", None)
+            self.history.append((rnd.seq, replica_id, arrival.kind, now, rnd.count, sig))
             last = rnd.count == self._n
             if last:
                 self._seq += 1
@@ -184,7 +177,7 @@ class Rendezvous:
             # the replicas waiting meanwhile.
             self._complete(rnd, replica_id)
             if _trace.on:
-                _trace.left(self, rnd, replica_id, now, last=True)
+                _trace.left(self, rnd, replica_id, now, True, in_cooperative_replica())
             with self._lock:
                 rnd.ready = True
                 self._wake_round_locked(rnd)
@@ -195,12 +188,9 @@ class Rendezvous:
                 if rnd.held is not None and replica_id:
                     self._leave(rnd)
             if _trace.on:
-                _trace.left(self, rnd, replica_id, now, last=False)
+                _trace.left(self, rnd, replica_id, now, False, False)
         if rnd.error is not None:
-            kind, message = rnd.error
-            error = kind(message)
-            setattr(error, _MARK, True)
-            raise error
+            _raise_round_error(rnd.error)
         # Read before this replica counts itself done: the last one to finish clears it.
         work = rnd.work
         if work is None and rnd.failure is not None:
@@ -568,6 +558,14 @@ _MergeArrival.handler = _MERGE
 
 
 _monotonic: Final = time.monotonic
+
+
+def _raise_round_error(error: tuple[type[BaseException], str]) -> None:
+    """Raise a round's error (the replicas disagree), marked as the rendezvous' own."""
+    kind, message = error
+    exc = kind(message)
+    setattr(exc, _MARK, True)
+    raise exc
 
 
 def _report(

@@ -16,12 +16,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Final
-
-from crossdevice._sync import waiting
-
-if TYPE_CHECKING:
-    from crossdevice._trace.session import Session
+from typing import Any, Final
 
 __all__ = [
     "left",
@@ -37,8 +32,9 @@ __all__ = [
 
 #: Tracing is on (read by the hooks' callers; a plain bool, no call when off).
 on: bool = False
-#: The trace being recorded, when `on`.
-session: Session | None = None
+#: The trace being recorded, when `on` (a `crossdevice._trace.session.Session`; not
+#: imported here: the session imports this module).
+session: Any = None
 _LOCK: Final = threading.Lock()
 _monotonic: Final = time.monotonic
 
@@ -74,11 +70,14 @@ def replica_step(replica_id: int, start: float) -> None:
         s.recorder.add(replica_id, "step", start, _monotonic())
 
 
-def left(rendezvous: Any, rnd: Any, replica_id: int, start: float, last: bool) -> None:
+def left(
+    rendezvous: Any, rnd: Any, replica_id: int, start: float, last: bool, cooperative: bool
+) -> None:
     """Replica `replica_id`, which arrived at `rnd` at `start`, leaves it now.
 
     Not the `last` to arrive: it waited. The last: it completed the round (validated,
-    reduced), and its lateness goes to the straggler report.
+    reduced), and its lateness goes to the straggler report, unless the replicas are
+    `cooperative` (they take turns, so the last one is always late by its peers' work).
     """
     s = session
     if s is None:
@@ -93,7 +92,7 @@ def left(rendezvous: Any, rnd: Any, replica_id: int, start: float, last: bool) -
     if leaves:
         details["bytes"] = _nbytes(leaves)
     s.recorder.add(replica_id, "reduce", start, end, (rnd.kind, rnd.seq, details))
-    if n > 1 and not waiting.in_cooperative_replica():
+    if n > 1 and not cooperative:
         # The last n arrivals in the history are this round's: nobody has left it yet.
         history = rendezvous.history
         times = [history[-1 - i][3] for i in range(min(n, len(history)))]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
+from crossdevice._comm.workers.flight import sequencer_group
 from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._core import purpose
@@ -35,7 +36,6 @@ from crossdevice._core.errors import (
 )
 from crossdevice._trace import flight as _flight
 from crossdevice._trace import state as _trace
-from crossdevice._trace.workers import sequencer_group
 
 __all__ = ["FillFailedError", "Pending", "Sequencer", "guarded_fill"]
 

@@ -1,8 +1,10 @@
 """A worker communicator's part of a flight-recorder report: its last numbered collectives.
 
 Its `Sequencer` keeps each collective's `Call` (name, number, purpose, start, end and
-fingerprint) in a bounded deque (`flight.COLLECTIVES`); a report renders them here, with
-each fingerprint decoded into words (`Fingerprint.describe`).
+fingerprint) in a bounded deque (`crossdevice._trace.flight.COLLECTIVES`); a report
+renders them here, with each fingerprint decoded into words (`Fingerprint.describe`).
+(Here, not in `crossdevice._trace`: that package sits below the synchronisation kernel,
+and decoding a fingerprint needs this layer.)
 """
 
 from __future__ import annotations
