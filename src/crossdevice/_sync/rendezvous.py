@@ -316,15 +316,17 @@ class Rendezvous:
         kind = rnd.kind = first.kind
         handler = first.handler
         try:
-            if all(a.kind == kind and a.handler is handler for a in arrivals):
-                handler.complete(rnd, replica_id)
+            for a in arrivals:  # a loop, not all(...): no generator on the hot path
+                if a.kind != kind or a.handler is not handler:
+                    rnd.set_error(
+                        RuntimeError,
+                        f"{self._name}: the replicas called different collectives: "
+                        f"{rnd.describe_calls()}. Every replica must make the same "
+                        "merge_call, all_reduce and all_gather calls in the same order.",
+                    )
+                    break
             else:
-                rnd.set_error(
-                    RuntimeError,
-                    f"{self._name}: the replicas called different collectives: "
-                    f"{rnd.describe_calls()}. Every replica must make the same "
-                    "merge_call, all_reduce and all_gather calls in the same order.",
-                )
+                handler.complete(rnd, replica_id)
         except BaseException as exc:
             rnd.failure, rnd.failure_replica = exc, replica_id
             rnd.work = None

@@ -42,6 +42,12 @@ _monotonic: Final = time.monotonic
 _PACKAGE: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+#: `user_site`'s text by (code, line): a training step calls from the same lines.
+_SITES: dict[tuple[Any, int], str] = {}
+#: `_nbytes` by leaves' signature (a step repeats its signatures).
+_NBYTES: dict[Any, int] = {}
+
+
 def user_site(depth: int = 2) -> str:
     """`file.py:42 (fn)`: the first frame above `depth` outside crossdevice (the user's line)."""
     frame: Any = sys._getframe(depth)
@@ -49,8 +55,15 @@ def user_site(depth: int = 2) -> str:
         frame = frame.f_back
     if frame is None:
         return ""
-    code = frame.f_code
-    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} ({code.co_name})"
+    key = (frame.f_code, frame.f_lineno)
+    text = _SITES.get(key)
+    if text is None:
+        code = frame.f_code
+        text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} ({code.co_name})"
+        if len(_SITES) >= 4096:
+            _SITES.clear()
+        _SITES[key] = text
+    return text
 
 
 # ---------------------------------------------------------------------- replicas
@@ -83,15 +96,17 @@ def left(
     if s is None:
         return
     if not last:
-        s.recorder.add(replica_id, "wait", start, _monotonic(), (rnd.kind, rnd.seq, None))
+        s.recorder.events.append(
+            ("X", replica_id, "wait", start, _monotonic(), (rnd.kind, rnd.seq, None))
+        )
         return
     end = _monotonic()
     n = rendezvous.num_replicas
     details: dict[str, Any] = {"site": user_site(3), "replicas": n}
     leaves = getattr(rnd.arrivals[0], "sig", None)
     if leaves:
-        details["bytes"] = _nbytes(leaves)
-    s.recorder.add(replica_id, "reduce", start, end, (rnd.kind, rnd.seq, details))
+        details["bytes"] = _cached_nbytes(leaves)
+    s.recorder.events.append(("X", replica_id, "reduce", start, end, (rnd.kind, rnd.seq, details)))
     if n > 1 and not cooperative:
         # The last n arrivals in the history are this round's: nobody has left it yet.
         history = rendezvous.history
@@ -106,6 +121,18 @@ def shared(rnd: Any, replica_id: int, start: float) -> None:
     s = session
     if s is not None:
         s.recorder.add(replica_id, "share", start, _monotonic(), (rnd.kind, rnd.seq, None))
+
+
+def _cached_nbytes(leaves: Any) -> int:
+    try:
+        nbytes = _NBYTES.get(leaves)
+    except TypeError:  # an unhashable part: count afresh
+        return _nbytes(leaves)
+    if nbytes is None:
+        if len(_NBYTES) >= 4096:
+            _NBYTES.clear()
+        nbytes = _NBYTES[leaves] = _nbytes(leaves)
+    return nbytes
 
 
 def _nbytes(leaves: Any) -> int:
