@@ -32,6 +32,7 @@ def test_a_2x2_trace_has_every_replica_and_merges(tmp_path: Path) -> None:
         spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
         assert {e["tid"] for e in spans} == {0, 1, WORKER_LANE}  # both replicas, the collectives
         collectives = [e for e in spans if e["tid"] == WORKER_LANE]
+        assert len({e["args"]["seq"] for e in collectives}) >= 6  # one a step at least
         assert all(e["args"]["bytes"] > 0 and e["args"]["site"] for e in collectives), collectives
     done = merge(files, str(tmp_path / "merged.json"))
     assert done["aligned_at"] is not None
