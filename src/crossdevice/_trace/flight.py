@@ -219,7 +219,7 @@ def rendezvous_group(rendezvous: Any, now: float) -> dict[str, Any]:
     return {
         "name": rendezvous.name,
         "kind": f"{n} replicas in this process",
-        "collectives": replica_rounds(list(rendezvous.history), n, now),
+        "collectives": replica_rounds(list(rendezvous.history.copy()), n, now),
     }
 
 

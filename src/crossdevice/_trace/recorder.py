@@ -81,7 +81,7 @@ class Recorder:
 
     def kept(self) -> list[Event]:
         """The events of the last `steps` steps still in the ring, oldest first."""
-        events = list(self.events)
+        events = list(self.events.copy())  # one C call: replica threads may be appending
         marks = [i for i, e in enumerate(events) if e[0] == "S"]
         if len(marks) > self.steps:
             events = events[marks[-self.steps] :]

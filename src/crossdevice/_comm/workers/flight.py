@@ -22,7 +22,7 @@ def sequencer_group(sequencer: Any, now: float) -> dict[str, Any]:
     """`flight.register`'s `render` for a worker communicator's sequencer."""
     standing = sequencer._standing
     collectives = []
-    for call in list(sequencer.history):
+    for call in list(sequencer.history.copy()):  # one C call: it may be appended to
         ended = getattr(call, "ended", 0.0)
         entry = {
             "seq": call.seq,
