@@ -7,7 +7,7 @@ within its noise (docs/guides/finding-slow-steps.md). When a collective fails (r
 workers that disagree, a timeout, a failed worker) or a run is interrupted (Ctrl-C), the
 failing side writes a report next to the error and the error's message ends with where:
 
-    Flight recorder report: /tmp/crossdevice-flight/flight-20261126-120102-4711-1.txt (.json)
+    ... Flight recorder report: /tmp/crossdevice-flight/flight-20261126-120102-4711-1.txt
 
 The report is a JSON file and the same as text, readable without crossdevice: the error,
 the culprits when known, every registered rendezvous' and worker communicator's last
@@ -110,8 +110,8 @@ def report(
     number = next(_written)
     if number > MAX_REPORTS:
         return (
-            f"\nFlight recorder: {MAX_REPORTS} reports written by this process already "
-            f"(in {directory}); no more"
+            f" Flight recorder: {MAX_REPORTS} reports written by this process already "
+            f"(in {directory}); no more."
         )
     try:
         now = time.monotonic()
@@ -144,8 +144,10 @@ def report(
         with open(base + ".txt", "w", encoding="utf-8") as f:
             f.write(as_text(data))
     except Exception as err:  # a full disk must not hide the error being reported
-        return f"\nFlight recorder: could not write a report in {directory}: {err!r}"
-    return f"\nFlight recorder report: {base}.txt (and .json)"
+        return f" Flight recorder: could not write a report in {directory}: {err!r}."
+    # On the message's last line: a log that shows only the last line (`Type: message`)
+    # still shows where the report is.
+    return f" Flight recorder report: {base}.txt (and .json)"
 
 
 def attach(

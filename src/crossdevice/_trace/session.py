@@ -98,7 +98,7 @@ class Session:
         n, k = self.recorder.step_count, self.report_every
         if n and n % k == 0:
             w = n // k
-            lane.gaps.window(w, f"in steps {(w - 2) * k}-{(w - 1) * k - 1}")
+            lane.gaps.window(w, f"in steps {max(1, (w - 2) * k)}-{(w - 1) * k}")
 
     def worker_ended(self, sequencer: Any, call: Any) -> None:
         """Part of `call` ended at `call.ended` (the last part ends it)."""
