@@ -7,6 +7,8 @@ given (trio's rule: an optional dependency never silently turns tests into skips
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +32,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _devices.set_logical_cpu_devices(TEST_LOGICAL_CPUS)
+    # Flight-recorder reports of the errors tests provoke go to a directory of this run
+    # (inherited by the worker processes tests start), not the user's temp dir.
+    os.environ.setdefault("CROSSDEVICE_FLIGHT_DIR", tempfile.mkdtemp(prefix="crossdevice-flight-"))
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,8 @@ LAYERS: dict[str, float] = {
     "_data": 3,
     "_values": 4,
     "_sync": 2,
+    # Tracing's switch, recorder and flight recorder: the rendezvous' hooks call them.
+    "_trace": 1.5,
     "_comm": 5,
     "_cross_device": 6,
     "_replica": 7,

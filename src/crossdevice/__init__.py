@@ -56,6 +56,7 @@ from crossdevice._strategies.multi_worker import (
 )
 from crossdevice._strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from crossdevice._strategies.replica import ReplicaContext as ReplicaContext
+from crossdevice._trace.session import start_from_environment as _start_trace_from_environment
 from crossdevice._values.distributed_variables import MirroredVariable as MirroredVariable
 from crossdevice._values.distributed_variables import SyncOnReadVariable as SyncOnReadVariable
 from crossdevice._values.values import DistributedValues as DistributedValues
@@ -110,3 +111,6 @@ __all__ = [
 
 
 _fix_module_metadata(globals(), __all__, "crossdevice")
+
+# CROSSDEVICE_TRACE=path traces the whole process (crossdevice.experimental.trace).
+_start_trace_from_environment()

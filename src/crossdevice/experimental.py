@@ -10,6 +10,7 @@ from crossdevice._strategies.central_storage import CentralStorageStrategy as Ce
 from crossdevice._strategies.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
+from crossdevice._trace.session import trace as trace
 from crossdevice._train.preemption import RESTART_EXIT_CODE as RESTART_EXIT_CODE
 from crossdevice._train.preemption import (
     PreemptionCheckpointHandler as PreemptionCheckpointHandler,
@@ -27,9 +28,12 @@ __all__ = [
     "PreemptionCheckpointHandler",
     "TerminationConfig",
     "ValueContext",
+    "trace",
 ]
 
 # Only the names first defined for this module: the strategies keep `crossdevice`.
 _fix_module_metadata(
-    globals(), ["PreemptionCheckpointHandler", "TerminationConfig"], "crossdevice.experimental"
+    globals(),
+    ["PreemptionCheckpointHandler", "TerminationConfig", "trace"],
+    "crossdevice.experimental",
 )

@@ -23,6 +23,7 @@ import numpy as np
 
 from crossdevice._cli.demo_common import TrainResult, epoch_batches
 from crossdevice._cli.progress import progress_reporting
+from crossdevice._cli.trace import add_trace_argument, tracing
 from crossdevice.datasets import load_digits, train_test_split
 
 __all__ = ["CROSS_DEVICE_OPS", "MIN_ACCURACY", "register", "run"]
@@ -140,6 +141,7 @@ def register(subparsers: Any) -> None:
             "TF_CONFIG in each process); --replicas is then the replicas per worker"
         ),
     )
+    add_trace_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -164,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: the parsed `demo` arguments (`replicas`, `epochs`, `batch_size`,
             `cross_device_ops`, `seed`, `no_progress`, `numpy`, `multi_worker`,
-            `checkpoint_dir`, `mixed_precision`).
+            `checkpoint_dir`, `mixed_precision`, `trace`).
 
     Returns:
         The exit status.
@@ -221,21 +223,19 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     test = (x_test, y_test)
-    mixed_precision = getattr(args, "mixed_precision", None)
-    if mixed_precision is not None and kind != "torch":
-        raise SystemExit("--mixed-precision applies to the torch model, not --numpy")
-    precision = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
-    parallel = trainer.train(
-        strategy,
-        epochs,
-        args.seed,
-        test,
-        progress=progress,
-        report=report,
-        label=f"{_replicas(total)}: ",
-        checkpoint_dir=getattr(args, "checkpoint_dir", None),
-        **precision,
-    )
+    mixed_precision, precision = _precision(args, kind)
+    with tracing(getattr(args, "trace", None), quiet=not chief):  # the data-parallel run only
+        parallel = trainer.train(
+            strategy,
+            epochs,
+            args.seed,
+            test,
+            progress=progress,
+            report=report,
+            label=f"{_replicas(total)}: ",
+            checkpoint_dir=getattr(args, "checkpoint_dir", None),
+            **precision,
+        )
     minimum = MIN_ACCURACY[kind]
     final_accuracy = parallel.test_accuracy[-1]
     accuracy_ok = final_accuracy >= minimum
@@ -261,6 +261,14 @@ def run(args: argparse.Namespace) -> int:
         builtins.print(f"demo: FAILED on worker {strategy.extended._worker_index}")
     print("demo: OK" if ok else "demo: FAILED")
     return 0 if ok else 1
+
+
+def _precision(args: argparse.Namespace, kind: str) -> tuple[str | None, dict[str, str]]:
+    """`--mixed-precision` (or None), and the keyword that asks the trainer for it."""
+    mixed_precision = getattr(args, "mixed_precision", None)
+    if mixed_precision is not None and kind != "torch":
+        raise SystemExit("--mixed-precision applies to the torch model, not --numpy")
+    return mixed_precision, {} if mixed_precision is None else {"mixed_precision": mixed_precision}
 
 
 def _trainer(kind: str) -> Any:

@@ -18,7 +18,7 @@ import crossdevice
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand modules, in the order `--help` lists them.
-COMMANDS: Final = ("demo", "bench", "devices")
+COMMANDS: Final = ("demo", "bench", "devices", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:

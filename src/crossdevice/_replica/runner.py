@@ -51,6 +51,8 @@ from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
 from crossdevice._sync import waiting
 from crossdevice._sync.call import CallSignature
 from crossdevice._sync.rendezvous import Rendezvous, is_rendezvous_error
+from crossdevice._trace import flight as _flight
+from crossdevice._trace import state as _trace
 
 __all__ = ["ReplicaRunner"]
 
@@ -173,6 +175,8 @@ class ReplicaRunner:
         with self._run_lock:
             if self._abandoned is not None:
                 self._recover()
+            if _trace.on:
+                _trace.step()
             coop, key = self._choose_mode(fn)
             state = thread_state.capture()
             cuda_run = self._cuda.start() if self._cuda is not None else None
@@ -337,12 +341,15 @@ class ReplicaRunner:
         if replica_id == 0:
             old_devices = devices.swap_device_stack([self._devices[0]])
         cuda_run = self._cuda_run
+        start = time.monotonic() if _trace.on else 0.0
         try:
             if cuda_run is None:
                 result = fn(*args, **kwargs)
             else:
                 with cuda_run.replica(replica_id):
                     result = fn(*args, **kwargs)
+            if start and _trace.on:
+                _trace.replica_step(replica_id, start)
         except ReplicaAbortedError:
             result = None
         except BaseException as exc:  # every error reaches the caller of run
@@ -447,6 +454,8 @@ class ReplicaRunner:
             if first:
                 self._broken = exc
         if first:
+            if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, maybe of a stuck run: say where
+                _flight.attach(exc, source=self._rendezvous)
             self._rendezvous.abort(exc)
 
     def _finish_run(self) -> list[Any]:

@@ -43,10 +43,17 @@ the end of `run` and be woken once more, one more hand-off of the GIL per step (
 us on the 2-core dev VM; measured with 4 replica threads and no work: 69 us a step with
 one round, 57 us with replica 0 last). Aborts, resets, timeouts and departures still wake
 everyone at once.
+
+Tracing (`crossdevice._trace`): every arrival is noted in `history` (the flight recorder:
+each replica's last 1,000 calls, one tuple each, always on), and a failure (replicas that
+disagree, a timeout) writes a flight-recorder report whose path ends the error's message.
+With tracing on (`_trace.on`, one attribute read when off) each replica's wait, the
+reduction and its shares are recorded, and the last arriver feeds the straggler report.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
@@ -56,7 +63,9 @@ from typing import Any, Final
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from crossdevice._sync.call import CallSignature
 from crossdevice._sync.rounds import Round
-from crossdevice._sync.waiting import block
+from crossdevice._sync.waiting import block, in_cooperative_replica
+from crossdevice._trace import flight as _flight
+from crossdevice._trace import state as _trace
 
 __all__ = ["MERGE_CALL_MISMATCH", "Rendezvous", "is_rendezvous_error"]
 
@@ -105,6 +114,11 @@ class Rendezvous:
         self._broken: str | None = None
         self._mismatch: str | None = None
         self._departed: set[int] = set()
+        #: (seq, replica, kind, arrival time, arrival order, leaves): the flight recorder.
+        self.history: collections.deque[tuple[int, int, str, float, int, Any]] = collections.deque(
+            maxlen=_flight.COLLECTIVES * num_replicas
+        )
+        _flight.register(self, _flight.rendezvous_group)
 
     @property
     def num_replicas(self) -> int:
@@ -130,7 +144,8 @@ class Rendezvous:
             CollectiveTimeoutError: a peer did not arrive within `timeout`.
             ReplicaAbortedError: `abort` was called (a peer failed).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        now = _monotonic()  # outside the lock: a longer hold costs peers a futex sleep
+        deadline = None if timeout is None else now + timeout
         with self._lock:
             if self._aborted is not None or self._broken is not None or self._mismatch:
                 self._raise_if_unusable(None)
@@ -142,6 +157,8 @@ class Rendezvous:
                 )
             rnd.arrivals[replica_id] = arrival
             rnd.count += 1
+            sig = getattr(arrival, "sig", None)
+            self.history.append((rnd.seq, replica_id, arrival.kind, now, rnd.count, sig))
             last = rnd.count == self._n
             if last:
                 self._seq += 1
@@ -159,6 +176,8 @@ class Rendezvous:
             # Outside the lock: a merge_fn may take long, and abort() must still reach
             # the replicas waiting meanwhile.
             self._complete(rnd, replica_id)
+            if _trace.on:
+                _trace.left(self, rnd, replica_id, now, True, in_cooperative_replica())
             with self._lock:
                 rnd.ready = True
                 self._wake_round_locked(rnd)
@@ -168,11 +187,10 @@ class Rendezvous:
             finally:
                 if rnd.held is not None and replica_id:
                     self._leave(rnd)
+            if _trace.on:
+                _trace.left(self, rnd, replica_id, now, False, False)
         if rnd.error is not None:
-            kind, message = rnd.error
-            error = kind(message)
-            setattr(error, _MARK, True)
-            raise error
+            _raise_round_error(rnd.error)
         # Read before this replica counts itself done: the last one to finish clears it.
         work = rnd.work
         if work is None and rnd.failure is not None:
@@ -191,6 +209,7 @@ class Rendezvous:
         kind: str,
     ) -> None:
         """Take this replica's share of a round's work, then wait for the others'."""
+        start = _monotonic() if _trace.on else 0.0
         try:
             if rnd.failure is None:  # a peer's share failed: skip, but still report
                 work(replica_id)
@@ -208,6 +227,8 @@ class Rendezvous:
                 self._sleepers.append((replica_id, gate))
         if not last:
             self._wait(replica_id, gate, rnd, "finish", deadline, timeout, kind)
+        if start and _trace.on:
+            _trace.shared(rnd, replica_id, start)
         if rnd.failure is not None:
             self._raise_failure(rnd, replica_id)
 
@@ -295,7 +316,7 @@ class Rendezvous:
         kind = rnd.kind = first.kind
         handler = first.handler
         try:
-            for a in arrivals:
+            for a in arrivals:  # a loop, not all(...): no generator on the hot path
                 if a.kind != kind or a.handler is not handler:
                     rnd.set_error(
                         RuntimeError,
@@ -303,11 +324,15 @@ class Rendezvous:
                         f"{rnd.describe_calls()}. Every replica must make the same "
                         "merge_call, all_reduce and all_gather calls in the same order.",
                     )
-                    return
-            handler.complete(rnd, replica_id)
+                    break
+            else:
+                handler.complete(rnd, replica_id)
         except BaseException as exc:
             rnd.failure, rnd.failure_replica = exc, replica_id
             rnd.work = None
+        if rnd.error is not None:  # the replicas disagree: where the report is ends the message
+            error, message = rnd.error
+            rnd.error = (error, message + _report(self, error, message, _odd_ones(rnd)))
 
     def _finish_work_locked(self, rnd: Round, replica_id: int) -> None:
         rnd.done += 1
@@ -454,13 +479,15 @@ class Rendezvous:
             missing = [r for r in range(self._n) if r not in rnd.done_ids]
             what = "did not finish their share"
         arrived = [r for r in range(self._n) if r not in missing]
-        self._broken = (
+        message = (
             f"{self._name}: {kind} #{rnd.seq} timed out after {timeout} s: replicas "
             f"{missing} {what} (arrived: {arrived}). Every replica must make the same "
             "collectives in the same order; if the step is just slow, raise the timeout "
             "(CommunicationOptions.timeout_seconds). Call reset() before reusing the "
             "communicator."
         )
+        culprits = [f"replica {r}" for r in missing]
+        self._broken = message + _report(self, CollectiveTimeoutError, message, culprits)
         self._wake_locked()
         raise CollectiveTimeoutError(self._broken)
 
@@ -472,9 +499,11 @@ class Rendezvous:
         if len(waiting) + len(self._departed - set(waiting)) < self._n:
             return
         call = next(a.handler.describe(a) for a in rnd.arrivals if a is not None)
-        self._mismatch = f"{self._name}: " + MERGE_CALL_MISMATCH.format(
+        message = f"{self._name}: " + MERGE_CALL_MISMATCH.format(
             done=sorted(self._departed), waiting=waiting, call=call, seq=rnd.seq
         )
+        culprits = [f"replica {r}" for r in sorted(self._departed)]
+        self._mismatch = message + _report(self, RuntimeError, message, culprits)
         self._wake_locked()
 
 
@@ -492,6 +521,11 @@ class _MergeArrival:
         self.call = call
         self.value = value
         self.merge = merge
+
+    @property
+    def sig(self) -> tuple[tuple[Any, Any], ...]:
+        """The leaves' (shape, dtype), for the flight recorder."""
+        return self.call.leaves
 
 
 class _MergeHandler:
@@ -523,6 +557,34 @@ class _MergeHandler:
 
 _MERGE: Final = _MergeHandler()
 _MergeArrival.handler = _MERGE
+
+
+_monotonic: Final = time.monotonic
+
+
+def _raise_round_error(error: tuple[type[BaseException], str]) -> None:
+    """Raise a round's error (the replicas disagree), marked as the rendezvous' own."""
+    kind, message = error
+    exc = kind(message)
+    setattr(exc, _MARK, True)
+    raise exc
+
+
+def _report(
+    rendezvous: Rendezvous, kind: type[BaseException], message: str, culprits: list[str]
+) -> str:
+    """Write a flight-recorder report of an error every replica raises; the note for it."""
+    return _flight.report(kind.__name__, message, culprits, source=rendezvous)
+
+
+def _odd_ones(rnd: Round) -> list[str]:
+    """The replicas whose call differs from what most replicas called (a mismatch's culprits)."""
+    try:
+        calls = [a.handler.describe(a) if a is not None else None for a in rnd.arrivals]
+    except Exception:  # a description that fails must not hide the error
+        return []
+    common = max(set(calls), key=calls.count)
+    return [f"replica {r}" for r, c in enumerate(calls) if c != common]
 
 
 def _held_lock() -> Any:

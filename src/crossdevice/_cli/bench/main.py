@@ -87,8 +87,10 @@ def register(subparsers: Any) -> None:
         "--standalone --nproc-per-node 2 -m crossdevice bench --multi-worker`",
     )
     from crossdevice._cli.bench.cuda import add_arguments  # --cuda: GPUs against raw NCCL
+    from crossdevice._cli.trace import add_trace_argument
 
     add_arguments(parser)
+    add_trace_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -220,7 +222,17 @@ def _header(args: argparse.Namespace, bw: MemoryBandwidth, ops: list[str]) -> li
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by `args`; returns the exit status (1 if any #wrong)."""
+    """Run the benchmark described by `args`; returns the exit status (1 if any #wrong).
+
+    With `--trace FILE`, the whole run is traced (`crossdevice.experimental.trace`).
+    """
+    from crossdevice._cli.trace import tracing
+
+    with tracing(getattr(args, "trace", None)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         if getattr(args, "multi_worker", False):
             raise SystemExit("crossdevice bench: --plot draws single-process runs only")

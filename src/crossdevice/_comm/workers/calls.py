@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["Call", "PeerFailure", "PeersFailedError", "Standing", "WaitFailedError"]
 
@@ -24,6 +25,10 @@ class Call:
     started: float
     #: What it is for, in the user's words (`crossdevice._core.purpose`), or "".
     purpose: str = ""
+    #: When its work (the last part so far) ended (`time.monotonic()`; 0: not yet).
+    ended: float = 0.0
+    #: Its fingerprint (an encoded header or a `Fingerprint`), for the flight recorder.
+    fingerprint: Any = None
 
     @property
     def label(self) -> str:

@@ -95,6 +95,7 @@ class Integrity:
         is this call's host layout (None: CUDA values); `job(sent)` makes the transport's
         job for the layout sent, with this worker's buffers (None: its own layout).
         """
+        call.fingerprint = header  # for the flight recorder
         predicted = self._predict()
         if predicted:
             sent = job(predicted) if predicted == layout else Job(predicted, None)
@@ -160,6 +161,7 @@ class Integrity:
         the whole check.
         """
         header = mine.encode()
+        call.fingerprint = mine  # for the flight recorder
         predicted = self._predict()
         if predicted:
             sent = Job(predicted, None, header=header)

@@ -15,6 +15,7 @@ ends a collective badly into the error its caller gets (`guard`):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
+from crossdevice._comm.workers.flight import sequencer_group
 from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._core import purpose
@@ -30,12 +32,16 @@ from crossdevice._core.errors import (
     CollectiveTimeoutError,
     WorkerFailedError,
 )
+from crossdevice._trace import flight as _flight
+from crossdevice._trace import state as _trace
 
 __all__ = ["FillFailedError", "Pending", "Sequencer", "guarded_fill"]
 
 #: Errors every worker raises alike, before any data moves (or after every worker saw
 #: the same thing): nothing to tell the peers.
 _ALIKE = (CollectiveMismatchError, WorkerFailedError, CollectiveTimeoutError, ValueError, TypeError)
+#: Collective failures that write a flight-recorder report (`crossdevice._trace.flight`).
+_REPORTED = (CollectiveMismatchError, WorkerFailedError, CollectiveTimeoutError, KeyboardInterrupt)
 
 
 class FillFailedError(Exception):
@@ -74,6 +80,9 @@ class Sequencer:
         self._groups = groups
         self._abort = abort
         self._name = name
+        #: The last collectives' `Call`s: the flight recorder (`crossdevice._trace`).
+        self.history: collections.deque[Call] = collections.deque(maxlen=_flight.COLLECTIVES)
+        _flight.register(self, sequencer_group)
 
     @contextlib.contextmanager
     def collective(self, name: str, timeout: float) -> Iterator[Call]:
@@ -96,7 +105,11 @@ class Sequencer:
             self.settle()
             self.seq += 1
             self._health.reached = self.seq  # published by the board's thread
-            yield Call(name, self.seq, timeout, time.monotonic(), purpose=purpose.current())
+            call = Call(name, self.seq, timeout, time.monotonic(), purpose=purpose.current())
+            self.history.append(call)
+            if _trace.on:
+                _trace.worker_issued(self, call)
+            yield call
         finally:
             self.lock.release()
 
@@ -118,20 +131,34 @@ class Sequencer:
     def guard(self, call: Call, run: Callable[[], Any]) -> Any:
         """Run a collective's work; turn what ends it badly into the error the caller gets."""
         try:
-            return run()
+            result = run()
         except WaitFailedError as err:
             self._standing.broken = f"{call.label} failed"
             failure = self._health.diagnose(call, err.cause, self._standing)
             self._groups.destroy(keep_alive=True)
+            self._report(call, failure)
             raise failure from failure.__cause__
         except FillFailedError as err:
             self._abort(err.error)
             raise err.error from None
-        except _ALIKE:
+        except _ALIKE as err:
+            if isinstance(err, _REPORTED):
+                self._report(call, err)
             raise
         except BaseException as err:
+            if isinstance(err, _REPORTED):
+                self._report(call, err)
             self._abort(err)
             raise
+        call.ended = time.monotonic()
+        if _trace.on:
+            _trace.worker_ended(self, call)
+        return result
+
+    def _report(self, call: Call, error: BaseException) -> None:
+        """Write a flight-recorder report of `error`, which ended `call` (it did not end)."""
+        call.ended = 0.0
+        _flight.attach(error, tag=f"-rank{self._standing.rank}", source=self)
 
 
 class Pending:
