@@ -97,9 +97,8 @@ def get_replica_execution() -> str:
 class Tuner:
     """Per step function: run it on threads and cooperatively, then keep the faster mode.
 
-    A new function runs on threads. If that took under
-    `TUNING.auto_try_below_seconds` it is tried
-    cooperatively `SAMPLES` times, and threads `SAMPLES` times; then the mode with the
+    A new function runs on threads. If that took under `TUNING.auto_try_below_seconds`,
+    it is tried cooperatively `SAMPLES` times, and threads `SAMPLES` times; then the mode with the
     smaller median is chosen for good (logged once). Medians, not averages: one run
     stalled by the machine (a GC pause, another process) must not decide. The choice is
     never revisited: a mode that flips back and forth with the machine's load would make
