@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
-from tests.frameworks.workers import bucket_training, bucket_views, compressed_gradients
+from tests.frameworks.workers import (
+    bucket_training,
+    bucket_views,
+    compressed_gradients,
+    compressed_gradients_of_mixed_rules,
+)
 from tests.multi_worker.harness import run_workers
 
 STEPS = 6
@@ -85,6 +90,16 @@ def test_bf16_gradients_are_rounded_once_and_summed_in_float32(torch: Any) -> No
         error = (torch.from_numpy(reduced).double() - exact).abs()
         assert bool((error <= 2.0**-8 * scale + 1e-30).all())
         assert bool((error > 0).any())  # it did travel in bf16
+
+
+@pytest.mark.multiprocess
+def test_workers_that_would_add_bf16_gradients_by_different_rules_get_an_error() -> None:
+    # The compressed path gathers the workers' rows and adds them itself: the workers
+    # must still compare the op (and leaves and call site) as an all-reduce does.
+    results = run_workers(compressed_gradients_of_mixed_rules, 2, timeout=60)
+    for result in results:
+        assert result.error_type == "CollectiveMismatchError", result.describe()
+        assert "(fields that differ: op)" in str(result.error_message)
 
 
 @pytest.mark.multiprocess

@@ -81,6 +81,25 @@ def bucket_training(rank: int, world_size: int, op: str, flat: bool, steps: int)
     return [p.detach().numpy() for p in model.module.parameters()]
 
 
+def compressed_gradients_of_mixed_rules(rank: int, world_size: int) -> None:
+    """Worker 0 SUMs, worker 1 averages (`gradient_reduction`), with bf16 gradients."""
+    del world_size
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+
+    torch.manual_seed(0)
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = cdt.prepare(
+            torch.nn.Linear(8, 4),
+            gradient_dtype=torch.bfloat16,
+            gradient_reduction="sum" if rank == 0 else "mean",
+        )
+    strategy.run(lambda: model(torch.ones(2, 8)).sum().backward())
+
+
 def compressed_gradients(rank: int, world_size: int, dtype: str = "float32") -> dict[str, Any]:
     """One backward of a linear model of `dtype` with `gradient_dtype=torch.bfloat16`.
 

@@ -100,10 +100,16 @@ def _index(value: Any, what: str) -> int:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GatherOptions:
-    """How one all-gather runs: the concatenation `axis` and the `timeout`."""
+    """How one all-gather runs: the concatenation `axis` and the `timeout`.
+
+    `signature`: what the gathered rows stand for, when a caller adds them up itself (a
+    compressed all-reduce: its op, leaves and call site); the workers compare it, so
+    workers that would add different things get `CollectiveMismatchError`.
+    """
 
     axis: int = 0
     timeout: float | None = None
+    signature: CallSignature | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "axis", _index(self.axis, "axis"))

@@ -347,7 +347,11 @@ class CollectiveAllReduce(CrossDeviceOps):
         if wire_dtype is not None and (wire_dtype != flat.dtype or flat.element_size() < 4):
             # Narrower on the wire, or half-precision gradients sent as they are: either
             # way added in float32 (Gloo would add them in their own precision).
-            pending: Pending = Done([self._compressed_sum(flat, wire_dtype, merged)])
+            # The workers compare what the rows stand for (op, leaves, call site) as an
+            # all-reduce would: a gather alone would add any rows of the same length.
+            signature = CallSignature("all_reduce", reduce_op.name, None, leaves, site=site)
+            summed = self._compressed_sum(flat, wire_dtype, merged, signature)
+            pending: Pending = Done([summed])
         else:
             reduce = _reduction(reduce_op.name, leaves, site, merged.timeout_seconds, True)
             pending = comm.all_reduce_async([flat], reduce, donate=True)
@@ -377,7 +381,13 @@ class CollectiveAllReduce(CrossDeviceOps):
             return torch.cat(list(parts), out=torch.from_numpy(room))
         return torch.cat(list(parts))
 
-    def _compressed_sum(self, flat: Any, wire_dtype: Any, options: CommunicationOptions) -> Any:
+    def _compressed_sum(
+        self,
+        flat: Any,
+        wire_dtype: Any,
+        options: CommunicationOptions,
+        signature: CallSignature,
+    ) -> Any:
         """Every worker's `flat` sent as `wire_dtype`, added in rank order in float32."""
         import torch
 
@@ -386,7 +396,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         comm = self._communicator
         assert comm is not None
         sent = flat.to(wire_dtype).reshape(1, -1)
-        rows = comm.all_gather(sent, GatherOptions(0, options.timeout_seconds))
+        rows = comm.all_gather(sent, GatherOptions(0, options.timeout_seconds, signature))
         total = rows[0].to(torch.promote_types(flat.dtype, torch.float32))
         for row in rows[1:]:
             total.add_(row)  # rounded up to total's dtype, added exactly once each

@@ -415,7 +415,7 @@ class ProcessGroupCommunicator:
         wire = self._to_wire(value)
         with self._collective("all_gather", opts.timeout) as call:
             local = self._standing.local_count()
-            mine = value_print(call, "all_gather", wire, opts.axis, local)
+            mine = value_print(call, "all_gather", wire, opts.axis, local, opts.signature)
             prints = self._guard(call, lambda: self._integrity.agree(call, mine))
             out = gather(call, wire, opts.axis, prints, self.rank, self._cuda, self._op(call))
         return wire.result(out)

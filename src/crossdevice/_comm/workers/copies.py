@@ -20,6 +20,7 @@ import torch.distributed as dist
 from crossdevice._comm.workers import fingerprint as fp
 from crossdevice._comm.workers.calls import Call
 from crossdevice._comm.workers.wire import DTYPE_CODES, Wire, dtype_name, wire_dtype
+from crossdevice._sync.call import CallSignature, cached_digest
 
 __all__ = [
     "MAX_PEER_BYTES",
@@ -40,14 +41,31 @@ Launch = Callable[..., None]
 MAX_PEER_BYTES: Final = 1 << 36
 
 
-def value_print(call: Call, kind: str, wire: Wire | None, arg: int, local: int) -> fp.Fingerprint:
-    """The fingerprint of a gather or broadcast of `wire` (None: a broadcast receiver's)."""
+def value_print(
+    call: Call,
+    kind: str,
+    wire: Wire | None,
+    arg: int,
+    local: int,
+    signature: CallSignature | None = None,
+) -> fp.Fingerprint:
+    """The fingerprint of a gather or broadcast of `wire` (None: a broadcast receiver's).
+
+    `signature`: what a gather's rows stand for (`GatherOptions.signature`): its op goes
+    in `op`, and its leaves and call site in `structure`, the fields every worker compares.
+    """
     if wire is None:
         return fp.Fingerprint(call.seq, kind, local_replicas=local, arg=arg)
     shape = tuple(wire.tensor.shape)  # at most fp.MAX_NDIM: NumPy's own limit
+    op, structure = "none", 0
+    if signature is not None:
+        op = signature.argument.lower()
+        structure = cached_digest((signature.structure_digest(), signature.shapes_digest()))
     return fp.Fingerprint(
         call.seq,
         kind,
+        op=op,
+        structure=structure,
         local_replicas=local,
         buffers=1,
         nbytes=wire.tensor.numel() * wire.tensor.element_size(),
