@@ -100,16 +100,21 @@ def test_shared_storage_trains_bitwise_like_per_replica_copies(
     assert len({id(o) for o in shared_optimizer.replicas}) == 1  # one optimizer, one state
 
 
+def _sgd_on_two_replicas(torch: Any, cdt: Any) -> tuple[Any, Any, Any, Any]:
+    """A prepared MLP and SGD on 2 replicas sharing storage, and one global batch."""
+    strategy = mirrored(2)
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return strategy, model, optimizer, global_batches(torch, 1)[0]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_an_in_place_write_to_a_shared_parameter_inside_run_is_an_error(
     torch: Any, cdt: Any, mode: str
 ) -> None:
     with replica_execution(mode):
-        strategy = mirrored(2)
-        with strategy.scope():
-            net = mlp(torch)
-            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        x, y = global_batches(torch, 1)[0]
+        strategy, model, optimizer, (x, y) = _sgd_on_two_replicas(torch, cdt)
 
         def decay_by_hand() -> None:
             optimizer.zero_grad()
@@ -192,11 +197,7 @@ def test_changing_the_one_gradient_on_every_replica_is_an_error(
     torch: Any, cdt: Any, mode: str
 ) -> None:
     with replica_execution(mode):
-        strategy = mirrored(2)
-        with strategy.scope():
-            net = mlp(torch)
-            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        x, y = global_batches(torch, 1)[0]
+        strategy, model, optimizer, (x, y) = _sgd_on_two_replicas(torch, cdt)
 
         def halve() -> None:
             optimizer.zero_grad()
