@@ -164,8 +164,39 @@ def test_a_mismatch_writes_a_report_naming_the_odd_replica() -> None:
         strategy.run(mismatched)
     data = _report(str(info.value))
     assert data["culprits"] == ["replica 1"]
+    last = data["groups"][0]["collectives"][-1]  # each replica's own call, the odd one too
+    prints = {a["replica"]: a["fingerprint"] for a in last["arrivals"]}
+    assert prints[1] == "all_reduce(float32[3])"
+    assert {prints[r] for r in (0, 2, 3)} == {"all_reduce(float32[4])"}
     assert data["threads"]
     assert all(t["stack"] for t in data["threads"])
+
+
+def test_a_report_holds_the_stacks_of_parked_cooperative_replicas() -> None:
+    before = cd.config.get_replica_execution()
+    cd.config.set_replica_execution("cooperative")
+    try:
+        strategy = _strategy()
+
+        def mismatched_here() -> Any:
+            ctx = cd.get_replica_context()
+            n = 3 if ctx.replica_id_in_sync_group == 1 else 4
+            return ctx.all_reduce("sum", np.ones(n, np.float32))
+
+        with pytest.raises(ValueError, match="but replica 1 passed shape") as info:
+            strategy.run(mismatched_here)
+    finally:
+        cd.config.set_replica_execution(before)  # type: ignore[arg-type]
+    data = _report(str(info.value))
+    # Replicas 0-2 are parked greenlets (replica 3, the last to arrive, runs the check on
+    # the caller's thread): each one's stack is there, down to the user's function.
+    parked = {
+        t["name"].split(" (")[0]: "\n".join(t["stack"])
+        for t in data["threads"]
+        if t["name"].startswith("cooperative replica")
+    }
+    assert sorted(parked) == [f"cooperative replica {r}" for r in range(3)]
+    assert all("mismatched_here" in stack for stack in parked.values())
 
 
 def test_ctrl_c_of_a_run_writes_a_report() -> None:
@@ -188,5 +219,6 @@ def test_the_flight_recorder_keeps_the_last_1000_collectives_per_replica() -> No
     for _ in range(1_100):
         strategy.run(_step(slow=None))
     rendezvous = strategy.extended._runner.rendezvous
-    assert len(rendezvous.history) == 2 * 1000
+    assert len(rendezvous.history) == 1000  # one record a collective, each replica's time in it
     assert rendezvous.history[-1][0] - rendezvous.history[0][0] == 999
+    assert all(len(record[1]) == 2 and min(record[1]) > 0 for record in rendezvous.history)

@@ -16,6 +16,7 @@ from typing import Any, Final
 from crossdevice._core import context, devices, tuning
 from crossdevice._core.errors import ReplicaAbortedError
 from crossdevice._sync.waiting import greenlet_module, swap_hub, torch_c
+from crossdevice._trace import flight as _flight
 
 __all__ = ["CooperativeScheduler", "ReplicaState"]
 
@@ -74,6 +75,9 @@ class CooperativeScheduler:
         self._local = threading.local()
         # Consecutive stalls with no deadline in this run (the second is a bug).
         self._stalls = 0
+        # The greenlets of the latest run, whichever thread ran it (flight-recorder stacks).
+        self._latest: list[Any] = []
+        _flight.register_stacks(self, CooperativeScheduler._parked_frames)
 
     def run(
         self,
@@ -135,7 +139,20 @@ class CooperativeScheduler:
         for g in greenlets:
             if g.parent is not hub:  # run() called from another greenlet of this thread
                 g.parent = hub
+        self._latest = greenlets
         return greenlets
+
+    def _parked_frames(self) -> list[tuple[str, Any]]:
+        """(name, top frame) of each replica greenlet parked mid-job: its stack is in no thread's.
+
+        The running one's is (its thread's); an idle one's ends in `_serve` (no user code).
+        """
+        out = []
+        for i, g in enumerate(self._latest):
+            frame = None if g.dead else g.gr_frame
+            if frame is not None and frame.f_code is not CooperativeScheduler._serve.__code__:
+                out.append((f"cooperative replica {i} (a greenlet, parked)", frame))
+        return out
 
     def _serve(self, job: tuple[int, Callable[..., Any], tuple[Any, ...], dict[str, Any]]) -> None:
         """A replica greenlet's life: run a job, report it done, wait for the next."""

@@ -44,9 +44,12 @@ us on the 2-core dev VM; measured with 4 replica threads and no work: 69 us a st
 one round, 57 us with replica 0 last). Aborts, resets, timeouts and departures still wake
 everyone at once.
 
-Tracing (`crossdevice._trace`): every arrival is noted in `history` (the flight recorder:
-each replica's last 1,000 calls, one tuple each, always on), and a failure (replicas that
-disagree, a timeout) writes a flight-recorder report whose path ends the error's message.
+Tracing (`crossdevice._trace`): every round is noted in `history` (the flight recorder:
+the last 1,000 calls, always on), one tuple appended by the round's last arriver, which
+keeps the round's arrival times (each arrival stores its time in the round: a list store,
+not a record of its own). A failure (replicas that disagree, a timeout) writes a
+flight-recorder report, with the unfinished round's arrivals, whose path ends the error's
+message.
 With tracing on (`_trace.on`, one attribute read when off) each replica's wait, the
 reduction and its shares are recorded, and the last arriver feeds the straggler report.
 """
@@ -114,10 +117,8 @@ class Rendezvous:
         self._broken: str | None = None
         self._mismatch: str | None = None
         self._departed: set[int] = set()
-        #: (seq, replica, kind, arrival time, arrival order, leaves): the flight recorder.
-        self.history: collections.deque[tuple[int, int, str, float, int, Any]] = collections.deque(
-            maxlen=_flight.COLLECTIVES * num_replicas
-        )
+        #: The flight recorder: one `Record` per finished round (see `flight_record`).
+        self.history: collections.deque[Record] = collections.deque(maxlen=_flight.COLLECTIVES)
         _flight.register(self, _flight.rendezvous_group)
 
     @property
@@ -156,9 +157,8 @@ class Rendezvous:
                     f"call #{rnd.seq}; every replica thread must use its own replica_id"
                 )
             rnd.arrivals[replica_id] = arrival
+            rnd.times[replica_id] = now
             rnd.count += 1
-            sig = getattr(arrival, "sig", None)
-            self.history.append((rnd.seq, replica_id, arrival.kind, now, rnd.count, sig))
             last = rnd.count == self._n
             if last:
                 self._seq += 1
@@ -330,9 +330,29 @@ class Rendezvous:
         except BaseException as exc:
             rnd.failure, rnd.failure_replica = exc, replica_id
             rnd.work = None
-        if rnd.error is not None:  # the replicas disagree: where the report is ends the message
+        if rnd.error is None:  # one call for all (they agree): one record, shared
+            self.history.append((rnd.seq, rnd.times, kind, getattr(first, "sig", None), None))
+        else:  # the replicas disagree: each one's call; where the report is ends the message
+            self.history.append((rnd.seq, rnd.times, kind, None, _calls(arrivals)))
             error, message = rnd.error
             rnd.error = (error, message + _report(self, error, message, _odd_ones(rnd)))
+
+    def flight_record(self) -> list[Record]:
+        """The finished rounds of `history`, then the unfinished one, if any replica is in it.
+
+        Each record is (seq, arrival times by replica, kind, leaves, calls): `calls` is
+        None when every replica made the same call (`kind` with `leaves`), else each
+        replica's (kind, leaves), None for a replica that has not arrived. The unfinished
+        round's calls always come one by one, and its missing replicas' times are 0.0.
+        """
+        # No lock: reports are written with it held (a timeout, a departure). Copies are
+        # one C call each, so a replica that arrives meanwhile is in them whole or not at all.
+        records = list(self.history.copy())
+        rnd = self._round
+        if rnd.count:
+            arrivals, times = list(rnd.arrivals), list(rnd.times)
+            records.append((rnd.seq, times, "", None, _calls(arrivals)))
+        return records
 
     def _finish_work_locked(self, rnd: Round, replica_id: int) -> None:
         rnd.done += 1
@@ -560,6 +580,14 @@ _MergeArrival.handler = _MERGE
 
 
 _monotonic: Final = time.monotonic
+
+#: A round in the flight recorder: (seq, arrival times, kind, leaves, per-replica calls).
+Record = tuple[int, list[float], str, Any, list[tuple[str, Any] | None] | None]
+
+
+def _calls(arrivals: Sequence[Any]) -> list[tuple[str, Any] | None]:
+    """Each replica's (kind, leaves) in a round; None where it has not arrived."""
+    return [None if a is None else (a.kind, getattr(a, "sig", None)) for a in arrivals]
 
 
 def _raise_round_error(error: tuple[type[BaseException], str]) -> None:

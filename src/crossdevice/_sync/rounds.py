@@ -64,6 +64,7 @@ class Round:
         "ready",
         "results",
         "seq",
+        "times",
         "work",
         "zero_gate",
         "zero_left",
@@ -74,6 +75,8 @@ class Round:
         #: the rendezvous' name, for error messages.
         self.name = name
         self.arrivals: list[Any] = [None] * n
+        #: each replica's arrival time (`time.monotonic`), for the flight recorder.
+        self.times: list[float] = [0.0] * n
         self.count = 0
         self.kind = ""
         self.ready = False

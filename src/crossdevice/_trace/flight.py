@@ -1,9 +1,10 @@
 """The flight recorder: what every replica and worker did last, written when a collective fails.
 
 Always on. Each rendezvous (the replicas of a strategy) and each worker communicator
-keeps its last `COLLECTIVES` collectives per replica in a bounded deque (`history`), one
-small tuple (or its `Call`) appended per arrival: measured on the per-step benchmark to be
-within its noise (docs/guides/finding-slow-steps.md). When a collective fails (replicas or
+keeps its last `COLLECTIVES` collectives in a bounded deque (`history`): one small tuple
+per round, appended by its last arriver, with every replica's arrival time (or the worker's
+`Call`): measured on the per-step benchmark to be within its noise
+(docs/guides/finding-slow-steps.md). When a collective fails (replicas or
 workers that disagree, a timeout, a failed worker) or a run is interrupted (Ctrl-C), the
 failing side writes a report next to the error and the error's message ends with where:
 
@@ -12,7 +13,8 @@ failing side writes a report next to the error and the error's message ends with
 The report is a JSON file and the same as text, readable without crossdevice: the error,
 the culprits when known, every registered rendezvous' and worker communicator's last
 collectives (sequence number, kind, fingerprint, each replica's arrival time, who had
-arrived and who had not) and the stack of every thread (replica threads included).
+arrived and who had not) and the stack of every thread (replica threads included) and of
+every parked cooperative replica (a greenlet: `register_stacks`).
 
 Reports go to the directory named by `CROSSDEVICE_FLIGHT_DIR` (`off` writes none), by
 default `crossdevice-flight` in the system's temporary directory. At most
@@ -41,6 +43,7 @@ __all__ = [
     "as_text",
     "attach",
     "register",
+    "register_stacks",
     "rendezvous_group",
     "replica_rounds",
     "report",
@@ -56,6 +59,10 @@ ENV_DIR: Final = "CROSSDEVICE_FLIGHT_DIR"
 #: Marks an exception whose message already says where its report is.
 _MARK: Final = "_crossdevice_flight_report"
 
+#: Stacks that are in no thread's (see `register_stacks`): each owner and its lister.
+_FRAMES: weakref.WeakKeyDictionary[Any, Callable[[Any], list[tuple[str, Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
 #: What can be in a report: each source and the function that renders it as a dict.
 _SOURCES: weakref.WeakKeyDictionary[Any, Callable[[Any, float], dict[str, Any]]] = (
     weakref.WeakKeyDictionary()
@@ -74,6 +81,17 @@ def register(source: Any, render: Callable[[Any, float], dict[str, Any]]) -> Non
     """
     with _LOCK:
         _SOURCES[source] = render
+
+
+def register_stacks(owner: Any, frames: Callable[[Any], list[tuple[str, Any]]]) -> None:
+    """Put the stacks `frames(owner)` lists in every report, beside the threads' stacks.
+
+    For replicas that are not threads (cooperative replicas are greenlets: a parked one's
+    stack is in no thread's). `owner` is kept by a weak reference; `frames(owner)` returns
+    (name, top frame) pairs.
+    """
+    with _LOCK:
+        _FRAMES[owner] = frames
 
 
 def report_dir() -> str | None:
@@ -174,6 +192,7 @@ def attach(
 
 
 def _stacks() -> list[dict[str, Any]]:
+    """Every thread's stack, then every registered owner's (parked cooperative replicas)."""
     names = {t.ident: t for t in threading.enumerate()}
     out = []
     for ident, frame in sys._current_frames().items():
@@ -183,10 +202,24 @@ def _stacks() -> list[dict[str, Any]]:
                 "name": thread.name if thread is not None else f"thread {ident}",
                 "ident": ident,
                 "daemon": bool(thread is not None and thread.daemon),
-                "stack": [line.rstrip("\n") for line in traceback.format_stack(frame)],
+                "stack": _format(frame),
             }
         )
+    with _LOCK:
+        owners = list(_FRAMES.items())
+    for owner, frames in owners:
+        try:
+            named = frames(owner)
+        except Exception as exc:  # a report is written while things fail: never lose it
+            named = []
+            out.append({"name": f"{owner!r}", "ident": None, "daemon": False, "stack": [repr(exc)]})
+        for name, frame in named:
+            out.append({"name": name, "ident": None, "daemon": False, "stack": _format(frame)})
     return out
+
+
+def _format(frame: Any) -> list[str]:
+    return [line.rstrip("\n") for line in traceback.format_stack(frame)]
 
 
 def as_text(data: dict[str, Any]) -> str:
@@ -221,42 +254,47 @@ def rendezvous_group(rendezvous: Any, now: float) -> dict[str, Any]:
     return {
         "name": rendezvous.name,
         "kind": f"{n} replicas in this process",
-        "collectives": replica_rounds(list(rendezvous.history.copy()), n, now),
+        "collectives": replica_rounds(rendezvous.flight_record(), now),
     }
 
 
-def replica_rounds(
-    history: Sequence[tuple[int, int, str, float, int, Any]], num_replicas: int, now: float
-) -> list[dict[str, Any]]:
-    """A rendezvous' history (seq, replica, kind, arrival time, order, leaves) by collective."""
-    rounds: dict[int, dict[str, Any]] = {}
-    for seq, replica, kind, at, order, leaves in history:
-        entry = rounds.setdefault(seq, {"seq": seq, "kind": kind, "arrivals": []})
-        entry["arrivals"].append(
+def replica_rounds(records: Sequence[tuple[Any, ...]], now: float) -> list[dict[str, Any]]:
+    """A rendezvous' flight record (`Rendezvous.flight_record`), one entry per collective.
+
+    Each record is (seq, arrival times by replica, kind, leaves, calls): `calls` is None
+    when every replica made the same call, else each replica's (kind, leaves) or None
+    where it has not arrived.
+    """
+    out = []
+    for seq, times, kind, leaves, each in records:
+        calls = [(kind, leaves)] * len(times) if each is None else each
+        came = [r for r, call in enumerate(calls) if call is not None]
+        ranked = sorted(came, key=lambda r: times[r])
+        arrivals = [
             {
-                "replica": replica,
-                "kind": kind,
-                "fingerprint": _leaves(kind, leaves),
-                "order": order,
-                "seconds_ago": round(now - at, 6),
+                "replica": r,
+                "kind": calls[r][0],
+                "fingerprint": _leaves(*calls[r]),
+                "order": ranked.index(r) + 1,
+                "seconds_ago": round(now - times[r], 6),
+            }
+            for r in ranked
+        ]
+        missing = [r for r, call in enumerate(calls) if call is None]
+        fingerprints = sorted({a["fingerprint"] for a in arrivals})
+        when = ", ".join(f"r{a['replica']} {a['seconds_ago'] * 1e3:.3f} ms ago" for a in arrivals)
+        out.append(
+            {
+                "seq": seq,
+                "kind": kind or "/".join(sorted({a["kind"] for a in arrivals})),
+                "arrivals": arrivals,
+                "arrived": ranked,
+                "missing": missing,
+                "text": f"#{seq} {'/'.join(fingerprints)}: arrived {ranked}"
+                + (f", missing {missing}" if missing else "")
+                + f" ({when})",
             }
         )
-    out = []
-    for seq in sorted(rounds):
-        entry = rounds[seq]
-        came = [a["replica"] for a in entry["arrivals"]]
-        entry["arrived"] = came
-        entry["missing"] = [r for r in range(num_replicas) if r not in came]
-        kinds = sorted({a["fingerprint"] for a in entry["arrivals"]})
-        times = ", ".join(
-            f"r{a['replica']} {a['seconds_ago'] * 1e3:.3f} ms ago" for a in entry["arrivals"]
-        )
-        entry["text"] = (
-            f"#{seq} {'/'.join(kinds)}: arrived {came}"
-            + (f", missing {entry['missing']}" if entry["missing"] else "")
-            + f" ({times})"
-        )
-        out.append(entry)
     return out
 
 

@@ -108,12 +108,8 @@ def left(
         details["bytes"] = _cached_nbytes(leaves)
     s.recorder.events.append(("X", replica_id, "reduce", start, end, (rnd.kind, rnd.seq, details)))
     if n > 1 and not cooperative:
-        # The last n arrivals in the history are this round's: nobody has left it yet.
-        history = rendezvous.history
-        times = [history[-1 - i][3] for i in range(min(n, len(history)))]
-        if len(times) == n:
-            times.sort()
-            s.stragglers.last(rendezvous.name, replica_id, times[-1] - times[-2])
+        times = sorted(rnd.times)
+        s.stragglers.last(rendezvous.name, replica_id, times[-1] - times[-2])
 
 
 def shared(rnd: Any, replica_id: int, start: float) -> None:
