@@ -65,7 +65,7 @@ from typing import Any, Final
 
 from crossdevice._core.errors import CollectiveTimeoutError, ReplicaAbortedError
 from crossdevice._sync.call import CallSignature
-from crossdevice._sync.rounds import Round
+from crossdevice._sync.rounds import Record, Round
 from crossdevice._sync.waiting import block, in_cooperative_replica
 from crossdevice._trace import flight as _flight
 from crossdevice._trace import state as _trace
@@ -330,28 +330,17 @@ class Rendezvous:
         except BaseException as exc:
             rnd.failure, rnd.failure_replica = exc, replica_id
             rnd.work = None
-        if rnd.error is None:  # one call for all (they agree): one record, shared
-            self.history.append((rnd.seq, rnd.times, kind, getattr(first, "sig", None), None))
-        else:  # the replicas disagree: each one's call; where the report is ends the message
-            self.history.append((rnd.seq, rnd.times, kind, None, _calls(arrivals)))
+        self.history.append(rnd.record(rnd.error is None))
+        if rnd.error is not None:  # the replicas disagree: where the report is ends the message
             error, message = rnd.error
-            rnd.error = (error, message + _report(self, error, message, _odd_ones(rnd)))
+            rnd.error = (error, message + _report(self, error, message, rnd.odd_ones()))
 
     def flight_record(self) -> list[Record]:
-        """The finished rounds of `history`, then the unfinished one, if any replica is in it.
-
-        Each record is (seq, arrival times by replica, kind, leaves, calls): `calls` is
-        None when every replica made the same call (`kind` with `leaves`), else each
-        replica's (kind, leaves), None for a replica that has not arrived. The unfinished
-        round's calls always come one by one, and its missing replicas' times are 0.0.
-        """
-        # No lock: reports are written with it held (a timeout, a departure). Copies are
-        # one C call each, so a replica that arrives meanwhile is in them whole or not at all.
-        records = list(self.history.copy())
+        """The finished rounds of `history` (`Round.record`), then the unfinished one, if any."""
+        records = list(self.history.copy())  # one C call: it may be appended to meanwhile
         rnd = self._round
         if rnd.count:
-            arrivals, times = list(rnd.arrivals), list(rnd.times)
-            records.append((rnd.seq, times, "", None, _calls(arrivals)))
+            records.append(rnd.snapshot())
         return records
 
     def _finish_work_locked(self, rnd: Round, replica_id: int) -> None:
@@ -581,14 +570,6 @@ _MergeArrival.handler = _MERGE
 
 _monotonic: Final = time.monotonic
 
-#: A round in the flight recorder: (seq, arrival times, kind, leaves, per-replica calls).
-Record = tuple[int, list[float], str, Any, list[tuple[str, Any] | None] | None]
-
-
-def _calls(arrivals: Sequence[Any]) -> list[tuple[str, Any] | None]:
-    """Each replica's (kind, leaves) in a round; None where it has not arrived."""
-    return [None if a is None else (a.kind, getattr(a, "sig", None)) for a in arrivals]
-
 
 def _raise_round_error(error: tuple[type[BaseException], str]) -> None:
     """Raise a round's error (the replicas disagree), marked as the rendezvous' own."""
@@ -603,16 +584,6 @@ def _report(
 ) -> str:
     """Write a flight-recorder report of an error every replica raises; the note for it."""
     return _flight.report(kind.__name__, message, culprits, source=rendezvous)
-
-
-def _odd_ones(rnd: Round) -> list[str]:
-    """The replicas whose call differs from what most replicas called (a mismatch's culprits)."""
-    try:
-        calls = [a.handler.describe(a) if a is not None else None for a in rnd.arrivals]
-    except Exception:  # a description that fails must not hide the error
-        return []
-    common = max(set(calls), key=calls.count)
-    return [f"replica {r}" for r, c in enumerate(calls) if c != common]
 
 
 def _held_lock() -> Any:

@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["Arrival", "Handler", "Round"]
+__all__ = ["Arrival", "Handler", "Record", "Round"]
+
+#: A round in the flight recorder: (seq, each replica's arrival time, kind, leaves, calls),
+#: `calls` None when every replica made the same call (`kind` with `leaves`), else each
+#: replica's (kind, leaves), None for one that has not arrived.
+Record = tuple[int, list[float], str, Any, list[tuple[str, Any] | None] | None]
 
 
 class Arrival(Protocol):
@@ -110,3 +115,38 @@ class Round:
             for r, a in enumerate(self.arrivals)
             if a is not None
         )
+
+    def record(self, agreed: bool) -> Record:
+        """This round for the flight recorder; `agreed`: every replica made the same call.
+
+        Its arrival times are kept, not copied: a round that is over does not change.
+        """
+        first = self.arrivals[0]
+        if agreed:
+            return (self.seq, self.times, first.kind, getattr(first, "sig", None), None)
+        return (self.seq, self.times, first.kind, None, _calls(self.arrivals))
+
+    def snapshot(self) -> Record:
+        """This unfinished round for the flight recorder, whoever has arrived so far.
+
+        Read without the rendezvous' lock (reports are written with it held): each copy
+        is one C call, and arrivals are copied first, so a replica arriving meanwhile is
+        in it whole (its time set) or not at all.
+        """
+        arrivals = list(self.arrivals)
+        times = list(self.times)
+        return (self.seq, times, "", None, _calls(arrivals))
+
+    def odd_ones(self) -> list[str]:
+        """The replicas whose call differs from what most called (a mismatch's culprits)."""
+        try:
+            calls = [a.handler.describe(a) if a is not None else None for a in self.arrivals]
+        except Exception:  # a description that fails must not hide the error
+            return []
+        common = max(set(calls), key=calls.count)
+        return [f"replica {r}" for r, c in enumerate(calls) if c != common]
+
+
+def _calls(arrivals: list[Any]) -> list[tuple[str, Any] | None]:
+    """Each replica's (kind, leaves); None where it has not arrived."""
+    return [None if a is None else (a.kind, getattr(a, "sig", None)) for a in arrivals]
