@@ -51,11 +51,11 @@ def group_by_size(nbytes: Sequence[int], bytes_per_pack: int, cap: bool = False)
     least that many and a value is never split. `bytes_per_pack=0` puts everything in one
     pack.
 
-    `cap=True` makes `bytes_per_pack` a ceiling instead, DDP's `bucket_cap_bytes` (the
-    torch layer's gradient buckets): a new pack starts before a value would take the
-    current one over it, so no pack holds more unless one value alone does. The two
-    rules cut differently (TF's packs end just over the size, DDP's just under it), and
-    each user keeps its reference's boundaries.
+    `cap=True` makes `bytes_per_pack` a ceiling instead (the torch layer's gradient
+    buckets, whose `bucket_cap_bytes` is documented as the largest bucket): a new pack
+    starts before a value would take the current one over it, so no pack holds more
+    unless one value alone does. The rules cut differently (TF's packs end just over
+    the size, these just under it), and each user keeps the boundaries it always had.
 
     Example:
         >>> group_by_size([4, 4, 4, 4, 4], 6)
