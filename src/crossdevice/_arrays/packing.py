@@ -5,17 +5,22 @@ its own key and size policy:
 
 * group by key, in order of first appearance (`group_by_key`): a pack holds one dtype
   (and one array library, one device);
-* cut each group into packs (`group_by_size`: TF's `bytes_per_pack`; a whole group; or
-  TF's `num_packs` pieces of one flat buffer, `split_sizes`);
+* cut each group into packs (`group_by_size`: TF's `bytes_per_pack`, or with `cap=True`
+  a ceiling, the gradient buckets' `bucket_cap_bytes`; a whole group; or TF's
+  `num_packs` pieces of one flat buffer, `split_sizes`);
 * fill a pack, range by range, just before it is needed (`Pack.fill`): each member's
   range is the sum of its components in order (one component: a copy), so a pack can
-  be written as it leaves, or straight into a transport's slot;
-* unpack a reduced pack into its members' shapes, as views (`Pack.unpack`).
+  be written as it leaves, or straight into a transport's slot; or all at once
+  (`Pack.fill_all`);
+* unpack a reduced pack into its members' shapes, as views (`Pack.unpack`, NumPy arrays
+  and torch tensors alike).
 
 Users: the cross-worker all-reduce of a strategy (`_cross_device/collective.py`), the
-worker communicator's `batch_all_reduce`, the per-device packs of TF's `num_packs`
-(`_cross_device/packing.py`) and the replica threads' small arrays
-(`_comm/local/host_reduce.py`).
+worker communicator's `batch_all_reduce` (`_comm/workers/packs.py`), the per-device
+pieces of TF's `num_packs` (`_cross_device/packing.py`), the replica threads' small
+arrays (`_comm/local/host_reduce.py`, `reduction.py`), and the torch layer's gradient
+buckets and chief broadcast (`_frameworks/torch/gradients.py`, `buckets.py`,
+`module.py`).
 """
 
 from __future__ import annotations
