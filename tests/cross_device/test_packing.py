@@ -77,6 +77,9 @@ def test_pack_then_unpack_is_identity(
             total = sum(math.prod(batch_shapes[i]) for i in group)
             assert sizes == split_sizes(total, num_packs)
             assert len({dtypes[i] for i in group}) == 1  # packed by dtype
+        # The pieces themselves are cut at TF's sizes, in order.
+        cut = [n for sizes in plan.piece_sizes for n in sizes]
+        assert [tuple(p.shape) for p in pieces] == [(n,) for n in cut]
     restored = unpack(plan, pieces)
     assert len(restored) == len(arrays)
     for original, back in zip(arrays, restored, strict=True):

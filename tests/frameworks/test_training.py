@@ -195,6 +195,28 @@ def test_small_buckets_split_the_gradients(torch: Any, cdt: Any) -> None:
     assert model.strategy is strategy
 
 
+def test_bucket_boundaries_are_cut_under_the_cap_in_reverse_order(torch: Any, cdt: Any) -> None:
+    """The buckets' layout, computed by hand: reverse registration order, frozen
+    parameters left out, a bucket closed before a parameter would take it over the cap
+    (TF's `bytes_per_pack` rule, closing once over, would give [2, 3] and [2, 2])."""
+
+    def net(frozen: int | None) -> Any:
+        module = torch.nn.Module()
+        module.params = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.zeros(n), requires_grad=k != frozen)
+            for k, n in enumerate([25, 100, 10, 150, 20])  # float32: 100, 400, 40, 600, 80 B
+        )
+        return module
+
+    with mirrored(2).scope():
+        every = cdt.MirroredModule(net(None), bucket_cap_bytes=512)
+        one_frozen = cdt.MirroredModule(net(2), bucket_cap_bytes=512)
+    # 80 | 600 (over the cap alone) | 40 + 400 | 100 (540 bytes would pass 512)
+    assert every.gradient_buckets == [1, 1, 2, 1]
+    # 80 | 600 | 400 + 100
+    assert one_frozen.gradient_buckets == [1, 1, 2]
+
+
 def test_batchnorm_buffers_are_the_mean_of_the_replicas(torch: Any, cdt: Any) -> None:
     strategy = mirrored(2)
     with strategy.scope():

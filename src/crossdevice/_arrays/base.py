@@ -73,10 +73,6 @@ class ArrayBackend(Protocol):
         """Flatten and concatenate same-dtype arrays into one new 1-D buffer."""
         ...
 
-    def unpack(self, flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
-        """Split a 1-D buffer into arrays of `shapes` (views where the library allows)."""
-        ...
-
     def zeros(self, shape: tuple[int, ...], like: Any) -> Any:
         """Zeros of `shape` with the dtype and device of `like`."""
         ...

@@ -104,16 +104,6 @@ class NumpyBackend:
             offset += a.size
         return flat
 
-    def unpack(self, flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
-        """Views into `flat`."""
-        out = []
-        offset = 0
-        for shape in shapes:
-            size = int(np.prod(shape, dtype=np.int64))
-            out.append(flat[offset : offset + size].reshape(shape))
-            offset += size
-        return out
-
     def zeros(self, shape: tuple[int, ...], like: Any) -> np.ndarray:
         """Zeros with `like`'s dtype."""
         return np.zeros(shape, dtype=np.asarray(like).dtype)

@@ -138,11 +138,6 @@ class TorchBackend:
         """One 1-D buffer holding every element of `xs`, in order."""
         return torch.cat([x.detach().reshape(-1) for x in xs])
 
-    def unpack(self, flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
-        """Views into `flat`."""
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-        return [p.view(s) for p, s in zip(torch.split(flat, sizes), shapes, strict=True)]
-
     def zeros(self, shape: tuple[int, ...], like: Any) -> torch.Tensor:
         """Zeros with `like`'s dtype and device."""
         return torch.zeros(shape, dtype=like.dtype, device=like.device)

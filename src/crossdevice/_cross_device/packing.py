@@ -15,12 +15,12 @@ batch and used on every device.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from crossdevice._arrays import backend_for
-from crossdevice._arrays.packing import group_by_key, split_sizes
+from crossdevice._arrays.packing import Pack, split_sizes
+from crossdevice._arrays.packing import plan as plan_by_key
 
 __all__ = ["PackPlan", "pack", "plan_packs", "split_sizes", "unpack"]
 
@@ -32,15 +32,20 @@ class PackPlan:
     Attributes:
         num_packs: pieces per dtype group; 0 means every array is its own piece.
         shapes: the shape of each array of the batch, in order.
-        groups: per dtype group (of one array library), the indices of its arrays in the
-            batch (empty when `num_packs` is 0).
-        piece_sizes: per dtype group, the element count of each piece.
+        packs: per dtype group (of one array library), its arrays one after the other in
+            one flat buffer (the one packer's `Pack`; empty when `num_packs` is 0).
+        piece_sizes: per dtype group, the element count of each piece of that buffer.
     """
 
     num_packs: int
     shapes: tuple[tuple[int, ...], ...]
-    groups: tuple[tuple[int, ...], ...]
+    packs: tuple[Pack, ...]
     piece_sizes: tuple[tuple[int, ...], ...]
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Per dtype group, the indices of its arrays in the batch."""
+        return tuple(p.members for p in self.packs)
 
     @property
     def borrows(self) -> bool:
@@ -49,15 +54,15 @@ class PackPlan:
         With `num_packs=0` every piece is an input; a dtype group of one array is packed as
         a flat view of it instead of a copy (large single tensors are not copied twice).
         """
-        return self.num_packs == 0 or any(len(group) == 1 for group in self.groups)
+        return self.num_packs == 0 or any(len(p.members) == 1 for p in self.packs)
 
     def borrowed_pieces(self) -> list[bool]:
         """For each piece, whether it is (a view of) one of the caller's arrays."""
         if self.num_packs == 0:
             return [True] * len(self.shapes)
         return [
-            len(group) == 1
-            for group, sizes in zip(self.groups, self.piece_sizes, strict=True)
+            len(p.members) == 1
+            for p, sizes in zip(self.packs, self.piece_sizes, strict=True)
             for _ in sizes
         ]
 
@@ -87,11 +92,10 @@ def plan_packs(arrays: Sequence[Any], num_packs: int) -> PackPlan:
     # Group by array library as well as dtype: a NumPy float32 (what a Python float
     # becomes) and a torch float32 tensor cannot be concatenated into one buffer.
     keys = [(type(backend_for(a)).__name__, backend_for(a).dtype_name(a)) for a in arrays]
-    groups = tuple(tuple(indices) for indices in group_by_key(keys))
-    sizes = tuple(
-        split_sizes(sum(math.prod(shapes[i]) for i in group), num_packs) for group in groups
-    )
-    return PackPlan(num_packs, shapes, groups, sizes)
+    # One pack per key (no size policy: bytes_per_pack=0), so element sizes do not matter.
+    packs = tuple(plan_by_key(keys, shapes, [1] * len(arrays)))
+    sizes = tuple(split_sizes(p.size, num_packs) for p in packs)
+    return PackPlan(num_packs, shapes, packs, sizes)
 
 
 def pack(plan: PackPlan, arrays: Sequence[Any]) -> list[Any]:
@@ -103,15 +107,18 @@ def pack(plan: PackPlan, arrays: Sequence[Any]) -> list[Any]:
     if plan.num_packs == 0:
         return list(arrays)
     pieces: list[Any] = []
-    for group, sizes in zip(plan.groups, plan.piece_sizes, strict=True):
-        members = [arrays[i] for i in group]
-        backend = backend_for(members[0])
+    for group, sizes in zip(plan.packs, plan.piece_sizes, strict=True):
+        members = [arrays[i] for i in group.members]
         # One array needs no concatenation: its flat view (a copy only if not contiguous).
-        flat = members[0].reshape(-1) if len(members) == 1 else backend.pack(members)
+        # Several: one eager concatenation in their library (torch, CUDA included;
+        # `Pack.fill` writes NumPy buffers only).
+        flat = (
+            members[0].reshape(-1) if len(members) == 1 else backend_for(members[0]).pack(members)
+        )
         if len(sizes) == 1:
             pieces.append(flat)
         else:
-            pieces.extend(backend.unpack(flat, [(n,) for n in sizes]))
+            pieces.extend(Pack.of([(n,) for n in sizes]).unpack(flat))
     return pieces
 
 
@@ -128,13 +135,10 @@ def unpack(plan: PackPlan, pieces: Sequence[Any]) -> list[Any]:
         return list(pieces)
     out: list[Any] = [None] * len(plan.shapes)
     start = 0
-    for group, sizes in zip(plan.groups, plan.piece_sizes, strict=True):
+    for group, sizes in zip(plan.packs, plan.piece_sizes, strict=True):
         members = pieces[start : start + len(sizes)]
         start += len(sizes)
-        backend = backend_for(members[0])
-        flat = members[0] if len(members) == 1 else backend.concat(members, 0)
-        for i, array in zip(
-            group, backend.unpack(flat, [plan.shapes[i] for i in group]), strict=True
-        ):
+        flat = members[0] if len(members) == 1 else backend_for(members[0]).concat(members, 0)
+        for i, array in zip(group.members, group.unpack(flat), strict=True):
             out[i] = array
     return out

@@ -20,7 +20,7 @@ from typing import Any, Final
 import numpy as np
 
 from crossdevice._arrays.host_kernels import sum_slice
-from crossdevice._arrays.packing import group_by_key
+from crossdevice._arrays.packing import Pack, group_by_key
 from crossdevice._core import tuning
 
 __all__ = [
@@ -58,13 +58,15 @@ class Plan:
     """How to reduce one input signature (cached; depends on shapes and dtypes only)."""
 
     dtypes: tuple[np.dtype, ...]
-    group_sizes: tuple[int, ...]
-    #: per input array: (group, offset, size, shape)
-    placements: tuple[tuple[int, int, int, tuple[int, ...]], ...]
-    #: per group: the indices of its packed (small) arrays, in order; they fill
-    #: `[0, pack_size)` of the group's output.
-    packed: tuple[tuple[int, ...], ...]
-    pack_sizes: tuple[int, ...]
+    #: per dtype group: its arrays in the group's flat output (the one packer's `Pack`),
+    #: the small ones first, then the large ones.
+    layouts: tuple[Pack, ...]
+    #: per dtype group: the pack its small arrays are copied into before the round (the
+    #: layout's first members), or None: fewer than two small arrays (one is reduced
+    #: from the caller's memory, as the large ones are).
+    packs: tuple[Pack | None, ...]
+    #: per input array: (its dtype group, its place among the group layout's members).
+    where: tuple[tuple[int, int], ...]
     segments: tuple[Segment, ...]
     total_bytes: int
     #: per piece size: the (segment index, lo, hi) pieces of the work.
@@ -95,48 +97,46 @@ class Plan:
 
 
 def make_plan(sig: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> Plan:
-    members = group_by_key([dtype for _, dtype in sig])
-    dtypes = [sig[group[0]][1] for group in members]
-    placements: list[tuple[int, int, int, tuple[int, ...]]] = [((0, 0, 0, ()))] * len(sig)
-    packed: list[tuple[int, ...]] = []
-    pack_sizes: list[int] = []
+    """The plan of `sig` ((shape, dtype) per array), built on the one packer.
+
+    Grouped by dtype (`group_by_key`); in each group the arrays under
+    `TUNING.pack_below_bytes` are packed (their per-call cost dominates), the others are
+    reduced where they lie, each a segment of its own after the pack.
+    """
+    dtypes: list[np.dtype] = []
+    layouts: list[Pack] = []
+    packs: list[Pack | None] = []
+    where: list[tuple[int, int]] = [(0, 0)] * len(sig)
     segments: list[Segment] = []
-    group_sizes: list[int] = []
     total = 0
-    for g, (dtype, indices) in enumerate(zip(dtypes, members, strict=True)):
-        small = [
-            i
-            for i in indices
-            if math.prod(sig[i][0]) * dtype.itemsize < tuning.TUNING.pack_below_bytes
-        ]
-        large = [i for i in indices if i not in small]
-        offset = 0
-        for i in small:
-            size = math.prod(sig[i][0])
-            placements[i] = (g, offset, size, sig[i][0])
-            offset += size
-        pack_size = offset
+    for g, indices in enumerate(group_by_key([dtype for _, dtype in sig])):
+        dtype = sig[indices[0]][1]
+        small: list[int] = []
+        large: list[int] = []
+        for i in indices:
+            nbytes = math.prod(sig[i][0]) * dtype.itemsize
+            (small if nbytes < tuning.TUNING.pack_below_bytes else large).append(i)
+        layout = Pack.of([sig[i][0] for i in small + large], small + large)
+        for k, i in enumerate(layout.members):
+            where[i] = (g, k)
+        pack_size = layout.offsets[len(small)]
         if len(small) == 1:
             # One small array needs no pack: reduce it from the caller's memory.
             segments.append(Segment(g, 0, pack_size, small[0]))
-            small = []
         elif pack_size:
             segments.append(Segment(g, 0, pack_size, -1))
-        for i in large:
-            size = math.prod(sig[i][0])
-            placements[i] = (g, offset, size, sig[i][0])
-            segments.append(Segment(g, offset, size, i))
-            offset += size
-        packed.append(tuple(small))
-        pack_sizes.append(pack_size if small else 0)
-        group_sizes.append(offset)
-        total += offset * dtype.itemsize
+        for k in range(len(small), len(layout.members)):
+            offset = layout.offsets[k]
+            segments.append(Segment(g, offset, layout.offsets[k + 1] - offset, layout.members[k]))
+        dtypes.append(dtype)
+        layouts.append(layout)
+        packs.append(Pack.of(layout.shapes[: len(small)], small) if len(small) > 1 else None)
+        total += layout.size * dtype.itemsize
     return Plan(
         dtypes=tuple(dtypes),
-        group_sizes=tuple(group_sizes),
-        placements=tuple(placements),
-        packed=tuple(packed),
-        pack_sizes=tuple(pack_sizes),
+        layouts=tuple(layouts),
+        packs=tuple(packs),
+        where=tuple(where),
         segments=tuple(segments),
         total_bytes=total,
     )

@@ -2,12 +2,12 @@
 
 `arrive` turns one replica's values into a `CollectiveArrival` (host NumPy views, their
 signature, the small ones packed per dtype); `Reduction.start` plans the sum of every
-replica's arrival (`host_reduce.make_plan`) and either computes it at once (small rounds,
-or values NumPy cannot add here) or leaves `work`: pieces any number of threads take in
-turn, after which `finish` builds the shared results. The same code serves the replica
-threads of a `ThreadCommunicator` (each replica takes pieces in a round of the
-rendezvous) and `all_reduce_host` (the caller's thread and the host kernels' pool take
-them): no waiting and no rendezvous here.
+replica's arrival (`host_reduce.make_plan`, on the one packer) and either computes it
+at once (small rounds, or values NumPy cannot add here) or leaves `work`: pieces any
+number of threads take in turn, after which `finish` builds the shared results. The
+same code serves the replica threads of a `ThreadCommunicator` (each replica takes
+pieces in a round of the rendezvous) and `all_reduce_host` (the caller's thread and the
+host kernels' pool take them): no waiting and no rendezvous here.
 
 Adds run in replica order, so results are bitwise reproducible and equal to the naive
 in-order chain whatever the thread timing.
@@ -54,7 +54,7 @@ def _plan(sig: tuple[Any, ...], pack_below_bytes: int) -> Plan:
 
 
 class Packs:
-    """One replica's reusable per-dtype buffers for its small arrays.
+    """One replica's reusable buffers for the packs of its small arrays (`Plan.packs`).
 
     The buffer of round k+1 may reuse round k's: every replica has finished reading
     round k's inputs before any replica leaves round k.
@@ -69,17 +69,17 @@ class Packs:
         """Copy the plan's small arrays of `hosts` into this replica's buffers."""
         buffers = self._buffers
         packs: list[np.ndarray | None] = []
-        for g, members in enumerate(plan.packed):
-            if not members:
+        for dtype, pack in zip(plan.dtypes, plan.packs, strict=True):
+            if pack is None:
                 packs.append(None)
                 continue
-            key = (plan.dtypes[g], plan.pack_sizes[g])
+            key = (dtype, pack.size)
             buf = buffers.get(key)
             if buf is None:
                 if len(buffers) >= 8:
                     buffers.clear()
-                buf = buffers[key] = np.empty(plan.pack_sizes[g], dtype=plan.dtypes[g])
-            np.concatenate([hosts[i] for i in members], axis=None, out=buf)
+                buf = buffers[key] = np.empty(pack.size, dtype=dtype)
+            pack.fill_all(hosts, buf)
             packs.append(buf)
         return packs
 
@@ -117,7 +117,7 @@ def arrive(values: list[Any], op: ReduceOp, packs: Packs, handler: Any) -> Colle
     if arrival.arrays is not None:
         plan = plan_for(arrival.sig)
         arrival.plan = plan
-        if any(plan.packed):
+        if any(plan.packs):
             arrival.packs = packs.pack(plan, arrival.arrays)
     return arrival
 
@@ -155,7 +155,7 @@ class Reduction:
         plan = arrivals[0].plan
         assert plan is not None
         if (
-            len(plan.placements) == 1
+            len(plan.where) == 1
             and plan.total_bytes < tuning.TUNING.pack_below_bytes
             and not tensors
         ):
@@ -163,7 +163,7 @@ class Reduction:
             return
         self.plan = plan
         self.outputs = [
-            output(dt, size) for dt, size in zip(plan.dtypes, plan.group_sizes, strict=True)
+            output(dt, layout.size) for dt, layout in zip(plan.dtypes, plan.layouts, strict=True)
         ]
         if plan.total_bytes < tuning.TUNING.shared_work_min_bytes or self.n == 1:
             self._reduce([(i, 0, s.length) for i, s in enumerate(plan.segments)])
@@ -203,7 +203,7 @@ class Reduction:
         """
         dtype = plan.dtypes[0]
         inputs = [a.arrays[0] for a in self.arrivals]  # type: ignore[index]
-        out = plain_sum(inputs, np.empty(plan.placements[0][3], dtype=dtype))
+        out = plain_sum(inputs, np.empty(plan.layouts[0].shapes[0], dtype=dtype))
         mean = self.op is ReduceOp.MEAN
         if mean and dtype.kind not in "fc":
             # An integer mean is a float (NumPy's true_divide), for 0-d a NumPy scalar.
@@ -234,28 +234,32 @@ class Reduction:
         if plan is None:
             return
         mean = self.op is ReduceOp.MEAN
-        readonly = []
-        for out in self.outputs:
-            view = out.view()
-            view.flags.writeable = False
-            readonly.append(view)
-        torch_flat: list[Any] = [None] * len(self.outputs)
+        readonly: list[list[np.ndarray] | None] = [None] * len(self.outputs)
+        tensors: list[list[Any] | None] = [None] * len(self.outputs)
         for a in self.arrivals:
             key = a.torch_mask
             if key in self.results:
                 continue
             values: list[Any] = []
-            for i, (g, offset, size, shape) in enumerate(plan.placements):
+            for i, (g, k) in enumerate(plan.where):
                 if key[i]:
-                    if torch_flat[g] is None:
+                    views = tensors[g]
+                    if views is None:
                         import torch
 
-                        torch_flat[g] = torch.from_numpy(self.outputs[g])
-                    value = torch_flat[g][offset : offset + size].view(shape)
+                        views = tensors[g] = plan.layouts[g].unpack(
+                            torch.from_numpy(self.outputs[g])
+                        )
+                    value = views[k]
                     if mean and plan.dtypes[g].kind in "iu":
                         value = torch.true_divide(value, self.n)
                 else:
-                    value = readonly[g][offset : offset + size].reshape(shape)
+                    views = readonly[g]
+                    if views is None:
+                        flat = self.outputs[g].view()
+                        flat.flags.writeable = False
+                        views = readonly[g] = plan.layouts[g].unpack(flat)
+                    value = views[k]
                     if mean and plan.dtypes[g].kind in "iu":
                         value = NUMPY.freeze(NUMPY.divide(value, self.n))
                 values.append(value)

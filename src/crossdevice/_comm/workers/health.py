@@ -20,7 +20,9 @@ Every wait of a worker communicator goes through `HealthBoard.wait`: process-gro
 (`wait_works`) and shared-memory rounds alike. It bounds the wait by the collective's
 timeout and consults the board every `TUNING.poll_seconds`, so a failed or dead peer is
 named within seconds whatever the transport. `diagnose` turns what ended a wait into
-the error the caller gets: naming the failed ranks, or the ranks that did not arrive.
+the error the caller gets: naming the failed ranks, or the ranks that did not arrive
+(looking for who died after a broken connection is a `wait` too, on nothing but the
+board).
 """
 
 from __future__ import annotations
@@ -264,6 +266,23 @@ class HealthBoard:
                     TimeoutError(f"no reply within {call.timeout:g} s") if late else err
                 ) from err
 
+    def _await_failures(self, call: Call) -> list[PeerFailure]:
+        """The failures the board finds within a dead worker's heartbeat timeout, or [].
+
+        The one wait loop (`wait`), with nothing to wait for but the board: a peer that
+        died when a connection closed shows as a stale heartbeat within
+        `TUNING.dead_after_seconds`.
+        """
+        looking = Call(
+            call.name, call.seq, tuning.TUNING.dead_after_seconds + 1.0, time.monotonic()
+        )
+        try:
+            self.wait(looking, _never_done)
+        except WaitFailedError as err:
+            if isinstance(err.cause, PeersFailedError):
+                return err.cause.failures
+        return []
+
     def diagnose(
         self, call: Call, err: Exception, standing: Standing
     ) -> WorkerFailedError | CollectiveTimeoutError | RuntimeError:
@@ -276,11 +295,7 @@ class HealthBoard:
         failures = err.failures if isinstance(err, PeersFailedError) else []
         timed_out = isinstance(err, TimeoutError) and not failures
         if not failures and not timed_out:
-            deadline = time.monotonic() + tuning.TUNING.dead_after_seconds + 1.0
-            while not failures and time.monotonic() < deadline:
-                failures = self.check()
-                if not failures:
-                    time.sleep(tuning.TUNING.poll_seconds)
+            failures = self.check() or self._await_failures(call)
         if failures:
             named = "; ".join(
                 f"rank {f.rank}{standing.replica_ids([f.rank])} {f.reason}"
@@ -318,6 +333,12 @@ class HealthBoard:
         )
         failed_run.__cause__ = err
         return failed_run
+
+
+def _never_done(seconds: float) -> bool:
+    """A `HealthBoard.wait` step that only lets time pass: the board's checks end it."""
+    time.sleep(seconds)
+    return False
 
 
 def _work_done(work: Any, seconds: float) -> bool:

@@ -50,7 +50,7 @@ class LazyPacks:
                 self.flats.append(flat)
                 parts = [t.reshape(-1).numpy() for t in tensors]
                 shapes = [(p.size,) for p in parts]
-                pack = plan([0] * len(parts), shapes, [p.itemsize for p in parts])[0]
+                pack = Pack.of(shapes)
                 self._packs.append((pack, parts))
             else:
                 self.flats.append(rooms.pack(tensors))

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from crossdevice._arrays.packing import Pack
 from crossdevice._comm.protocol import Done, Pending, Then
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.replica import ReplicaContext, all_reduce_async
@@ -130,10 +131,7 @@ def _leaves(params: Sequence[torch.nn.Parameter]) -> tuple[Any, ...]:
 
 def _views(total: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> Reduced:
     """Each parameter's reduced gradient as a view into the reduced flat buffer."""
-    grads = []
-    start = 0
-    for p in params:
-        n = p.numel()
-        grads.append(total.narrow(0, start, n).view(p.shape))
-        start += n
-    return grads, total.narrow(0, start, len(params)), False
+    # The buffer's layout (`_parts`): the gradients in the parameters' shapes, then the
+    # `used` flags.
+    *grads, used = Pack.of([*(tuple(p.shape) for p in params), (len(params),)]).unpack(total)
+    return grads, used, False

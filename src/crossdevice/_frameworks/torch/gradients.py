@@ -48,6 +48,7 @@ from typing import Any, Final
 
 import torch
 
+from crossdevice._arrays.packing import group_by_size
 from crossdevice._comm.protocol import Pending
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._frameworks.torch import buckets
@@ -507,20 +508,19 @@ class _NoSync:
 
 
 def _make_layout(params: Sequence[torch.nn.Parameter], mask: Sequence[bool], cap: int) -> _Layout:
-    buckets: list[list[int]] = []
+    """The buckets of the trainable parameters: reverse order, cut under `cap` bytes.
+
+    `group_by_size(..., cap=True)`: a bucket never holds more than `cap` bytes unless one
+    parameter alone does. Parameters are not grouped by dtype or device first (DDP's
+    reducer does; these buckets never were): a mixed bucket takes
+    `ReplicaContext.all_reduce`'s path (`buckets.flat_reducible`), which packs by dtype
+    itself, and grouping would move the bucket boundaries of existing models.
+    """
+    order = [index for index in reversed(range(len(params))) if mask[index]]
+    nbytes = [params[i].numel() * params[i].element_size() for i in order]
+    buckets = [[order[k] for k in bucket] for bucket in group_by_size(nbytes, cap, cap=True)]
     bucket_of = [-1] * len(params)
-    size = 0
-    current: list[int] = []
-    for index in reversed(range(len(params))):
-        if not mask[index]:
-            continue
-        nbytes = params[index].numel() * params[index].element_size()
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(index)
-        bucket_of[index] = len(buckets)
-        size += nbytes
-    if current:
-        buckets.append(current)
+    for b, bucket in enumerate(buckets):
+        for index in bucket:
+            bucket_of[index] = b
     return _Layout(buckets, bucket_of)
