@@ -182,3 +182,58 @@ def has_data_in_flight(rank: int, world_size: int) -> dict[str, Any]:
     except StopIteration:
         return {"waits": waits, "sums": sums}
     raise AssertionError("the iterator went on past the data")
+
+
+def has_data_per_pass(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    """Passes over a list of global batches, counting the has-data collectives sent.
+
+    `how`: "train" (each step all-reduces), "quiet" (steps with no collective), "ahead"
+    (rank 1 takes one `next()` more than rank 0 mid-pass) or "lying" (a Sequence whose
+    `len()` is one short of what it yields).
+    """
+    from collections.abc import Sequence
+
+    import crossdevice as cd
+
+    strategy = _strategy(1, timeout=20.0)
+    communicator = strategy.extended._worker_communicator
+    sent = []
+    issue = communicator.any_has_data_async
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        sent.append(kwargs.get("steps"))
+        return issue(*args, **kwargs)
+
+    communicator.any_has_data_async = counting
+    batches = [np.full((2, 1), float(i + 1), np.float32) for i in range(4)]
+
+    class Lying(Sequence):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return len(batches) - 1
+
+        def __getitem__(self, i: Any) -> Any:
+            return batches[i]
+
+        def __iter__(self) -> Any:
+            return iter(batches)
+
+    def step(x: Any) -> Any:
+        return cd.get_replica_context().all_reduce("sum", x)
+
+    sums: list[Any] = []
+    try:
+        for _ in range(2):  # two passes: each agrees on the length once
+            iterator = iter(
+                strategy.experimental_distribute_dataset(Lying() if how == "lying" else batches)
+            )
+            for i, x in enumerate(iterator):
+                if how == "quiet":  # a step that makes no collective
+                    got = strategy.experimental_local_results(strategy.run(lambda v: v, args=(x,)))
+                    sums.append(_np(got[0]))
+                    continue
+                sums.append(_np(strategy.run(step, args=(x,))))
+                if how == "ahead" and rank == 1 and i == 1:
+                    next(iterator)  # after a collective: its agreement is skipped, numbered
+    except Exception as err:
+        return {"type": type(err).__name__, "message": str(err), "sent": sent}
+    return {"type": None, "sums": sums, "sent": sent}

@@ -10,6 +10,7 @@ import pytest
 from tests.multi_worker.harness import run_workers
 from tests.multi_worker.strategy_workers import (
     has_data_in_flight,
+    has_data_per_pass,
     scenarios,
     stall_in_all_reduce,
     sync_on_read_on_chief_only,
@@ -126,3 +127,42 @@ def test_a_worker_with_data_does_not_wait_for_the_has_data_agreement() -> None:
     for out in results:
         # Each global batch of 2 rows is split one row per worker; SUM adds both.
         assert out["sums"] == [[[2.0]], [[4.0]], [[6.0]]], out["sums"]
+
+
+def test_a_list_of_batches_agrees_on_its_length_once_a_pass() -> None:
+    """Every worker gives the same length: the first step's has-data collective carries
+    it, and the later steps of a training loop (each makes an all-reduce) send none. The
+    results are the same, and every pass stops at its end on every worker."""
+    results = [r.unwrap() for r in run_workers(has_data_per_pass, 2, args=("train",), timeout=60)]
+    for out in results:
+        assert out["type"] is None, out
+        assert out["sums"] == [[[2.0 * (i + 1)]] for i in range(4)] * 2, out["sums"]
+        assert out["sent"] == [4, 4], out["sent"]  # one per pass, with the length
+
+
+def test_steps_without_a_collective_still_agree_each_step() -> None:
+    """No collective ran since the last agreement: nothing else would notice a worker a
+    step ahead, so each step agrees for real (after the first, without the length)."""
+    results = [r.unwrap() for r in run_workers(has_data_per_pass, 2, args=("quiet",), timeout=60)]
+    for out in results:
+        assert out["type"] is None, out
+        assert out["sent"] == [4, None, None, None, None] * 2, out["sent"]
+
+
+def test_a_worker_a_step_ahead_is_caught_at_the_next_collective() -> None:
+    """Rank 1 takes one `next()` more, right after a step's all-reduce: that agreement is
+    skipped, so its loop's next `next()` follows no collective and agrees for real,
+    against rank 0's all-reduce: both get the mismatch (skipping it too, rank 1 would
+    silently train on other batches than rank 0)."""
+    results = [r.unwrap() for r in run_workers(has_data_per_pass, 2, args=("ahead",), timeout=60)]
+    for out in results:
+        assert out["type"] == "CollectiveMismatchError", out
+        assert "rank 1: has_data #" in out["message"], out["message"]
+        assert "rank 0: all_reduce #" in out["message"], out["message"]
+
+
+def test_a_dataset_whose_len_lies_is_an_error_not_a_silent_step() -> None:
+    results = [r.unwrap() for r in run_workers(has_data_per_pass, 2, args=("lying",), timeout=60)]
+    for out in results:
+        assert out["type"] == "RuntimeError", out
+        assert "yielded more than its len() of 3 batches" in out["message"], out["message"]

@@ -13,9 +13,10 @@ leaf is a `PerReplica` with one component per local replica.
 Partial last steps follow TF's partial-batch handling: a replica without data gets an
 empty batch (leading dimension 0, same dtype and trailing shape), and iteration stops
 only when no replica has data. Across workers, `MultiWorkerMirroredStrategy` sets a
-`_step_sync` on its datasets: each step all-reduces a has-data flag (TF does the same),
-so a worker whose pipeline ended first gets empty batches while another still has data,
-and every worker stops at the same step.
+`_step_sync` on its datasets: the workers agree whether a step goes on (TF does the
+same), so a worker whose pipeline ended first gets empty batches while another still has
+data, and every worker stops at the same step (`crossdevice._input.agreement`: one
+has-data all-reduce per step, or one per pass for a dataset of exact length).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import optree
 from crossdevice._arrays import backend_for, is_array, is_torch
 from crossdevice._core import context, nest
 from crossdevice._core.devices import canonicalize
+from crossdevice._input.agreement import PassAgreement, StepSync, exact_length
 from crossdevice._input.batching import batch_size_of, split_batch_leaves
 from crossdevice._input.input_context import (
     InputContext,
@@ -44,14 +46,6 @@ __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "Distributed
 
 #: Marks a pipeline that has run dry (a dataset may legitimately yield None).
 _END: Any = object()
-
-#: `has_data -> whether any worker has data`, one collective per step (multi-worker).
-StepSync = Callable[[bool], bool]
-
-
-def _no_data_anywhere(sync: StepSync | None, has_data: bool) -> bool:
-    """Whether the step ends iteration: no data here, nor (with a sync) on any worker."""
-    return not has_data if sync is None else not sync(has_data)
 
 
 def _empty_step(last: Any) -> Any:
@@ -350,6 +344,7 @@ class DistributedDataset:
         layout = self._layout
         tracker = self._epochs.begin()
         source: list[Any] = []
+        agreement: list[PassAgreement] = []
         last: list[Any] = [_END]
 
         def skip(batches: Any, saved: Any) -> Any:
@@ -358,9 +353,13 @@ class DistributedDataset:
         def next_step() -> Any:
             if not source:
                 source.append(tracker.open(lambda: iter(self._dataset), skip))
+                # A pass from its start has as many steps as the dataset's exact length.
+                fresh = source[0] is not None and tracker.position.steps == 0
+                steps = exact_length(self._dataset) if fresh else None
+                agreement.append(PassAgreement(self._step_sync, steps))
             batches = source[0]
             batch = _END if batches is None else next(batches, _END)
-            if _no_data_anywhere(self._step_sync, batch is not _END):
+            if not agreement[0].goes_on(batch is not _END):
                 tracker.end()
                 raise StopIteration
             if batch is _END:
@@ -481,6 +480,7 @@ class DistributedDatasetsFromFunction:
         iterators: list[Any] = []
         per_worker = len(self._datasets) == 1
         exhausted = [False] * len(self._datasets)
+        agreement: list[PassAgreement] = []
         last: list[Any] = [_END]
 
         def pull(source: int) -> Any:
@@ -513,9 +513,11 @@ class DistributedDatasetsFromFunction:
                     exhausted[:] = [True] * len(exhausted)
                 elif not iterators:
                     iterators.extend(made)
+                # Each worker's own pipelines: lengths may differ, every step agrees.
+                agreement.append(PassAgreement(self._step_sync, None))
             elements = step_elements()
             present = [e for e in elements if e is not _END]
-            if _no_data_anywhere(self._step_sync, bool(present)):
+            if not agreement[0].goes_on(bool(present)):
                 tracker.end()
                 raise StopIteration
             if present:

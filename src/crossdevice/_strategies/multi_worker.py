@@ -29,6 +29,7 @@ from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.purpose import purpose
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
+from crossdevice._input.agreement import Agreed
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.mirrored import create_mirrored_variable
 from crossdevice._strategies.replicated import ReplicatedExtended, canonical_devices
@@ -346,9 +347,11 @@ class MultiWorkerMirroredStrategy(Strategy):
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
         """Split each global batch across every worker's replicas (see `Strategy`).
 
-        Every step all-reduces a has-data flag across workers (TF does too): a worker
-        whose data ended first gets empty batches while another still has one, and every
-        worker stops at the same step instead of one hanging in its next collective.
+        The workers agree whether each step goes on (TF does too): a worker whose data
+        ended first gets empty batches while another still has one, and every worker
+        stops at the same step instead of one hanging in its next collective. That is
+        one has-data all-reduce per step, or, for a dataset of exact length (a list of
+        batches, a map-style `DataLoader`) that every worker gives alike, one per pass.
         """
         return self._synchronised(super().experimental_distribute_dataset(dataset, options))
 
@@ -368,19 +371,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         assert isinstance(extended, _MultiWorkerExtended)
         communicator = extended._worker_communicator
         if communicator is not None:
-
-            def step_sync(has_data: bool) -> bool:
-                with purpose(_NEXT_BATCH):
-                    if not has_data:
-                        return bool(communicator.any_has_data(False))
-                    # This worker has data, so some worker has: the answer is known. The
-                    # agreement (peers that ran dry wait on it) is left in flight, to
-                    # overlap with the step; the step's first collective, or the end of
-                    # `run`, completes it and raises what it found.
-                    extended._has_data_pending = communicator.any_has_data_async(True)
-                    return True
-
-            dataset._step_sync = step_sync
+            dataset._step_sync = _StepSync(extended, communicator)
         return dataset
 
     @property
@@ -415,3 +406,39 @@ def _torch_distributed_initialized() -> bool:
     import torch.distributed as dist
 
     return bool(dist.is_available() and dist.is_initialized())
+
+
+class _StepSync:
+    """The workers' agreement whether a step goes on (`crossdevice._input.agreement`)."""
+
+    def __init__(self, extended: _MultiWorkerExtended, communicator: Any) -> None:
+        self._extended = extended
+        self._communicator = communicator
+        #: the communicator's sequence number after the last agreement (made or skipped).
+        self._mark = -1
+
+    def agree(self, has_data: bool, steps: int | None) -> tuple[bool, Agreed | None]:
+        communicator = self._communicator
+        with purpose(_NEXT_BATCH):
+            pending = communicator.any_has_data_async(has_data, steps=steps)
+        self._mark = communicator.sequence_number
+        if not has_data:  # the answer is needed now
+            answer = pending.wait()
+            if steps is None:
+                return bool(answer), None
+            return bool(answer[0]), lambda: answer[1]
+        # This worker has data, so some worker has: the answer is known. The agreement
+        # (peers that ran dry wait on it) is left in flight, to overlap with the step;
+        # the step's first collective, or the end of `run`, completes it and raises
+        # what it found.
+        self._extended._has_data_pending = pending
+        return True, None if steps is None else lambda: pending.wait()[1]
+
+    def skip(self) -> bool:
+        communicator = self._communicator
+        if communicator.sequence_number == self._mark:
+            return False  # no collective since the last agreement: agree for real
+        with purpose(_NEXT_BATCH):
+            communicator.has_data_known()
+        self._mark = communicator.sequence_number
+        return True

@@ -66,18 +66,10 @@ from crossdevice._comm.workers.start import (
     store_host,
 )
 from crossdevice._comm.workers.transport import Job, Layout, host_layout
-from crossdevice._comm.workers.wire import (
-    Wire,
-    describe_wires,
-    divide,
-    donation,
-    to_wire,
-)
+from crossdevice._comm.workers.wire import Wire, describe_wires, divide, donation, to_wire
 from crossdevice._core import tuning
 from crossdevice._core.cluster import Cluster, resolve_cluster
-from crossdevice._core.errors import (
-    CollectiveMismatchError,
-)
+from crossdevice._core.errors import CollectiveMismatchError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 
@@ -395,9 +387,8 @@ class ProcessGroupCommunicator:
     def all_gather(self, value: Any, axis: GatherOptions | int = 0) -> Any:
         """Concatenate every worker's `value` along the axis, in rank order.
 
-        The sizes along the axis may differ between workers (TF's partial batches):
-        shapes come with the fingerprints, values are padded to the largest, gathered,
-        and unpadded.
+        Sizes along the axis may differ (TF's partial batches): they come with the
+        fingerprints; values are padded to the largest, gathered, and unpadded.
 
         Args:
             value: this worker's array.
@@ -425,8 +416,7 @@ class ProcessGroupCommunicator:
 
         Args:
             value: the array to send on the root; on the others an array of the same
-                shape and dtype (its data is ignored) or None (the result is then a
-                NumPy array).
+                shape and dtype (data ignored) or None (the result is then NumPy).
             root: the rank that sends, or the whole `BroadcastOptions`.
 
         Returns:
@@ -450,20 +440,35 @@ class ProcessGroupCommunicator:
     def any_has_data(self, has_data: bool, *, timeout: float | None = None) -> bool:
         """Whether any worker still has input data: TF's per-step has-data all-reduce.
 
-        One numbered collective; the flag rides in the fingerprint header, so it costs
-        one small message and no data phase.
+        One numbered collective; the flag rides in the fingerprint header (no data phase).
         """
         return bool(self.any_has_data_async(has_data, timeout=timeout).wait())
 
-    def any_has_data_async(self, has_data: bool, *, timeout: float | None = None) -> Pending:
-        """`any_has_data` issued now; `wait()` (or the next collective) completes it."""
+    def any_has_data_async(
+        self, has_data: bool, *, steps: int | None = None, timeout: float | None = None
+    ) -> Pending:
+        """`any_has_data` issued now; `wait()` (or the next collective) completes it.
+
+        With `steps` (this worker's exact count of steps left), `wait()` gives `(any worker
+        has data, the count if every worker gave the same one, else None)`, from the header.
+        """
         with self._collective("has_data", timeout) as call:
             local = self._standing.local_count()
-            mine = fp.Fingerprint(call.seq, "has_data", local_replicas=local, arg=int(has_data))
+            arg = fp.has_data_arg(has_data, steps)
+            mine = fp.Fingerprint(call.seq, "has_data", local_replicas=local, arg=arg)
             finish = self._guard(call, lambda: self._integrity.agree_later(call, mine))
-        pending = Pending(self._sequencer, call, finish, lambda ps: any(p.arg for p in ps))
+        pending = Pending(self._sequencer, call, finish, fp.has_data_answer(steps is not None))
         self._sequencer.pending = pending
         return pending
+
+    def has_data_known(self) -> None:
+        """A has-data agreement every worker skips alike (they agreed on the data's length).
+
+        Numbered as a collective though nothing is sent, so sequence numbers (and the
+        flight recorder) read as if it had been made (`crossdevice._input.agreement`).
+        """
+        with self._collective("has_data", None) as call:
+            self._guard(call, lambda: None)  # ended at once (the flight recorder, a trace)
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait until every worker reaches this barrier (a numbered collective)."""

@@ -24,7 +24,7 @@ its table and every size against a bound before anything is allocated from it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -50,6 +50,8 @@ __all__ = [
     "abort_reason",
     "cached_digest",
     "digest",
+    "has_data_answer",
+    "has_data_arg",
     "mismatched_fields",
 ]
 
@@ -197,6 +199,29 @@ def abort_print(seq: int, error_type: str, local_replicas: int) -> Fingerprint:
     return Fingerprint(
         seq, "abort", local_replicas=local_replicas, ndim=len(name), shape=tuple(name)
     )
+
+
+def has_data_arg(has_data: bool, steps: int | None) -> int:
+    """A has-data header's `arg`: the flag in bit 0, `steps + 1` above it (0: no count)."""
+    return int(bool(has_data)) + (0 if steps is None else 2 * (steps + 1))
+
+
+def has_data_answer(with_steps: bool) -> Callable[[list[Fingerprint]], Any]:
+    """What the workers' has-data headers say: whether any worker has data.
+
+    `with_steps`: also the count of steps left every worker gave (None when they differ
+    or one gave none), as `(any has data, count)`.
+    """
+
+    def answer(prints: list[Fingerprint]) -> Any:
+        any_data = any(p.arg & 1 for p in prints)
+        if not with_steps:
+            return any_data
+        counts = {(p.arg >> 1) - 1 for p in prints}
+        count = counts.pop() if len(counts) == 1 else -1
+        return any_data, (count if count >= 0 else None)
+
+    return answer
 
 
 def abort_reason(p: Fingerprint) -> str:

@@ -1,0 +1,117 @@
+"""Whether a pass over the data goes on: decided alone, or agreed by every worker.
+
+On one worker a pass goes on while its pipeline has data. Across workers
+(`MultiWorkerMirroredStrategy`) every worker must stop at the same step, or one would
+wait in a collective its peers never make: each step all-reduces a has-data flag (TF's
+`get_next_as_optional` does the same), and a worker whose pipeline ran dry gets empty
+batches while another still has data.
+
+When the dataset's length is exact (`exact_length`: a list or tuple of global batches, a
+map-style torch `DataLoader`), the first step's flag carries it too, in the same one
+collective. If every worker gave the same length, every one has data for exactly that
+many steps, and a later step needs no collective when one ran since the last agreement
+(a training step's all-reduce). A step that made none agrees for real: so a worker that
+takes a `next()` more than its peers, having made no collective since its last one,
+agrees against a peer's collective, and both get the mismatch the per-step agreement
+would have given. The skipped agreement is still numbered as a collective on every
+worker (`has_data_known`), so sequence numbers and the flight recorder read as before.
+With lengths that differ, or unknown, every step agrees. A dataset whose `len()` was
+not what it yielded is an error on the worker that sees it, never a silent difference:
+its peers fail in their next collective.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+__all__ = ["Agreed", "PassAgreement", "StepSync", "exact_length"]
+
+
+class StepSync(Protocol):
+    """The workers' agreement whether a step goes on (a multi-worker strategy's)."""
+
+    def agree(self, has_data: bool, steps: int | None) -> tuple[bool, Agreed | None]:
+        """One has-data collective: (whether any worker has data, `agreed`).
+
+        `steps`: this worker's exact count of steps left (the first step of a pass over
+        a dataset of exact length), else None; `agreed()` (None without `steps`) then
+        gives the count every worker gave, or None where they differ.
+        """
+
+    def skip(self) -> bool:
+        """Count this step's agreement as made, without a collective, if that is safe.
+
+        Safe when a collective ran since the last agreement (the workers' collectives are
+        compared): a step that made none agrees for real, so a worker that calls `next()`
+        once more than its peers meets their collective with its agreement.
+        """
+
+
+#: Gives the count of steps every worker agreed on, or None.
+Agreed = Callable[[], int | None]
+
+
+def exact_length(dataset: Any) -> int | None:
+    """`len(dataset)` where it is exactly what iterating yields, else None.
+
+    A `Sequence` (list, tuple, range) yields its length by definition; a torch
+    `DataLoader` over a map-style dataset yields `len(batch_sampler)` batches. Anything
+    else (a generator, an `IterableDataset`, an object with a `__len__` of its own) may
+    yield another count, so it is agreed step by step.
+    """
+    if isinstance(dataset, Sequence) and not isinstance(dataset, str | bytes):
+        return len(dataset)
+    data = sys.modules.get("torch.utils.data")
+    if (
+        data is not None
+        and type(dataset) is data.DataLoader
+        and not isinstance(dataset.dataset, data.IterableDataset)
+    ):
+        return len(dataset)
+    return None
+
+
+class PassAgreement:
+    """Decides, step by step, whether one pass over the data goes on (see the module doc).
+
+    Args:
+        sync: the workers' has-data agreement (None: one worker, decide alone).
+        steps: this worker's exact count of steps in the pass, or None.
+    """
+
+    def __init__(self, sync: StepSync | None, steps: int | None) -> None:
+        self._sync = sync
+        self._steps = steps
+        self._taken = 0
+        self._agreed: Agreed | None = None
+        self._count: int | None = None
+
+    def goes_on(self, has_data: bool) -> bool:
+        """Whether this step runs (on some worker there is data), given this worker's flag.
+
+        Raises:
+            RuntimeError: the workers agreed on the dataset's length and this worker's
+                pipeline yielded another number of batches.
+        """
+        taken, self._taken = self._taken, self._taken + 1
+        if self._sync is None:
+            return has_data
+        if self._agreed is not None:  # the first step's answer, complete by now
+            agreed, self._agreed = self._agreed, None
+            self._count = agreed()
+        if self._count is not None:
+            if has_data != (taken < self._count):
+                raise RuntimeError(
+                    f"this worker's dataset yielded {'more' if has_data else 'fewer'} than "
+                    f"its len() of {self._count} batches (every worker agreed on that length "
+                    "at the first step, so no step agrees on has-data); expected len() to "
+                    "count what iterating yields: fix the dataset's __len__ (or its "
+                    "batch_sampler's), or pass an iterable without len()"
+                )
+            if self._sync.skip():
+                return has_data
+            return self._sync.agree(has_data, None)[0]
+        any_data, self._agreed = self._sync.agree(has_data, self._steps if taken == 0 else None)
+        return any_data
