@@ -126,6 +126,7 @@ class CooperativeScheduler:
                             f"unwinding replica {i} also raised {type(other).__name__}: {other}"
                         )
             self._local.greenlets = None  # parked or broken greenlets are never reused
+            self._latest = []  # nor kept for reports: they may go now
             raise
         finally:
             swap_hub(previous_hub)

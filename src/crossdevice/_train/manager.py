@@ -88,8 +88,8 @@ class CheckpointManager:
         >>> manager = crossdevice.train.CheckpointManager(ckpt, tempfile.mkdtemp(), max_to_keep=2)
         >>> for _ in range(3):
         ...     _ = manager.save()
-        >>> [p.rsplit("/", 1)[1] for p in manager.checkpoints]
-        ['ckpt-2', 'ckpt-3']
+        >>> tuple(p.rsplit("/", 1)[1] for p in manager.checkpoints)
+        ('ckpt-2', 'ckpt-3')
     """
 
     def __init__(

@@ -213,8 +213,8 @@ def mark_replica_copy(obj: Any, replica_id: int, strategy: Strategy | None = Non
         >>> copies = [crossdevice.torch.mark_replica_copy(copy.deepcopy(net), i, strategy)
         ...           for i in range(2)]
         >>> def step():
-        ...     return copies[crossdevice.get_replica_context().replica_id_in_sync_group](
-        ...         torch.ones(1, 2)).sum()
+        ...     mine = copies[crossdevice.get_replica_context().replica_id_in_sync_group]
+        ...     return mine(torch.ones(1, 2)).sum()
         >>> len(strategy.experimental_local_results(strategy.run(step)))
         2
     """
