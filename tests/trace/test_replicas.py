@@ -23,13 +23,24 @@ K = 5
 DELAY = 0.02
 
 
+def _execution(mode: str) -> Iterator[None]:
+    """Replicas run in `mode` while a test runs; the setting before it is put back."""
+    before = cd.config.get_replica_execution()
+    cd.config.set_replica_execution(mode)  # type: ignore[arg-type]
+    yield
+    cd.config.set_replica_execution(before)  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def threads() -> Iterator[None]:
     """Replica threads: cooperative replicas run one after another, so none is ever late."""
-    before = cd.config.get_replica_execution()
-    cd.config.set_replica_execution("threads")
-    yield
-    cd.config.set_replica_execution(before)  # type: ignore[arg-type]
+    yield from _execution("threads")
+
+
+@pytest.fixture
+def cooperative() -> Iterator[None]:
+    """Cooperative replicas: greenlets taking turns on the caller's thread."""
+    yield from _execution("cooperative")
 
 
 def _strategy(n: int = 4) -> Any:
@@ -152,17 +163,31 @@ def test_a_stall_writes_a_report_naming_the_late_replica_with_stacks(threads: No
     assert _stack_of(data, "stalled_in_user_code")  # the stuck replica's own stack
 
 
-def test_a_mismatch_writes_a_report_naming_the_odd_replica() -> None:
-    strategy = _strategy()
+def _odd_shape_on_replica_1() -> Any:
+    """A step whose replica 1 all-reduces 3 values where the others reduce 4."""
+    ctx = cd.get_replica_context()
+    n = 3 if ctx.replica_id_in_sync_group == 1 else 4
+    return ctx.all_reduce("sum", np.ones(n, np.float32))
 
-    def mismatched() -> Any:
-        ctx = cd.get_replica_context()
-        n = 3 if ctx.replica_id_in_sync_group == 1 else 4
-        return ctx.all_reduce("sum", np.ones(n, np.float32))
 
+def _mismatch_report() -> dict[str, Any]:
+    """The flight-recorder report of `_odd_shape_on_replica_1` on 4 replicas."""
     with pytest.raises(ValueError, match="but replica 1 passed shape") as info:
-        strategy.run(mismatched)
-    data = _report(str(info.value))
+        _strategy().run(_odd_shape_on_replica_1)
+    return _report(str(info.value))
+
+
+def _parked_stacks(data: dict[str, Any]) -> dict[str, str]:
+    """A report's stacks of parked cooperative replicas, by replica."""
+    return {
+        t["name"].split(" (")[0]: "\n".join(t["stack"])
+        for t in data["threads"]
+        if t["name"].startswith("cooperative replica")
+    }
+
+
+def test_a_mismatch_writes_a_report_naming_the_odd_replica() -> None:
+    data = _mismatch_report()
     assert data["culprits"] == ["replica 1"]
     last = data["groups"][0]["collectives"][-1]  # each replica's own call, the odd one too
     prints = {a["replica"]: a["fingerprint"] for a in last["arrivals"]}
@@ -172,31 +197,30 @@ def test_a_mismatch_writes_a_report_naming_the_odd_replica() -> None:
     assert all(t["stack"] for t in data["threads"])
 
 
-def test_a_report_holds_the_stacks_of_parked_cooperative_replicas() -> None:
-    before = cd.config.get_replica_execution()
-    cd.config.set_replica_execution("cooperative")
-    try:
-        strategy = _strategy()
-
-        def mismatched_here() -> Any:
-            ctx = cd.get_replica_context()
-            n = 3 if ctx.replica_id_in_sync_group == 1 else 4
-            return ctx.all_reduce("sum", np.ones(n, np.float32))
-
-        with pytest.raises(ValueError, match="but replica 1 passed shape") as info:
-            strategy.run(mismatched_here)
-    finally:
-        cd.config.set_replica_execution(before)  # type: ignore[arg-type]
-    data = _report(str(info.value))
+def test_a_report_holds_the_stacks_of_parked_cooperative_replicas(cooperative: None) -> None:
+    data = _mismatch_report()
     # Replicas 0-2 are parked greenlets (replica 3, the last to arrive, runs the check on
     # the caller's thread): each one's stack is there, down to the user's function.
-    parked = {
-        t["name"].split(" (")[0]: "\n".join(t["stack"])
-        for t in data["threads"]
-        if t["name"].startswith("cooperative replica")
-    }
+    parked = _parked_stacks(data)
     assert sorted(parked) == [f"cooperative replica {r}" for r in range(3)]
-    assert all("mismatched_here" in stack for stack in parked.values())
+    assert all("_odd_shape_on_replica_1" in stack for stack in parked.values())
+
+
+def test_a_report_leaves_out_cooperative_replicas_that_finished(cooperative: None) -> None:
+    """Replicas 0-2 return without a collective; replica 3's all-reduce then has no
+    peers. The finished ones idle in the scheduler (no user code): no stack of theirs."""
+
+    def only_replica_3_reduces() -> Any:
+        ctx = cd.get_replica_context()
+        if ctx.replica_id_in_sync_group == 3:
+            return ctx.all_reduce("sum", np.float32(1))
+        return np.float32(0)
+
+    with pytest.raises(RuntimeError, match=r"replicas \[0, 1, 2\] returned") as info:
+        _strategy().run(only_replica_3_reduces)
+    data = _report(str(info.value))
+    assert _parked_stacks(data) == {}
+    assert _stack_of(data, "only_replica_3_reduces")  # the running one, in its thread
 
 
 def test_ctrl_c_of_a_run_writes_a_report() -> None:
