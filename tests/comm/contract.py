@@ -75,6 +75,21 @@ def run_case(name: str, comm: Communicator, make: Make, back: Back) -> Any:
     if name == "repeated":  # the same all-reduce again and again (predicted across workers)
         value = [make(_values(rank)[0], rank)]
         return [back(comm.all_reduce(value, SUM)[0]) for _ in range(4)]
+    if name == "same_kind_varies":
+        # Repeated calls that differ only in what a per-kind shortcut could miss: the
+        # shape at equal size, the op, a read-only and a strided input.
+        base = _values(rank)[0]
+        readonly = base.copy()
+        readonly.flags.writeable = False
+        strided = np.repeat(base, 2, axis=1)[:, ::2]
+        return [
+            back(comm.all_reduce([make(base, rank)], SUM)[0]),
+            back(comm.all_reduce([make(base.reshape(3, 2), rank)], SUM)[0]),
+            back(comm.all_reduce([make(base, rank)], "mean")[0]),
+            back(comm.all_reduce([make(readonly, rank)], SUM)[0]),
+            back(comm.all_reduce([make(strided, rank)], SUM)[0]),
+            back(comm.all_reduce([make(base, rank)], SUM)[0]),
+        ]
     if name == "async":
         value = [make(_values(rank)[0], rank)]
         pending = comm.all_reduce_async(value, SUM)
@@ -110,6 +125,7 @@ CASES = (
     "inputs_unchanged",
     "large",
     "repeated",
+    "same_kind_varies",
     "async",
     "gather_uneven",
     "gather_last_axis",
@@ -135,6 +151,9 @@ def expected(name: str, size: int) -> Callable[[int], Any]:
         return lambda r: sum(_large(q) for q in ranks)[::4099]
     if name == "repeated":
         return lambda r: [sum(_values(q)[0] for q in ranks)] * 4
+    if name == "same_kind_varies":
+        total = sum(_values(q)[0] for q in ranks)
+        return lambda r: [total, total.reshape(3, 2), total / size, total, total, total]
     if name == "async":
         total = sum(_values(q)[0] for q in ranks)
         return lambda r: (total, True, total)

@@ -66,6 +66,12 @@ def _reduction(
         return _cached_reduction.__wrapped__(op, leaves, site, timeout, overlap)
 
 
+@functools.lru_cache(maxsize=64)
+def _dtype_name(dtype: Any) -> str:
+    """`str(dtype)` (`float32`), remembered: NumPy builds the string on every call."""
+    return str(dtype)
+
+
 @functools.lru_cache(maxsize=512)
 def _cached_reduction(
     op: str, leaves: tuple[Any, ...], site: object, timeout: float | None, overlap: bool
@@ -74,6 +80,9 @@ def _cached_reduction(
 
     signature = CallSignature("all_reduce", op, None, leaves, site=site)
     return ReduceOptions(ReduceOp.SUM, timeout, signature=signature, overlap=overlap)
+
+
+_basename = functools.lru_cache(maxsize=256)(os.path.basename)
 
 
 def call_site() -> tuple[str, str, int] | None:
@@ -96,7 +105,7 @@ def call_site() -> tuple[str, str, int] | None:
         if not name.startswith(_PACKAGE_DIR) and name != _THREADING_FILE:
             if name.startswith("<frozen"):
                 return None
-            return os.path.basename(name), frame.f_code.co_name, frame.f_lineno
+            return _basename(name), frame.f_code.co_name, frame.f_lineno
         frame = frame.f_back
     return None
 
@@ -118,6 +127,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._communicator = communicator
         self._options = CommunicationOptions().merge(options)
         self._pool = BufferPool()
+        self._last_merge: tuple[Any, CommunicationOptions] | None = None
 
     @property
     def _num_between_graph_workers(self) -> int:
@@ -147,7 +157,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         if comm is None or not components:
             return Done([self._local_sum(arrays) for arrays in components])
         firsts = [arrays[0] for arrays in components]
-        leaves = tuple((tuple(x.shape), str(x.dtype)) for x in firsts)
+        leaves = tuple((tuple(x.shape), _dtype_name(x.dtype)) for x in firsts)
         reduce = _reduction(op.name, leaves, site, options.timeout_seconds, overlap)
         if all(type(a) is np.ndarray for arrays in components for a in arrays):
             return self._packed(components, options, reduce)
@@ -266,7 +276,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         (`ReduceOptions.overlap`).
         """
         components = [inputs.component_arrays(value) for value in values]
-        merged = self._options.merge(options)
+        merged = self._merged(options)
         pending = self._cross_worker(components, merged, reduce_op, site, overlap)
         workers = self._num_between_graph_workers
 
@@ -296,17 +306,39 @@ class CollectiveAllReduce(CrossDeviceOps):
         with one component: no local sum, one destination), without the distributed
         values around it.
         """
-        merged = self._options.merge(options)
-        pending = self._cross_worker([[value]], merged, reduce_op, site, overlap)
+        merged = self._merged(options)
+        comm = self._communicator
+        if comm is None:
+            pending: Pending = Done([self._local_sum([value])])
+        else:
+            # One component: nothing to sum or pack locally. The communicator sends it
+            # as it is (a transport that reduces in place copies it first, as a pack
+            # would have been filled) and gives it back in its own shape.
+            leaves = ((value.shape, _dtype_name(value.dtype)),)
+            reduce = _reduction(reduce_op.name, leaves, site, merged.timeout_seconds, overlap)
+            pending = comm.all_reduce_async([value], reduce)
+        mean = reduce_op == ReduceOp.MEAN
         workers = self._num_between_graph_workers
 
         def deliver(totals: list[Any]) -> np.ndarray:
             total = totals[0]
-            if reduce_op == ReduceOp.MEAN:
+            if mean:
                 total = NUMPY.divide(total, workers)
             return hand_out(results.owned(total, [value]), copy=False)
 
         return Then([pending], deliver)
+
+    def _merged(self, options: CommunicationOptions | None) -> CommunicationOptions:
+        """`self._options.merge(options)`, remembered for the last `options`.
+
+        Steps repeat their options, and options are immutable: the merge can be shared.
+        """
+        last = self._last_merge
+        if last is not None and last[0] is options:
+            return last[1]
+        merged = self._options.merge(options)
+        self._last_merge = (options, merged)
+        return merged
 
     def reduce_flat_async(
         self,
@@ -342,7 +374,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         """
         comm = self._communicator
         assert comm is not None  # the strategy offers this path only across workers
-        merged = self._options.merge(options)
+        merged = self._merged(options)
         flat = self._flat_buffer(parts)
         if wire_dtype is not None and (wire_dtype != flat.dtype or flat.element_size() < 4):
             # Narrower on the wire, or half-precision gradients sent as they are: either

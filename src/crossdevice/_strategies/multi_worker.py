@@ -164,7 +164,8 @@ class _MultiWorkerExtended(ReplicatedExtended):
         # The user's line, read on the replica's own thread, and the value's nest
         # structure ({'a': x} and [x] have the same leaves: the fingerprint's shapes
         # alone would pass them): what the workers compare besides the values.
-        merged = self._options.merge(options)
+        # (Options are immutable: the per-step case, None, shares the strategy's own.)
+        merged = self._options if options is None else self._options.merge(options)
         if type(value) is np.ndarray and len(self._devices) == 1:
             # One host array and one replica (the per-step case): nothing to merge.
             site = (call_site(), _LEAF_STRUCTURE)

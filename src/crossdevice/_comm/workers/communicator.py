@@ -55,6 +55,7 @@ from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.integrity import Integrity
 from crossdevice._comm.workers.packs import batch_all_reduce_async
+from crossdevice._comm.workers.plans import ReducePlans, make_plan
 from crossdevice._comm.workers.ring import RingTransport
 from crossdevice._comm.workers.sequence import FillFailedError, Pending, Sequencer, guarded_fill
 from crossdevice._comm.workers.shm import SharedMemoryTransport
@@ -65,8 +66,8 @@ from crossdevice._comm.workers.start import (
     start_cluster_group,
     store_host,
 )
-from crossdevice._comm.workers.transport import Job, Layout, host_layout
-from crossdevice._comm.workers.wire import Wire, describe_wires, divide, donation, to_wire
+from crossdevice._comm.workers.transport import Job, Layout
+from crossdevice._comm.workers.wire import Wire, describe_wires, to_wire
 from crossdevice._core import tuning
 from crossdevice._core.cluster import Cluster, resolve_cluster
 from crossdevice._core.errors import CollectiveMismatchError
@@ -116,6 +117,7 @@ class ProcessGroupCommunicator:
         self._rooms = RoomPool()
         #: encoded all-reduce fingerprints, sequence number 0, by what makes them.
         self._prints = fp.ReductionPrints()
+        self._plans = ReducePlans()
         if dist.is_initialized():
             check_joined_group(cluster)
         else:
@@ -293,44 +295,33 @@ class ProcessGroupCommunicator:
             CollectiveTimeoutError: a live worker did not arrive within the timeout.
             TypeError: a dtype no process group can carry.
         """
-        opts = ReduceOptions.of(options)
-        count = opts.divide_by(self.world_size)
-        donated = donation(values, donate, fill is not None)
-        wires = [self._to_wire(v) for v in values]
-        live = [w for w in wires if w.tensor.numel()]
-        # A copy made on the way (a non-contiguous or read-only input) is ours too.
-        ours = tuple(d or w.owned for w, d in zip(wires, donated, strict=True) if w.tensor.numel())
-        tensors = [w.tensor.reshape(-1) for w in live]
-        layout = host_layout(tensors)
-        filler = Filler(guarded_fill(fill), [w.tensor.numel() for w in wires])
-        own = tuple((t.dtype, t.numel()) for t in tensors)
+        fills, local = fill is not None, self._standing.local_count()
+        key = ReducePlans.key(values, options, donate, fills, local)
+        plan = None if key is None else self._plans.get(key, options)
+        if plan is None:
+            plan, tensors = make_plan(
+                values, options, donate, fills, local, self.size, self._prints, self._to_wire
+            )
+            if key is not None:
+                self._plans.keep(key, plan)
+        else:  # a repeated call (plans.py)
+            tensors = plan.tensors(values)
+        lazy = None if fill is None else Filler(guarded_fill(fill), plan.sizes).live
+        own, ours, overlap = plan.own, plan.ours, plan.opts.overlap
 
         def job(sent: Layout | None) -> Job:
-            return Job(
-                own if sent is None else sent, tensors, ours, filler.live, overlap=opts.overlap
-            )
+            return Job(own if sent is None else sent, tensors, ours, lazy, overlap=overlap)
 
-        template = self._prints.all_reduce(
-            opts, wires, tensors, layout, self._standing.local_count()
-        )
-        with self._collective("all_reduce", opts.timeout) as call:
-            header = template.copy()
+        with self._collective("all_reduce", plan.opts.timeout) as call:
+            header = plan.template.copy()
             header[1] = call.seq
             checked = self._guard(
                 call,
                 lambda: self._integrity.start(
-                    call, header, layout, job, lambda: describe_wires(wires)
+                    call, header, plan.layout, job, lambda: describe_wires(plan.wires)
                 ),
             )
-
-        def results(outputs: list[torch.Tensor]) -> list[Any]:
-            for w, out in zip(live, outputs, strict=True):
-                w.tensor, w.owned = out.view(w.tensor.shape), True
-            reduced = [w.result(w.tensor) for w in wires]
-            if count is not None:
-                reduced = [divide(r, count) for r in reduced]
-            return reduced
-
+        results = plan.results
         pending = Pending(self._sequencer, call, checked.finish, results)
         self._sequencer.pending = pending
         return pending

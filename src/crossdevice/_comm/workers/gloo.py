@@ -103,28 +103,40 @@ class ProcessGroupTransport:
         """(what Gloo reduces in place, this worker's results as views of it).
 
         The first buffer gets room behind it for an inline header that is not apart;
-        buffers the caller still owns are copied (inputs never change).
+        buffers the caller still owns are copied (inputs never change), the first one
+        straight into a buffer with that room.
         """
-        if job.buffers is None:
+        buffers = job.buffers
+        if buffers is None:
             return self._predictor.zeros(job.layout), None
-        live = [
-            t if mine else self._copy(t) for t, mine in zip(job.buffers, job.donated, strict=True)
-        ]
-        if job.header is None or header_apart(job.layout):
-            return live, live
-        first = live[0]
-        room = self._rooms.room_of(first)
-        if room is None:
-            job.fill_all()  # the first buffer is copied whole, behind it the header
-            room = self._rooms.buffer(first.dtype, first.numel())
-            room[: first.numel()].copy_(first.reshape(-1))
-        return [room, *live[1:]], [room[: first.numel()], *live[1:]]
+        roomy = job.header is not None and not header_apart(job.layout)
+        live: list[torch.Tensor] = []
+        sent: list[torch.Tensor] = []
+        for t, mine in zip(buffers, job.donated, strict=True):
+            first = roomy and not sent  # this buffer carries the header behind it
+            if not mine:
+                room = self._copy(t, roomy=first)
+            elif not first:
+                room = t
+            else:
+                found = self._rooms.room_of(t)
+                if found is None:
+                    job.fill_all()  # the first buffer is copied whole, behind it the header
+                    found = self._copy(t, roomy=True)
+                room = found
+            sent.append(room)
+            live.append(room[: t.numel()] if first else room)
+        return sent, live
 
-    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of a host `tensor` in a recycled buffer (CUDA ones: a fresh one)."""
-        if tensor.is_cuda:
+    def _copy(self, tensor: torch.Tensor, *, roomy: bool = False) -> torch.Tensor:
+        """A copy of `tensor` in a recycled host buffer (CUDA ones: a fresh CUDA one).
+
+        `roomy`: the copy keeps `INLINE_SLOTS` elements of room behind the data, and the
+        returned tensor includes them.
+        """
+        if tensor.is_cuda and not roomy:
             return tensor.clone()
         numel = tensor.numel()
-        out = self._rooms.buffer(tensor.dtype, numel)[:numel]
-        out.copy_(tensor.reshape(-1))
-        return out
+        room = self._rooms.buffer(tensor.dtype, numel, known=False)
+        room[:numel].copy_(tensor.reshape(-1))
+        return room if roomy else room[:numel]

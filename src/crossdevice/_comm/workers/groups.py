@@ -27,6 +27,11 @@ __all__ = ["FAILED", "Groups"]
 FAILED: list[Any] = []
 
 
+#: The options of every all-reduce (a process group copies them into each op it starts).
+_SUM = dist.AllreduceOptions()
+_SUM.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+
+
 class Groups:
     """The host (Gloo) group and, with CUDA and NCCL, the CUDA (NCCL) group of a communicator.
 
@@ -63,9 +68,7 @@ class Groups:
         """
         if tensor.is_complex():
             tensor = torch.view_as_real(tensor)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-        return self.group_for(tensor).allreduce([tensor], opts)
+        return self.group_for(tensor).allreduce([tensor], _SUM)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         """Launch a send of host `tensor` to rank `peer` on the Gloo group."""

@@ -16,10 +16,9 @@ ends a collective badly into the error its caller gets (`guard`):
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
@@ -84,11 +83,12 @@ class Sequencer:
         self.history: collections.deque[Call] = collections.deque(maxlen=_flight.COLLECTIVES)
         _flight.register(self, sequencer_group)
 
-    @contextlib.contextmanager
-    def collective(self, name: str, timeout: float) -> Iterator[Call]:
+    def collective(self, name: str, timeout: float) -> _Held:
         """Number a collective, publish this worker's arrival at it, hold it exclusively.
 
-        The all-reduce in flight, if any, completes first. `timeout` bounds it.
+        Use as `with sequencer.collective(name, timeout) as call:`; the lock is held
+        until the block ends. The all-reduce in flight, if any, completes first.
+        `timeout` bounds it.
         """
         if self.closed:
             raise RuntimeError(
@@ -109,9 +109,10 @@ class Sequencer:
             self.history.append(call)
             if _trace.on:
                 _trace.worker_issued(self, call)
-            yield call
-        finally:
+        except BaseException:
             self.lock.release()
+            raise
+        return _Held(self.lock, call)
 
     def hold(self, name: str) -> None:
         """Take the communicator's lock, or say why another thread holds it."""
@@ -159,6 +160,25 @@ class Sequencer:
         """Write a flight-recorder report of `error`, which ended `call` (it did not end)."""
         call.ended = 0.0
         _flight.attach(error, tag=f"-rank{self._standing.rank}", source=self)
+
+
+class _Held:
+    """A numbered collective's hold on the sequencer: `with` gives its `Call`, then lets go.
+
+    (A class rather than a generator context manager: it runs on every collective.)
+    """
+
+    __slots__ = ("_call", "_lock")
+
+    def __init__(self, lock: threading.Lock, call: Call) -> None:
+        self._lock = lock
+        self._call = call
+
+    def __enter__(self) -> Call:
+        return self._call
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 class Pending:

@@ -74,6 +74,7 @@ MAX_ENTRIES: Final = 1024
 #: Seven digest bytes and their squares.
 _LIMBS: Final = 7
 INLINE_SLOTS: Final = 2 * _LIMBS
+_SQUARES: Final = [b * b for b in range(256)]
 #: Dtypes whose sums of `MAX_INLINE_WORKERS` values up to 255**2 are exact integers
 #: (float32: below 2**24).
 INLINE_DTYPES: Final = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
@@ -113,7 +114,7 @@ class Predictor:
             self._next[self._last] = layout
         # The sequence number (value 1) differs from step to step: it is not history.
         first = rows[0]
-        if all(row is first for row in rows):  # every worker's header is this one
+        if len(set(map(id, rows))) == 1:  # every worker's header is this one
             self._last = (first[:1].tobytes() + first[2:].tobytes()) * len(rows)
         else:
             self._last = b"".join(row[:1].tobytes() + row[2:].tobytes() for row in rows)
@@ -205,13 +206,13 @@ def layout_digest(layout: Layout | None) -> int:
 def inline_header(header: np.ndarray) -> list[int]:
     """The `INLINE_SLOTS` values standing for an encoded fingerprint (seq included)."""
     data = hashlib.blake2b(header.tobytes(), digest_size=_LIMBS).digest()
-    return [*data, *(b * b for b in data)]
+    return [*data, *map(_SQUARES.__getitem__, data)]
 
 
 def inline_agrees(summed: torch.Tensor, mine: list[int], world_size: int) -> bool:
     """Whether every worker's inline header equals `mine`, from their element-wise sum."""
-    got = summed.tolist()
-    return all(int(g) == world_size * m and g == int(g) for g, m in zip(got, mine, strict=True))
+    # Python compares a float sum with an int exactly (2.0 == 2, 2.5 != 2, nan != 2).
+    return bool(summed.tolist() == [world_size * m for m in mine])
 
 
 @functools.lru_cache(maxsize=64)
@@ -240,11 +241,16 @@ class RoomPool:
         self._rooms[room.ctypes.data] = room
         return room[:numel]
 
-    def buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A flat tensor of `numel` + `INLINE_SLOTS` elements, recycled when NumPy has it."""
+    def buffer(self, dtype: torch.dtype, numel: int, *, known: bool = True) -> torch.Tensor:
+        """A flat tensor of `numel` + `INLINE_SLOTS` elements, recycled when NumPy has it.
+
+        `known`: `room_of` recognises it later (False: the caller keeps it as a room).
+        """
         np_dtype = _numpy_dtype(dtype)
         if np_dtype is None:
             return torch.empty(numel + INLINE_SLOTS, dtype=dtype)
+        if not known:
+            return torch.from_numpy(self._pool.take(np_dtype, numel + INLINE_SLOTS))
         base = self.take(np_dtype, numel).base
         assert isinstance(base, np.ndarray)
         return torch.from_numpy(base)
