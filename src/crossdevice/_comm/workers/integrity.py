@@ -101,7 +101,11 @@ class Integrity:
             sent = job(predicted) if predicted == layout else Job(predicted, None)
             sent.header = header
             flight = self.transport_for(predicted).start(call, sent)
-            return Checked(self, call, header, layout, job, detail, sent, flight)
+            checked = Checked(self, call, header, layout, job, detail, sent, flight)
+            # What the predictor learns if every header agrees, worked out while the data
+            # travels (after the wait, this process's caches are Gloo's).
+            checked.history = self.predictor.history([header] * self._standing.world_size)
+            return checked
         self._exchange(call, header, detail, learn=layout)
         data = self._data(call, layout, job)
         return Checked(self, call, header, layout, job, detail, None, data)
@@ -120,7 +124,7 @@ class Integrity:
             return outputs
         if agrees:
             assert sent.header is not None
-            self.predictor.learn([sent.header] * self._standing.world_size, layout)
+            self.predictor.learn([sent.header] * self._standing.world_size, layout, checked.history)
             if outputs is not None:
                 return outputs
             # Equal fingerprints mean equal layouts: nobody's call fit either; the data
@@ -300,7 +304,17 @@ class Integrity:
 class Checked:
     """An all-reduce `Integrity.start`ed: `finish` checks it and returns the results."""
 
-    __slots__ = ("call", "detail", "flight", "header", "integrity", "job", "layout", "sent")
+    __slots__ = (
+        "call",
+        "detail",
+        "flight",
+        "header",
+        "history",
+        "integrity",
+        "job",
+        "layout",
+        "sent",
+    )
 
     def __init__(
         self,
@@ -322,6 +336,8 @@ class Checked:
         #: what went with the inline header (None: the headers were exchanged first).
         self.sent = sent
         self.flight = flight
+        #: What the predictor learns when the inline headers agree (None: work it out).
+        self.history: bytes | None = None
 
     def finish(self) -> list[torch.Tensor]:
         """This worker's results, once every worker's fingerprint matched."""

@@ -29,7 +29,6 @@ from crossdevice._comm.workers.wire import Wire, divide, donation
 
 __all__ = ["MAX_PLANS", "ReducePlan", "ReducePlans", "make_plan"]
 
-_EMPTY: Final = torch.empty(0)
 
 #: Plans kept per communicator (a step has a handful of distinct all-reduces); the table
 #: is emptied when full.
@@ -51,6 +50,8 @@ class ReducePlan:
         own: the layout this worker sends.
         sizes: each value's element count.
         template: the encoded fingerprint, sequence number 0.
+        direct: per value, whether it comes back as a NumPy view of its wire buffer (a
+            host NumPy value sent in its own dtype).
     """
 
     options: Any
@@ -62,6 +63,7 @@ class ReducePlan:
     own: Layout
     sizes: list[int]
     template: np.ndarray
+    direct: tuple[bool, ...]
 
     def tensors(self, values: Sequence[Any]) -> list[torch.Tensor]:
         """The values' memory as flat tensors, as the general path would send them."""
@@ -76,9 +78,13 @@ class ReducePlan:
         `outputs` are the non-empty buffers'; an empty one comes back as its own wire's.
         """
         sums = iter(outputs)
+        # NumPy results of their own wire dtype are NumPy views (the work after a wait runs
+        # with cold caches, where each torch call costs several times what NumPy's does).
         reduced = [
-            w.result((next(sums) if n else w.tensor).view(w.shape))
-            for w, n in zip(self.wires, self.sizes, strict=True)
+            (next(sums) if n else w.tensor).numpy().reshape(w.shape)
+            if direct
+            else w.result((next(sums) if n else w.tensor).view(w.shape))
+            for w, n, direct in zip(self.wires, self.sizes, self.direct, strict=True)
         ]
         count = self.count
         return reduced if count is None else [divide(r, count) for r in reduced]
@@ -110,7 +116,13 @@ def make_plan(
     layout = host_layout(tensors)
     own = tuple((t.dtype, t.numel()) for t in tensors)
     template = prints.all_reduce(opts, wires, tensors, layout, local)
-    plan = ReducePlan(options, opts, count, tuple(wires), ours, layout, own, sizes, template)
+    direct = tuple(
+        w.kind == "numpy" and w.tensor.dtype == w.dtype and w.tensor.device.type == "cpu"
+        for w in wires
+    )
+    plan = ReducePlan(
+        options, opts, count, tuple(wires), ours, layout, own, sizes, template, direct
+    )
     return plan, tensors
 
 
@@ -158,5 +170,7 @@ class ReducePlans:
             return
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
-        wires = tuple(dataclasses.replace(w, tensor=_EMPTY) for w in plan.wires)
+        wires = tuple(
+            dataclasses.replace(w, tensor=torch.empty(0, dtype=w.tensor.dtype)) for w in plan.wires
+        )
         self._plans[key] = dataclasses.replace(plan, wires=wires)

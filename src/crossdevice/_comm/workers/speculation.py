@@ -101,23 +101,30 @@ class Predictor:
             return None
         return self._next.get(self._last)
 
-    def learn(self, rows: list[np.ndarray], layout: Layout | None) -> None:
+    def learn(
+        self, rows: list[np.ndarray], layout: Layout | None, key: bytes | None = None
+    ) -> None:
         """Record an agreed collective: every worker's header row, and its layout.
 
         `layout` is the all_reduce's host layout, None for other kinds, CUDA values and
         layouts that cannot carry an inline header. Only call this once every header
-        matched, so that every worker records the same thing.
+        matched, so that every worker records the same thing. `key`: `history(rows)`,
+        worked out beforehand (a caller that knows the rows before they are agreed).
         """
         if layout is not None and (not layout or layout[0][0] not in INLINE_DTYPES):
             layout = None
         if self._last is not None and (self._last in self._next or len(self._next) < MAX_ENTRIES):
             self._next[self._last] = layout
+        self._last = self.history(rows) if key is None else key
+
+    @staticmethod
+    def history(rows: list[np.ndarray]) -> bytes:
+        """What `learn` remembers of agreed header `rows`: all but the sequence numbers."""
         # The sequence number (value 1) differs from step to step: it is not history.
         first = rows[0]
         if len(set(map(id, rows))) == 1:  # every worker's header is this one
-            self._last = (first[:1].tobytes() + first[2:].tobytes()) * len(rows)
-        else:
-            self._last = b"".join(row[:1].tobytes() + row[2:].tobytes() for row in rows)
+            return (first[:1].tobytes() + first[2:].tobytes()) * len(rows)
+        return b"".join(row[:1].tobytes() + row[2:].tobytes() for row in rows)
 
     def zeros(self, layout: Layout) -> list[torch.Tensor]:
         """Zero buffers of `layout` (the first with room for the inline header).
@@ -209,7 +216,7 @@ def inline_header(header: np.ndarray) -> list[int]:
     return [*data, *map(_SQUARES.__getitem__, data)]
 
 
-def inline_agrees(summed: torch.Tensor, mine: list[int], world_size: int) -> bool:
+def inline_agrees(summed: torch.Tensor | np.ndarray, mine: list[int], world_size: int) -> bool:
     """Whether every worker's inline header equals `mine`, from their element-wise sum."""
     # Python compares a float sum with an int exactly (2.0 == 2, 2.5 != 2, nan != 2).
     return bool(summed.tolist() == [world_size * m for m in mine])
