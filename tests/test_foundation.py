@@ -89,6 +89,13 @@ def test_communication_options() -> None:
     c = a.merge(CommunicationOptions(bytes_per_pack=20, implementation="ring"))
     assert (c.bytes_per_pack, c.implementation) == (20, CommunicationImplementation.RING)
     assert CommunicationOptions(timeout_seconds=0).timeout_seconds is None
+    # Merging nothing gives the same options; merging never changes the options merged.
+    assert a.merge(None) == a
+    assert (a.bytes_per_pack, a.timeout_seconds, a.implementation) == (
+        10,
+        None,
+        CommunicationImplementation.NCCL,
+    )
 
 
 def test_per_replica_repr_and_devices() -> None:

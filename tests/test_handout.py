@@ -37,3 +37,29 @@ def test_each_result_is_copied_from_its_second_holder_on() -> None:
     assert out[1] is b
     assert out[2] is not a
     assert out[2].tolist() == [0.0, 0.0]
+
+
+def test_a_result_that_aliases_an_input_is_copied_first() -> None:
+    # `results.owned`: what is handed out (and frozen) is never a caller's input.
+    from crossdevice._cross_device.results import owned
+
+    class Sub(np.ndarray):
+        pass
+
+    x = np.arange(6.0)
+    for result, inputs in [
+        (x, [x]),  # the input itself
+        (x[2:], [np.zeros(2), x]),  # a view of one of them
+        (x[:3], [x[2:].view(Sub)]),  # overlapping memory, through a subclass
+    ]:
+        copy = owned(result, inputs)
+        assert copy is not result
+        assert not np.may_share_memory(copy, x)
+        assert copy.tolist() == result.tolist()
+    other = np.ones(3)
+    assert owned(other, [x, x[1:]]) is other
+    assert np.may_share_memory(owned(x[:3], [x[3:]]), x)  # adjacent, disjoint: kept
+    torch = pytest.importorskip("torch")
+    t = torch.arange(4.0)
+    assert owned(t[1:], [t]).data_ptr() != t[1:].data_ptr()
+    assert owned(t, [torch.ones(1)]) is t

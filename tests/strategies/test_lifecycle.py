@@ -114,13 +114,14 @@ def test_run_inside_merge_fn_runs_like_tf(mode: str, make: Any) -> None:
     assert [(r, float(x)) for r, x in after] == [(r, 2.0 * n) for r in range(n)]
 
 
+@pytest.mark.parametrize("replicas", [1, 2, 4])
 @pytest.mark.parametrize("state", ["no_grad", "inference_mode", "autocast"])
 def test_replicas_run_under_the_callers_torch_state(
-    mode: str, state: str, torch_module: Any
+    mode: str, state: str, replicas: int, torch_module: Any
 ) -> None:
     del mode
     torch = torch_module
-    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    strategy = cd.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
 
     def fn() -> tuple[bool, bool, bool]:
         cd.get_replica_context().all_reduce("sum", torch.ones(2))  # peers run meanwhile
@@ -150,9 +151,10 @@ def test_replicas_run_under_the_callers_torch_state(
             "autocast": (True, False, True),
         }[state]
     )
-    assert results == (caller,) * 4
+    assert results == (caller,) * replicas
     # Outside: a fresh thread's state again, in every replica.
-    assert strategy.experimental_local_results(strategy.run(fn)) == ((True, False, False),) * 4
+    fresh = ((True, False, False),) * replicas
+    assert strategy.experimental_local_results(strategy.run(fn)) == fresh
 
 
 def _interrupt_main_after(seconds: float) -> None:

@@ -34,7 +34,7 @@ def hand_out(value: Any, copy: bool) -> Any:
         copy: whether somebody else holds (or will hold) `value` itself.
     """
     if isinstance(value, np.ndarray):
-        value.flags.writeable = False
+        value.setflags(write=False)  # (a little cheaper than `value.flags.writeable = False`)
         return value
     if isinstance(value, np.generic):
         return value  # NumPy scalars are immutable

@@ -76,11 +76,13 @@ class CommunicationOptions:
     def merge(self, options: CommunicationOptions | None) -> CommunicationOptions:
         """Options with each field of `options` that is not its default, else this one's.
 
-        TF: `a.merge(b)` copies `a` and takes each non-default field of `b`.
+        TF: `a.merge(b)` copies `a` and takes each non-default field of `b`. Options are
+        immutable, so `a.merge(None)` is `a` itself (every collective's path merges its
+        options with None: a copy cost about 2 us each).
         """
-        merged = copy.copy(self)
         if options is None:
-            return merged
+            return self
+        merged = copy.copy(self)
         if options.bytes_per_pack != 0:
             object.__setattr__(merged, "bytes_per_pack", options.bytes_per_pack)
         if options.timeout_seconds is not None:

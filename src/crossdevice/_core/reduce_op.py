@@ -67,6 +67,10 @@ def as_reduce_op(reduce_op: object) -> ReduceOp:
     """
     if type(reduce_op) is ReduceOp:  # the per-step path
         return reduce_op
+    if type(reduce_op) is str:  # the per-step path of `all_reduce("sum", x)`
+        op = _BY_NAME.get(reduce_op)
+        if op is not None:
+            return op
     if not isinstance(reduce_op, str | ReduceOp):
         raise TypeError(
             f"Expected reduce_op to be a crossdevice.ReduceOp (or 'sum'/'mean'), not: {reduce_op!r}"

@@ -40,6 +40,11 @@ def aliases(result: Any, inputs: Sequence[Any]) -> bool:
 
 def owned(result: Any, inputs: Sequence[Any]) -> Any:
     """`result`, copied when it aliases one of `inputs` (so it may be frozen or handed out)."""
+    if type(result) is np.ndarray:  # the per-step case: `aliases` of a NumPy result
+        for x in inputs:
+            if result is x or (isinstance(x, np.ndarray) and np.may_share_memory(result, x)):
+                return NUMPY.copy(result)
+        return result
     if aliases(result, inputs):
         return backend_for(result).copy(result)
     return result

@@ -177,10 +177,12 @@ class ReplicaRunner:
                 self._recover()
             if _trace.on:
                 _trace.step()
-            coop, key = self._choose_mode(fn)
-            state = thread_state.capture()
-            cuda_run = self._cuda.start() if self._cuda is not None else None
+            coop, key = self._choose_mode(fn) if self._cooperative_ok else (False, None)
             n = self._n
+            # Only replica threads take the caller's torch state: replica 0 runs on the
+            # caller's thread, cooperative replicas switch grad mode themselves.
+            state = thread_state.capture() if n > 1 and not coop else None
+            cuda_run = self._cuda.start() if self._cuda is not None else None
             with self._lock:
                 if self._closed:
                     raise RuntimeError(
@@ -211,7 +213,8 @@ class ReplicaRunner:
                         wake.release()
                     args0, kwargs0 = per_replica_args[0]
                     self._run_replica(0, fn, args0, kwargs0)
-                    self._wait_done()
+                    if not self._done_wake.acquire(False):  # one replica: done already
+                        self._wait_done()
                     if cuda_run is not None:
                         cuda_run.finish()
             except BaseException as exc:

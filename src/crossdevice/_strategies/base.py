@@ -164,7 +164,8 @@ class Strategy:
         """
         del options
         validate.function(fn, "Strategy.run")
-        if args or kwargs:
+        # The per-step case, `args=(batch,)` of plain arrays: no distributed value to fit.
+        if (args or kwargs) and (kwargs or type(args) is not tuple or not nest.plain_leaves(args)):
             validate.fits_strategy((args, kwargs), self, "Strategy.run")
         if not isinstance(args, list | tuple):
             raise ValueError(
@@ -179,38 +180,42 @@ class Strategy:
                 "strategy.run was called inside a replica context (from inside another "
                 "strategy.run); call it from cross-replica context"
             )
-        if self._extended._is_default:
+        extended = self._extended
+        args = args if type(args) is tuple else tuple(args)
+        kwargs = dict(kwargs) if kwargs else {}
+        if extended._is_default:
             # TF: the default strategy's scope pushes no cross-replica context; entering
             # it only checks that no other strategy is current.
             with self.scope():
-                return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+                return extended._call_for_each_replica(fn, args, kwargs)
         # `with self.scope():` without building a scope object per step: frames are
         # immutable, so one cross-replica frame serves every run.
-        _check_can_enter(self, frame)
+        if frame is not None:
+            _check_can_enter(self, frame)
         cross = self._run_frame
         if cross is None:
             cross = self._run_frame = context.Frame(self)
         self._runs += 1
         if not self._torch_patched and "torch" in sys.modules:
             self._patch_torch()
-        sections = self._extended._sections
+        sections = extended._sections
         # Replicas inherit the caller's open default scope, whatever thread they run on.
         in_default_scope = context.default_scope_open()
         if in_default_scope:
-            self._extended._runs_in_default_scope += 1
+            extended._runs_in_default_scope += 1
         context.push_frame(cross)
         try:
             if sections:
                 sections.leave()  # replicas start from replica 0's state (`sections`)
             try:
-                return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+                return extended._call_for_each_replica(fn, args, kwargs)
             finally:
                 if sections:
                     sections.enter()
         finally:
             context.pop_frame(cross)
             if in_default_scope:
-                self._extended._runs_in_default_scope -= 1
+                extended._runs_in_default_scope -= 1
 
     def _patch_torch(self) -> None:
         """Put torch's replica patches in force while this strategy lives (`torch_patches`).

@@ -134,7 +134,7 @@ class ReplicaContext:
             The reduced nest (host results may be read-only arrays shared by replicas).
         """
         op = self._checked(reduce_op, value, options, "ReplicaContext.all_reduce")
-        extended = self._strategy.extended
+        extended = self._strategy._extended
         if type(value) is not np.ndarray:  # a NumPy array never requires grad
             differentiable, leaves, structure = _needs_grad(value)
             if differentiable:
@@ -188,7 +188,9 @@ class ReplicaContext:
         validate.reducible(value, where)
         if options is not None and not isinstance(options, CommunicationOptions):
             raise ValueError(f"options must be a CommunicationOptions or None, got {options!r}")
-        self._check_current()
+        frame = context.current_frame()
+        if frame is None or frame.replica_context is not self:  # not this replica's own
+            self._check_current()
         return op
 
     def _reduce_list(

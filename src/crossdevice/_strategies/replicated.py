@@ -217,13 +217,17 @@ class ReplicatedExtended(StrategyExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         n = len(self._devices)
-        if (args or kwargs) and any(
-            isinstance(x, DistributedValues) for x in nest.flatten((args, kwargs))[0]
+        if (
+            (args or kwargs)
+            and (kwargs or not nest.plain_leaves(args))
+            and any(isinstance(x, DistributedValues) for x in nest.flatten((args, kwargs))[0])
         ):
             per_replica = [(select_replica(i, args), select_replica(i, kwargs)) for i in range(n)]
         else:
             per_replica = [(args, kwargs)] * n
         results = self._get_runner().run(fn, per_replica, merge_timeout=self._merge_timeout())
+        if n == 1:
+            return results[0]  # regroup unwraps one replica's result, as TF's does
         plain = _regroup_numpy(results, self._devices)
         if plain is not None:
             return plain
