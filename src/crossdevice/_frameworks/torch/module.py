@@ -17,6 +17,7 @@ during backward (`gradients.py`), buffers combine after each forward as declared
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -162,7 +163,7 @@ class MirroredModule(torch.nn.Module):
             names,
             op,
             bucket_cap_bytes,
-            lambda: local_replica_index(strategy),
+            functools.partial(local_replica_index, strategy),
             strategy.num_replicas_in_sync,
             shared,
         )
