@@ -169,7 +169,7 @@ class FlatPlan:
             parts.append(self._all_used)
         return parts
 
-    def views(self, totals: Any) -> Reduced:
+    def views(self, total: Any) -> Reduced:
         """Each parameter's reduced gradient as a view into the reduced flat buffer."""
-        *grads, used = self._pack.unpack(totals)
+        *grads, used = self._pack.unpack(total)
         return grads, used, False
