@@ -142,7 +142,8 @@ class FlatPlan:
             ("used", len(params)),
         )
         self._pack = Pack.of([*(tuple(s) for s in self._shapes), (len(params),)])
-        # Read-only: copied into the flat buffer when every gradient arrived.
+        # The flags when every gradient arrived, kept from step to step: the strategy only
+        # reads the parts (`reduce_flat_async` copies them into its flat buffer).
         self._all_used = torch.ones(len(params), dtype=first.dtype, device=first.device)
 
     def fits(self, params: Sequence[torch.nn.Parameter]) -> bool:
