@@ -173,7 +173,8 @@ class MirroredModule(torch.nn.Module):
         mirror = ReplicaMirror(replicas, buffers, shared)
         state["_mirror"] = mirror
         backward.register(strategy, sync)
-        strategy.extended._sections.add(mirror)
+        if len(replicas) > 1:  # one copy has nothing to keep in step: no per-run calls
+            strategy.extended._sections.add(mirror)
         self.training = replicas[0].training
         torch_guard.mark(self, strategy, None)
         for index, replica in enumerate(replicas):
