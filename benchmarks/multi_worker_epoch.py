@@ -123,10 +123,12 @@ class _Turns:
         import crossdevice
         from crossdevice._frameworks.torch import buckets
 
+        plan = buckets.FlatPlan(self.params)  # kept from step to step, as the buckets do
+
         def reduce_grads() -> Any:
             ctx = crossdevice.get_replica_context()
             pending = buckets.issue_flat(
-                ctx, crossdevice.ReduceOp.SUM, self.grads, self.params, None
+                ctx, crossdevice.ReduceOp.SUM, self.grads, self.params, None, plan
             )
             assert pending is not None  # one replica per worker: the flat path
             return pending.wait()

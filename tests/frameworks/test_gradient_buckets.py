@@ -17,6 +17,7 @@ from tests.frameworks.workers import (
     bucket_views,
     compressed_gradients,
     compressed_gradients_of_mixed_rules,
+    resized_bucket,
 )
 from tests.multi_worker.harness import run_workers
 
@@ -132,3 +133,18 @@ def test_gradient_dtype_must_be_a_floating_torch_dtype(torch: Any, bad: str) -> 
     with strategy.scope(), pytest.raises(ValueError, match="floating torch dtype") as info:
         cdt.prepare(torch.nn.Linear(2, 1), gradient_dtype=dtype)
     assert repr(dtype) in str(info.value)
+
+
+@pytest.mark.multiprocess
+def test_a_bucket_whose_parameters_were_resized_between_steps_is_reduced_in_their_new_shapes() -> (
+    None
+):
+    # A bucket's flat layout is kept from step to step (`buckets.FlatPlan`): it must
+    # follow parameters whose shapes changed (model surgery between steps).
+    for result in [r.unwrap() for r in run_workers(resized_bucket, 2, timeout=60)]:
+        before, after = result["steps"]
+        assert before["shapes"] == before["expected_shapes"]
+        assert after["shapes"] == after["expected_shapes"]
+        assert after["shapes"][0] == (10, 6)  # widened
+        assert before["worst"] <= 1e-5
+        assert after["worst"] <= 1e-5

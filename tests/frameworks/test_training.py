@@ -267,6 +267,47 @@ def test_unused_parameter_keeps_no_gradient(torch: Any, cdt: Any) -> None:
     torch.testing.assert_close(used, torch.full((1, 2), 2.0))  # two replicas, SUM
 
 
+@pytest.mark.parametrize("share_storage", [True, False], ids=["shared", "copies"])
+def test_a_bucket_is_reduced_during_backward_once_complete(
+    torch: Any, cdt: Any, share_storage: bool
+) -> None:
+    # DDP's overlap: the last layer's bias is bucket 0 (one parameter per bucket); its
+    # reduced gradient is in `.grad` before backward reaches the hidden activation.
+    class Net(torch.nn.Module):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Linear(3, 4)
+            self.last = torch.nn.Linear(4, 2)
+
+        def forward(self, x: Any) -> Any:
+            hidden = torch.tanh(self.first(x))
+            hidden.register_hook(_probe)
+            return self.last(hidden)
+
+    seen: dict[int, Any] = {}
+
+    def _probe(grad: Any) -> None:
+        r = cd.get_replica_context().replica_id_in_sync_group
+        seen[r] = model.module.last.bias.grad.clone()
+
+    torch.manual_seed(0)
+    with replica_execution("threads"):
+        strategy = mirrored(2)
+        with strategy.scope():
+            model = cdt.prepare(Net(), bucket_cap_bytes=1, share_storage=share_storage)
+        assert model.gradient_buckets == [1, 1, 1, 1]
+
+        def step() -> Any:
+            r = cd.get_replica_context().replica_id_in_sync_group
+            model(torch.full((2, 3), float(r + 1))).sum().backward()
+            return model.module.last.bias.grad.clone()
+
+        final = strategy.experimental_local_results(strategy.run(step))
+    for r in range(2):
+        assert torch.equal(final[r], torch.full((2,), 4.0))  # 2 examples x 2 replicas
+        torch.testing.assert_close(seen[r], final[r], rtol=0, atol=0)
+
+
 def test_mean_gradient_reduction_is_ddp_rule(torch: Any, cdt: Any) -> None:
     strategy = mirrored(2)
     with strategy.scope():

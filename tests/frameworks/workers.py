@@ -162,3 +162,55 @@ def bucket_views(rank: int, world_size: int) -> dict[str, Any]:
         "storages": [{g.untyped_storage().data_ptr() for g in gs} for gs in (first, second)],
         "first_unchanged": all(torch.equal(a, b) for a, b in zip(first, kept, strict=True)),
     }
+
+
+def resized_bucket(rank: int, world_size: int) -> dict[str, Any]:
+    """A step, then the hidden layer of `mlp` widened from 8 to 10 units outside
+    `strategy.run` (`.data` replaced, as model-surgery code does), then another step:
+    each step's reduced gradients next to plain torch's sum over both workers' inputs."""
+    del world_size
+    import copy
+
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import mlp
+
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        net = mlp(torch)
+        model = cdt.prepare(net)
+    inputs = [torch.full((4, 6), float(r + 1)) for r in range(2)]
+
+    def step() -> list[Any]:
+        model.zero_grad()
+        model(inputs[rank]).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    def plain() -> list[Any]:
+        copied = copy.deepcopy(net)
+        for x in inputs:
+            copied(x).sum().backward()
+        return [p.grad for p in copied.parameters()]
+
+    results = []
+    for widen in (False, True):
+        if widen:
+            with torch.no_grad():
+                first, second = net[0], net[2]
+                first.weight.data = torch.cat([first.weight, torch.full((2, 6), 0.1)])
+                first.bias.data = torch.cat([first.bias, torch.zeros(2)])
+                second.weight.data = torch.cat([second.weight, torch.full((3, 2), 0.1)], dim=1)
+        reduced = strategy.run(step)
+        expected = plain()
+        results.append(
+            {
+                "shapes": [tuple(g.shape) for g in reduced],
+                "expected_shapes": [tuple(g.shape) for g in expected],
+                "worst": max(
+                    float((a - b).abs().max()) for a, b in zip(reduced, expected, strict=True)
+                ),
+            }
+        )
+    return {"steps": results}

@@ -173,7 +173,14 @@ def _guarded_call(original: Any) -> Any:
                 torch_patches.check_dynamo()
             frame = context.current_frame()
             if frame is not None and frame.replica_context is not None:
-                check_module(self)
+                # The per-call case first: the running replica's own copy passes.
+                marked = _MARKS.get(id(self))
+                if (
+                    marked is None
+                    or marked[0] is not frame.strategy
+                    or (marked[1] is not None and marked[1] != frame.local_replica_id)
+                ):
+                    check_module(self)
         return original(self, *args, **kwargs)
 
     call.__name__ = call.__qualname__ = "__call__"

@@ -22,6 +22,7 @@ Slices are views of the input arrays (NumPy and torch both slice without copying
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,6 +137,33 @@ def _batch_size(paths: Sequence[tuple[Any, ...]], leaves: Sequence[Any], num_rep
     return sizes[0]
 
 
+def _common_leading_dim(leaves: Sequence[Any]) -> int | None:
+    """The batch size when every leaf is an array with the same leading dimension, else None.
+
+    The per-step case, without the paths that only an error needs (`_batch_size` then
+    checks the batch again, with them).
+    """
+    torch = sys.modules.get("torch")
+    size = None
+    for leaf in leaves:
+        if not (type(leaf) is np.ndarray or (torch is not None and type(leaf) is torch.Tensor)):
+            return None
+        if not leaf.ndim or (size is not None and leaf.shape[0] != size):
+            return None
+        size = leaf.shape[0]
+    return size
+
+
+def _flatten_sized(batch: Any, num_replicas: int) -> tuple[list[Any], Any, int]:
+    """The batch's leaves, structure and batch size, after checking its components agree."""
+    leaves, structure = optree.tree_flatten(batch, **_NEST_KW)
+    size = _common_leading_dim(leaves)
+    if size is None:  # something to explain, or a leaf of another kind: the full check
+        paths, leaves, structure = _flatten(batch)
+        size = _batch_size(paths, leaves, num_replicas)
+    return leaves, structure, size
+
+
 def batch_size_of(batch: Any, num_replicas: int = 1) -> int:
     """The number of examples in a global batch, after checking that its components agree.
 
@@ -151,13 +179,12 @@ def batch_size_of(batch: Any, num_replicas: int = 1) -> int:
             components disagree on the batch size, or the nest has no components.
         TypeError: a component is not an array.
     """
-    paths, leaves, _ = _flatten(batch)
-    return _batch_size(paths, leaves, num_replicas)
+    return _flatten_sized(batch, num_replicas)[2]
 
 
 def split_batch_leaves(
     batch: Any, num_replicas: int, replica_ids: Sequence[int] | None = None
-) -> tuple[Any, list[tuple[Any, ...]]]:
+) -> tuple[Any, list[tuple[Any, ...]], int]:
     """Split every component of a global batch across replicas.
 
     Args:
@@ -167,14 +194,13 @@ def split_batch_leaves(
             `range(w * R, (w + 1) * R)` on worker `w` with `R` local replicas.
 
     Returns:
-        The nest's structure (for `optree.tree_unflatten`) and, per component in
-        flattening order, a tuple with the slice of each requested replica.
+        The nest's structure (for `optree.tree_unflatten`); per component in flattening
+        order, a tuple with the slice of each requested replica; the batch size.
 
     Raises:
         ValueError, TypeError: see `batch_size_of`; also a replica id out of range.
     """
-    paths, leaves, structure = _flatten(batch)
-    size = _batch_size(paths, leaves, num_replicas)
+    leaves, structure, size = _flatten_sized(batch, num_replicas)
     bounds = split_bounds(size, num_replicas)
     ids = range(num_replicas) if replica_ids is None else replica_ids
     for replica in ids:
@@ -186,7 +212,7 @@ def split_batch_leaves(
                 f"expected ids in [0, {num_replicas})"
             )
     sliced = [tuple(leaf[bounds[r][0] : bounds[r][1]] for r in ids) for leaf in leaves]
-    return structure, sliced
+    return structure, sliced, size
 
 
 def split_batch(
@@ -207,7 +233,7 @@ def split_batch(
         >>> [part["x"].tolist() for part in split_batch({"x": np.arange(7)}, 3)]
         [[0, 1, 2], [3, 4], [5, 6]]
     """
-    structure, sliced = split_batch_leaves(batch, num_replicas, replica_ids)
+    structure, sliced, _ = split_batch_leaves(batch, num_replicas, replica_ids)
     count = len(range(num_replicas) if replica_ids is None else replica_ids)
     return [
         optree.tree_unflatten(structure, [components[j] for components in sliced])

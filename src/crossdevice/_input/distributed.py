@@ -25,13 +25,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import optree
 
 from crossdevice._arrays import backend_for, is_array, is_torch
 from crossdevice._core import context, nest
 from crossdevice._core.devices import canonicalize
 from crossdevice._input.agreement import PassAgreement, StepSync, exact_length
-from crossdevice._input.batching import batch_size_of, split_batch_leaves
+from crossdevice._input.batching import split_batch_leaves
 from crossdevice._input.input_context import (
     InputContext,
     InputOptions,
@@ -106,9 +105,20 @@ def _place(tree: Any, device: str, fetch_to_device: bool) -> Any:
     """Move every array of `tree` to `device` (host arrays on CPU devices stay put)."""
     if not fetch_to_device:
         return tree
-    return nest.map_structure(
-        lambda x: backend_for(x).to_device(x, device) if is_array(x) else x, tree
-    )
+    host = _is_host(device)
+    return nest.map_structure(lambda x: _place_leaf(x, device, host), tree)
+
+
+def _is_host(device: str) -> bool:
+    """Whether `device` keeps arrays in host memory (a CPU device: `to_device` keeps them)."""
+    return "GPU" not in device
+
+
+def _place_leaf(x: Any, device: str, host: bool) -> Any:
+    """One component moved to `device`; on a host device, a host array as it is."""
+    if host and (type(x) is np.ndarray or (is_torch(x) and x.device.type == "cpu")):
+        return x  # what `to_device` returns, without asking the backend per step
+    return backend_for(x).to_device(x, device) if is_array(x) else x
 
 
 def _empty_like(tree: Any, replica: int) -> Any:
@@ -148,6 +158,7 @@ class _Layout:
         self.replica_ids = range(first, first + self.num_local)
         # TF `_always_wrap`: multi-worker, or more than one local device.
         self.wrap = num_workers > 1 or self.num_local > 1
+        self._host = tuple(_is_host(d) for d in self.devices)
 
     def regroup(self, per_replica: Sequence[Any]) -> Any:
         """One nest per local replica → one nest of `PerReplica` (or the plain nest)."""
@@ -164,7 +175,29 @@ class _Layout:
                 f"{first} (replica 0), got {spec} for local replica {i}"
             ),
         )
-        wrapped = [PerReplica(components, devices=self.devices) for components in columns]
+        return self._wrap_columns(structure, columns)
+
+    def regroup_leaves(self, structure: Any, columns: Sequence[Sequence[Any]]) -> Any:
+        """`regroup` of one batch split by `split_batch_leaves`: leaf k's slices in column k.
+
+        The per-replica nests share `structure` by construction: nothing to compare.
+        """
+        if self.fetch_to_device:
+            places = list(zip(self.devices, self._host, strict=True))
+            columns = [
+                tuple(
+                    _place_leaf(x, device, host)
+                    for x, (device, host) in zip(column, places, strict=True)
+                )
+                for column in columns
+            ]
+        if not self.wrap:
+            return nest.unflatten(structure, [column[0] for column in columns])
+        return self._wrap_columns(structure, columns)
+
+    def _wrap_columns(self, structure: Any, columns: Sequence[Sequence[Any]]) -> Any:
+        # The devices are this layout's canonical ones, one per component.
+        wrapped = [PerReplica._from_parts(tuple(column), self.devices) for column in columns]
         return nest.unflatten(structure, wrapped)
 
 
@@ -362,17 +395,16 @@ class DistributedDataset:
             if not agreement[0].goes_on(batch is not _END):
                 tracker.end()
                 raise StopIteration
-            if batch is _END:
+            ended = batch is _END
+            if ended:
                 batch = _empty_step(last[0])
-            else:
-                tracker.advance(batch_size_of(batch, layout.num_global))
             last[0] = batch
-            structure, sliced = split_batch_leaves(batch, layout.num_global, layout.replica_ids)
-            per_replica = [
-                optree.tree_unflatten(structure, [components[j] for components in sliced])
-                for j in range(layout.num_local)
-            ]
-            return layout.regroup(per_replica)
+            structure, sliced, size = split_batch_leaves(
+                batch, layout.num_global, layout.replica_ids
+            )
+            if not ended:
+                tracker.advance(size)
+            return layout.regroup_leaves(structure, sliced)
 
         return DistributedIterator(next_step, tracker)
 

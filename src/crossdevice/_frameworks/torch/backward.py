@@ -35,8 +35,11 @@ from crossdevice._frameworks.torch.gradients import GradientSync
 
 __all__ = ["register"]
 
-# strategy -> its mirrored modules' gradient syncs
-_SYNCS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[GradientSync]] = weakref.WeakKeyDictionary()
+# strategy -> its mirrored modules' gradient syncs, held weakly, in registration order (the
+# order every worker's passes end in: the same on all of them)
+_SYNCS: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[GradientSync], ...]] = (
+    weakref.WeakKeyDictionary()
+)
 _SYNCS_LOCK: Final = threading.Lock()
 _MEAN_REDUCTION: Final = 1  # torch's Reduction::Mean, as saved on loss backward nodes
 _THROUGH: Final = ("AddBackward0", "SubBackward0")  # a sum of terms: look at each
@@ -52,10 +55,10 @@ _PASS: Final = _Pass()
 def register(strategy: Any, sync: GradientSync) -> None:
     """Tell the backward passes of `strategy`'s replicas about `sync` (held weakly)."""
     with _SYNCS_LOCK:
-        syncs = _SYNCS.get(strategy)
-        if syncs is None:
-            syncs = _SYNCS[strategy] = weakref.WeakSet()
-        syncs.add(sync)
+        alive = tuple(ref for ref in _SYNCS.get(strategy, ()) if ref() is not None)
+        if not any(ref() is sync for ref in alive):
+            alive += (weakref.ref(sync),)
+        _SYNCS[strategy] = alive
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,7 +74,9 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         replica = frame.local_replica_id
         assert replica is not None
-        syncs = [s for s in _SYNCS.get(frame.strategy, ()) if s.enabled]
+        syncs = [
+            s for ref in _SYNCS.get(frame.strategy, ()) if (s := ref()) is not None and s.enabled
+        ]
         if syncs:
             _warn_local_mean(args[0] if args else kwargs.get("tensors"), syncs, frame.strategy)
         for sync in syncs:

@@ -33,7 +33,7 @@ from crossdevice._comm.protocol import Done, Pending, Then
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.replica import ReplicaContext, all_reduce_async
 
-__all__ = ["Reduced", "flat_reducible", "issue", "issue_flat"]
+__all__ = ["FlatPlan", "Reduced", "flat_reducible", "issue", "issue_flat", "needs_graph", "uniform"]
 
 #: What a bucket's all-reduce gives: (each parameter's reduced gradient, in bucket order;
 #: how many replicas had a gradient for each, as a tensor; whether the gradients lie in
@@ -47,6 +47,7 @@ def issue_flat(
     grads: Sequence[torch.Tensor | None],
     params: Sequence[torch.nn.Parameter],
     wire_dtype: torch.dtype | None,
+    plan: FlatPlan | None = None,
 ) -> Pending | None:
     """Issue a bucket's all-reduce as one flat buffer reduced where it lies (`Reduced`).
 
@@ -57,17 +58,20 @@ def issue_flat(
             arrived: it adds zeros, and its `used` flag is 0); `flat_reducible`.
         params: the bucket's parameters (shapes, dtypes, devices).
         wire_dtype: the dtype gradients travel in between workers (None: their own).
+        plan: `FlatPlan(params)`, kept from step to step by the caller (None: made now).
 
     Returns:
         The pending all-reduce, or None where the strategy has no such path (nothing
         was issued: take `issue`).
     """
+    if plan is None:
+        plan = FlatPlan(params)
     reduce_flat = ctx.strategy.extended._replica_reduce_flat_async  # type: ignore[attr-defined]
     replica = ctx.replica_id_in_sync_group
-    pending = reduce_flat(replica, op, _parts(grads, params), _leaves(params), wire_dtype)
+    pending = reduce_flat(replica, op, plan.parts(grads, params), plan.leaves, wire_dtype)
     if pending is None:
         return None
-    return Then([pending], lambda total: _views(total, params))
+    return Then([pending], plan.views)
 
 
 def issue(
@@ -99,39 +103,74 @@ def flat_reducible(
     """Whether a bucket may take the flat path: one floating dtype and device, no graph."""
     if not hasattr(extended, "_replica_reduce_flat_async"):
         return False
+    return uniform(params) and not needs_graph(grads)
+
+
+def uniform(params: Sequence[torch.nn.Parameter]) -> bool:
+    """Whether the parameters share one floating dtype and one device (a flat buffer)."""
     first = params[0]
     if not first.dtype.is_floating_point:
         return False
-    for p in params:
-        if p.dtype != first.dtype or p.device != first.device:
-            return False
-    # Gradients that require grad (create_graph=True) are routed through autograd.
-    return not any(g is not None and g.requires_grad for g in grads)
+    return all(p.dtype == first.dtype and p.device == first.device for p in params)
 
 
-def _parts(
-    grads: Sequence[torch.Tensor | None], params: Sequence[torch.nn.Parameter]
-) -> list[torch.Tensor]:
-    """The bucket's gradients flattened, in order, then the `used` flags (one flat buffer)."""
-    first = params[0]
-    parts = [
-        p.new_zeros(p.numel()) if g is None else g.reshape(-1)
-        for g, p in zip(grads, params, strict=True)
-    ]
-    parts.append(
-        torch.tensor([g is not None for g in grads], dtype=first.dtype, device=first.device)
-    )
-    return parts
+def needs_graph(grads: Sequence[torch.Tensor | None]) -> bool:
+    """Whether a gradient requires grad (create_graph=True): autograd must route it."""
+    return any(g is not None and g.requires_grad for g in grads)
 
 
-def _leaves(params: Sequence[torch.nn.Parameter]) -> tuple[Any, ...]:
-    """What the flat buffer holds, for the workers to compare: each shape and dtype."""
-    return (*((tuple(p.shape), str(p.dtype)) for p in params), ("used", len(params)))
+class FlatPlan:
+    """What a flat bucket's all-reduce needs that stays the same from step to step.
 
+    The buffer's layout: the gradients flattened, in bucket order, then the `used`
+    flags. A bucket's plan is made once and kept while its parameters keep their shapes
+    and dtype (`fits`): per step, only the gradients are read.
 
-def _views(total: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> Reduced:
-    """Each parameter's reduced gradient as a view into the reduced flat buffer."""
-    # The buffer's layout (`_parts`): the gradients in the parameters' shapes, then the
-    # `used` flags.
-    *grads, used = Pack.of([*(tuple(p.shape) for p in params), (len(params),)]).unpack(total)
-    return grads, used, False
+    Args:
+        params: the bucket's parameters (`uniform`).
+    """
+
+    __slots__ = ("_all_used", "_dtype", "_pack", "_shapes", "leaves")
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        first = params[0]
+        self._dtype = first.dtype
+        self._shapes = tuple(p.shape for p in params)
+        #: What the flat buffer holds, for the workers to compare: each shape and dtype.
+        self.leaves = (
+            *((tuple(p.shape), str(p.dtype)) for p in params),
+            ("used", len(params)),
+        )
+        self._pack = Pack.of([*(tuple(s) for s in self._shapes), (len(params),)])
+        # The flags when every gradient arrived, kept from step to step: the strategy only
+        # reads the parts (`reduce_flat_async` copies them into its flat buffer).
+        self._all_used = torch.ones(len(params), dtype=first.dtype, device=first.device)
+
+    def fits(self, params: Sequence[torch.nn.Parameter]) -> bool:
+        """Whether `params` still have the shapes and dtype this plan was made for."""
+        dtype = self._dtype
+        return len(params) == len(self._shapes) and all(
+            p.dtype == dtype and p.shape == shape
+            for p, shape in zip(params, self._shapes, strict=True)
+        )
+
+    def parts(
+        self, grads: Sequence[torch.Tensor | None], params: Sequence[torch.nn.Parameter]
+    ) -> list[torch.Tensor]:
+        """The bucket's gradients flattened, in order, then the `used` flags."""
+        parts = [
+            p.new_zeros(p.numel()) if g is None else g.reshape(-1)
+            for g, p in zip(grads, params, strict=True)
+        ]
+        if any(g is None for g in grads):
+            first = params[0]
+            flags = [g is not None for g in grads]
+            parts.append(torch.tensor(flags, dtype=first.dtype, device=first.device))
+        else:
+            parts.append(self._all_used)
+        return parts
+
+    def views(self, total: Any) -> Reduced:
+        """Each parameter's reduced gradient as a view into the reduced flat buffer."""
+        *grads, used = self._pack.unpack(total)
+        return grads, used, False

@@ -42,6 +42,7 @@ when the outermost `backward()` returns, with the same buckets, order and result
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -52,6 +53,7 @@ from crossdevice._arrays.packing import group_by_size
 from crossdevice._comm.protocol import Pending
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._frameworks.torch import buckets
+from crossdevice._frameworks.torch.buckets import FlatPlan
 from crossdevice._strategies.context import get_replica_context
 from crossdevice._sync import waiting as cooperative
 
@@ -74,6 +76,8 @@ class _Layout:
 
     buckets: list[list[int]]  # positions in the replica's parameter list, reduction order
     bucket_of: list[int]  # bucket of each parameter, -1 for a frozen one
+    # (replica, bucket) -> the bucket's flat all-reduce layout, made at its first use.
+    flat: dict[tuple[int, int], FlatPlan] = dataclasses.field(default_factory=dict)
 
 
 class _ReplicaState:
@@ -268,12 +272,10 @@ class GradientSync:
 
     # --- hooks ----------------------------------------------------------------------------
     def _hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(replica, index)
+        # A partial, not a closure: one Python frame per gradient, not two.
+        return functools.partial(self._on_grad_ready, replica, index)
 
-        return hook
-
-    def _on_grad_ready(self, replica: int, index: int) -> None:
+    def _on_grad_ready(self, replica: int, index: int, param: Any = None) -> None:
         state = self._states[replica]
         current = self._replica_index()
         if current is not None and current != replica:
@@ -318,7 +320,11 @@ class GradientSync:
             state.seen[index] = True
             state.ready[bucket] += 1
         if not state.deferred and current == replica:
-            self._reduce_ready(replica, final=False)
+            # `_reduce_ready`'s own first test, here: most gradients complete no bucket.
+            b = state.next_bucket
+            layout_buckets = state.layout.buckets
+            if b < len(layout_buckets) and state.ready[b] >= len(layout_buckets[b]):
+                self._reduce_ready(replica, final=False)
 
     def _reduce_ready(self, replica: int, final: bool) -> None:
         state = self._states[replica]
@@ -329,24 +335,24 @@ class GradientSync:
             if not final and state.ready[b] < len(buckets[b]):
                 return
             state.next_bucket += 1
-            self._reduce_bucket(replica, buckets[b])
+            self._reduce_bucket(replica, b)
 
-    def _reduce_bucket(self, replica: int, bucket: list[int]) -> None:
-        """Issue the bucket's all-reduce; `_finish` gives the parameters its results."""
+    def _reduce_bucket(self, replica: int, b: int) -> None:
+        """Issue bucket `b`'s all-reduce; `_finish` gives the parameters its results."""
         params = self._params[replica]
         state = self._states[replica]
+        assert state.layout is not None
+        bucket = state.layout.buckets[b]
         grads = [params[i].grad for i in bucket]  # only the parts not reduced yet
         like = [params[i] for i in bucket]
         ctx = get_replica_context()
         assert ctx is not None  # passes only begin inside a replica
         pending = None
-        if (
-            self._flat
-            and not self.shared
-            and buckets.flat_reducible(ctx.strategy.extended, grads, like)
-        ):
-            pending = buckets.issue_flat(ctx, self._op, grads, like, self.gradient_dtype)
-            self._flat = pending is not None  # the strategy's layout does not change
+        if self._flat and not self.shared:
+            plan = self._flat_plan(ctx, state.layout, replica, b, like)
+            if plan is not None and not buckets.needs_graph(grads):
+                pending = buckets.issue_flat(ctx, self._op, grads, like, self.gradient_dtype, plan)
+                self._flat = pending is not None  # the strategy's layout does not change
         if pending is None:
             pending = buckets.issue(ctx, self._op, grads, like, self.shared)
         if not state.pending and pending.done():
@@ -355,6 +361,25 @@ class GradientSync:
             self._assign(replica, bucket, pending.wait())
         else:
             state.pending.append((bucket, pending))
+
+    def _flat_plan(
+        self, ctx: Any, layout: _Layout, replica: int, b: int, like: list[torch.nn.Parameter]
+    ) -> FlatPlan | None:
+        """Bucket `b`'s flat layout (`buckets.FlatPlan`), or None where it has none.
+
+        Made once per bucket and kept while its parameters keep their shapes and dtype
+        (a module cast to another dtype gets new plans).
+        """
+        plan = layout.flat.get((replica, b))
+        if plan is not None and plan.fits(like):
+            return plan
+        if not hasattr(ctx.strategy.extended, "_replica_reduce_flat_async"):
+            self._flat = False  # no strategy of this module's offers the path
+            return None
+        if not buckets.uniform(like):
+            return None  # several dtypes or devices: `ReplicaContext.all_reduce` packs them
+        plan = layout.flat[(replica, b)] = FlatPlan(like)
+        return plan
 
     def _finish(self, replica: int) -> None:
         """Wait for the pass's bucket all-reduces, in order; their results become `.grad`."""
@@ -367,12 +392,14 @@ class GradientSync:
         params = self._params[replica]
         state = self._states[replica]
         reduced, users, one_buffer = result
+        # One read of the flags, not one 0-d tensor and comparison per parameter.
+        used = users.tolist()
         with torch.no_grad():
             for k, index in enumerate(bucket):
                 param = params[index]
                 base = state.base[index]
                 state.base[index] = None
-                if users[k] == 0:
+                if used[k] == 0:
                     param.grad = base  # no replica had a gradient: as it was before
                     state.synced[index] = base is not None
                     continue

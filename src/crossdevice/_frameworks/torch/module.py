@@ -17,6 +17,7 @@ during backward (`gradients.py`), buffers combine after each forward as declared
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -162,7 +163,7 @@ class MirroredModule(torch.nn.Module):
             names,
             op,
             bucket_cap_bytes,
-            lambda: local_replica_index(strategy),
+            functools.partial(local_replica_index, strategy),
             strategy.num_replicas_in_sync,
             shared,
         )
@@ -172,7 +173,8 @@ class MirroredModule(torch.nn.Module):
         mirror = ReplicaMirror(replicas, buffers, shared)
         state["_mirror"] = mirror
         backward.register(strategy, sync)
-        strategy.extended._sections.add(mirror)
+        if len(replicas) > 1:  # one copy has nothing to keep in step: no per-run calls
+            strategy.extended._sections.add(mirror)
         self.training = replicas[0].training
         torch_guard.mark(self, strategy, None)
         for index, replica in enumerate(replicas):
