@@ -39,6 +39,7 @@ from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device import inputs, results
 from crossdevice._cross_device.base import CrossDeviceOps
 from crossdevice._cross_device.destinations import get_devices_from
+from crossdevice._cross_device.flat import FlatRoute, FlatRoutes, numpy_dtype, total_numel
 from crossdevice._sync.call import CallSignature
 from crossdevice._values.values import DistributedValues
 
@@ -128,6 +129,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._options = CommunicationOptions().merge(options)
         self._pool = BufferPool()
         self._last_merge: tuple[Any, CommunicationOptions] | None = None
+        self._flat_routes = FlatRoutes(self._flat_route)
 
     @property
     def _num_between_graph_workers(self) -> int:
@@ -372,46 +374,56 @@ class CollectiveAllReduce(CrossDeviceOps):
         and none per addition (DDP's bf16 hook adds in bf16). That path gathers
         synchronously: it completes before this returns.
         """
+        import torch
+
         comm = self._communicator
         assert comm is not None  # the strategy offers this path only across workers
+        if type(parts) is not list and type(parts) is not tuple:
+            parts = list(parts)
+        first = parts[0]
+        route = self._flat_routes.route(reduce_op, options, site, leaves, wire_dtype, first)
+        room_dtype = route.room_dtype
+        if room_dtype is not None:
+            room = comm.pack_buffer(room_dtype, total_numel(parts))
+            flat = torch.cat(parts, out=torch.from_numpy(room))
+        else:
+            flat = torch.cat(parts)
+        if route.reduce is None:
+            summed = self._compressed_sum(flat, wire_dtype, route.merged, route.signature)
+            pending: Pending = Done([summed])
+        else:
+            pending = comm.all_reduce_async([flat], route.reduce, donate=True)
+        return Then([pending], route.deliver)
+
+    def _flat_route(
+        self,
+        reduce_op: ReduceOp,
+        options: CommunicationOptions | None,
+        site: object,
+        leaves: tuple[Any, ...],
+        wire_dtype: Any,
+        first: Any,
+    ) -> FlatRoute:
+        """What `reduce_flat_async` decides for a call like this one (`flat.py`)."""
         merged = self._merged(options)
-        flat = self._flat_buffer(parts)
-        if wire_dtype is not None and (wire_dtype != flat.dtype or flat.element_size() < 4):
+        signature = None
+        reduce = None
+        if wire_dtype is not None and (wire_dtype != first.dtype or first.element_size() < 4):
             # Narrower on the wire, or half-precision gradients sent as they are: either
             # way added in float32 (Gloo would add them in their own precision).
             # The workers compare what the rows stand for (op, leaves, call site) as an
             # all-reduce would: a gather alone would add any rows of the same length.
             signature = CallSignature("all_reduce", reduce_op.name, None, leaves, site=site)
-            summed = self._compressed_sum(flat, wire_dtype, merged, signature)
-            pending: Pending = Done([summed])
         else:
             reduce = _reduction(reduce_op.name, leaves, site, merged.timeout_seconds, True)
-            pending = comm.all_reduce_async([flat], reduce, donate=True)
         workers = self._num_between_graph_workers
 
         def deliver(totals: list[Any]) -> Any:
             total = totals[0]
-            if reduce_op == ReduceOp.MEAN:
-                total = backend_for(total).divide(total, workers)
-            return total
+            return backend_for(total).divide(total, workers) if mean else total
 
-        return Then([pending], deliver)
-
-    def _flat_buffer(self, parts: Sequence[Any]) -> Any:
-        """`torch.cat(parts)`, into a `pack_buffer` where NumPy has the dtype (host)."""
-        import torch
-
-        first = parts[0]
-        comm = self._communicator
-        assert comm is not None
-        if first.device.type == "cpu":
-            try:
-                dtype = np.dtype(str(first.dtype).removeprefix("torch."))
-            except TypeError:  # bfloat16: NumPy has none
-                return torch.cat(list(parts))
-            room = comm.pack_buffer(dtype, sum(p.numel() for p in parts))
-            return torch.cat(list(parts), out=torch.from_numpy(room))
-        return torch.cat(list(parts))
+        mean = reduce_op == ReduceOp.MEAN
+        return FlatRoute(leaves, options, merged, reduce, signature, numpy_dtype(first), deliver)
 
     def _compressed_sum(
         self,

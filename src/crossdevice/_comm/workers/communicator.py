@@ -318,7 +318,7 @@ class ProcessGroupCommunicator:
             checked = self._guard(
                 call,
                 lambda: self._integrity.start(
-                    call, header, plan.layout, job, lambda: describe_wires(plan.wires)
+                    call, header, plan.layout, job, lambda: describe_wires(plan.wires), plan.history
                 ),
             )
         results = plan.results

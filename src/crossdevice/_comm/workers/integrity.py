@@ -87,6 +87,7 @@ class Integrity:
         layout: Layout | None,
         job: Callable[[Layout | None], Job],
         detail: Callable[[], str],
+        history: bytes | None = None,
     ) -> Checked:
         """Start an all-reduce of encoded fingerprint `header`; `Checked.finish` has the sums.
 
@@ -94,6 +95,7 @@ class Integrity:
         Else the headers are exchanged and checked first, then the data leaves. `layout`
         is this call's host layout (None: CUDA values); `job(sent)` makes the transport's
         job for the layout sent, with this worker's buffers (None: its own layout).
+        `history`: `Predictor.history` of `header` on every worker, if known already.
         """
         call.fingerprint = header  # for the flight recorder
         predicted = self._predict()
@@ -104,7 +106,9 @@ class Integrity:
             checked = Checked(self, call, header, layout, job, detail, sent, flight)
             # What the predictor learns if every header agrees, worked out while the data
             # travels (after the wait, this process's caches are Gloo's).
-            checked.history = self.predictor.history([header] * self._standing.world_size)
+            if history is None:
+                history = self.predictor.history([header] * self._standing.world_size)
+            checked.history = history
             return checked
         self._exchange(call, header, detail, learn=layout)
         data = self._data(call, layout, job)

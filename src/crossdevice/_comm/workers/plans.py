@@ -24,6 +24,7 @@ import torch
 
 from crossdevice._comm.protocol import ReduceOptions
 from crossdevice._comm.workers.fingerprint import ReductionPrints
+from crossdevice._comm.workers.speculation import Predictor
 from crossdevice._comm.workers.transport import Layout, host_layout
 from crossdevice._comm.workers.wire import Wire, divide, donation
 
@@ -52,6 +53,9 @@ class ReducePlan:
         template: the encoded fingerprint, sequence number 0.
         direct: per value, whether it comes back as a NumPy view of its wire buffer (a
             host NumPy value sent in its own dtype).
+        history: what the predictor learns of this call when every worker's header is
+            this one (`Predictor.history`: the sequence number is left out).
+        flat: per value, whether its shape is 1-D (its flat result needs no reshape).
     """
 
     options: Any
@@ -64,6 +68,8 @@ class ReducePlan:
     sizes: list[int]
     template: np.ndarray
     direct: tuple[bool, ...]
+    history: bytes
+    flat: tuple[bool, ...]
 
     def tensors(self, values: Sequence[Any]) -> list[torch.Tensor]:
         """The values' memory as flat tensors, as the general path would send them."""
@@ -80,11 +86,17 @@ class ReducePlan:
         sums = iter(outputs)
         # NumPy results of their own wire dtype are NumPy views (the work after a wait runs
         # with cold caches, where each torch call costs several times what NumPy's does).
+        # A transport's outputs are flat and exactly as long as their values: a 1-D
+        # value's is its result's shape already.
         reduced = [
             (next(sums) if n else w.tensor).numpy().reshape(w.shape)
             if direct
-            else w.result((next(sums) if n else w.tensor).view(w.shape))
-            for w, n, direct in zip(self.wires, self.sizes, self.direct, strict=True)
+            else w.result(
+                next(sums) if n and flat else (next(sums) if n else w.tensor).view(w.shape)
+            )
+            for w, n, direct, flat in zip(
+                self.wires, self.sizes, self.direct, self.flat, strict=True
+            )
         ]
         count = self.count
         return reduced if count is None else [divide(r, count) for r in reduced]
@@ -120,8 +132,21 @@ def make_plan(
         w.kind == "numpy" and w.tensor.dtype == w.dtype and w.tensor.device.type == "cpu"
         for w in wires
     )
+    history = Predictor.history([template] * world_size)
+    flat = tuple(len(w.shape) == 1 for w in wires)
     plan = ReducePlan(
-        options, opts, count, tuple(wires), ours, layout, own, sizes, template, direct
+        options,
+        opts,
+        count,
+        tuple(wires),
+        ours,
+        layout,
+        own,
+        sizes,
+        template,
+        direct,
+        history,
+        flat,
     )
     return plan, tensors
 

@@ -149,16 +149,16 @@ class Predictor:
         return buffers
 
 
-def header_apart(layout: Layout) -> bool:
+def header_apart(layout: Layout, cut: tuning.Tuning | None = None) -> bool:
     """Whether `layout`'s inline header travels apart, not behind its first buffer.
 
     A first buffer of `TUNING.header_apart_min_bytes` or more keeps no header behind
     it: its header travels in a small float64 all-reduce of its own, issued just before
     the data, so that a donated buffer is reduced where it lies instead of being copied
-    next to room for the header.
+    next to room for the header. `cut`: the tuning in force (None: `TUNING`).
     """
     dtype, numel = layout[0]
-    return numel * dtype.itemsize >= tuning.TUNING.header_apart_min_bytes
+    return numel * dtype.itemsize >= (cut or tuning.TUNING).header_apart_min_bytes
 
 
 #: One op of the predicted all-reduce: the tensor to send and the data range it holds,
@@ -181,9 +181,10 @@ def speculative_ops(
     ops: list[Op] = []
     mine: list[int] | None = None
     slots: torch.Tensor | None = None
+    apart, spans = _op_spans(layout, tuning.TUNING)
     if header is not None:
         mine = inline_header(header)
-        if header_apart(layout):
+        if apart:
             slots = torch.tensor(mine, dtype=torch.float64)
             ops.append((slots, None))
         else:
@@ -192,16 +193,34 @@ def speculative_ops(
                 slots.numpy()[:] = mine
             else:  # pragma: no cover - host layouts only carry inline headers
                 slots.copy_(torch.tensor(mine, dtype=slots.dtype))
-    cut = tuning.TUNING
-    for index, ((dtype, numel), tensor) in enumerate(zip(layout, tensors, strict=True)):
+    for index, start, stop, last, span in spans:
+        tensor = tensors[index]
+        if last and not start:  # the whole buffer, any room behind it included
+            ops.append((tensor, span))
+        else:  # the last chunk takes any room
+            ops.append((tensor[start : tensor.numel() if last else stop], span))
+    return ops, slots, mine
+
+
+#: (buffer, start, stop, whether it is the buffer's last chunk, the op's data range).
+_Span = tuple[int, int, int, bool, tuple[int, int, int]]
+
+
+@functools.lru_cache(maxsize=64)
+def _op_spans(layout: Layout, cut: tuning.Tuning) -> tuple[bool, tuple[_Span, ...]]:
+    """(`header_apart(layout)`, the chunks `speculative_ops` sends) under tuning `cut`.
+
+    Worked out once per layout and tuning: a training step repeats its layouts.
+    """
+    spans: list[_Span] = []
+    for index, (dtype, numel) in enumerate(layout):
         step = numel
         if numel * dtype.itemsize >= cut.pipeline_min_bytes:
             step = cut.chunk_bytes // dtype.itemsize
         for start in range(0, numel, step):
             stop = min(start + step, numel)
-            end = tensor.numel() if stop == numel else stop  # the last takes any room
-            ops.append((tensor[start:end], (index, start, stop)))
-    return ops, slots, mine
+            spans.append((index, start, stop, stop == numel, (index, start, stop)))
+    return header_apart(layout, cut), tuple(spans)
 
 
 @functools.lru_cache(maxsize=256)
@@ -244,8 +263,10 @@ class RoomPool:
 
     def take(self, dtype: np.dtype, numel: int) -> np.ndarray:
         """`numel` elements (contents undefined), with `INLINE_SLOTS` more behind them."""
-        room = self._pool.take(np.dtype(dtype), numel + INLINE_SLOTS)
-        self._rooms[room.ctypes.data] = room
+        room = self._pool.take(dtype, numel + INLINE_SLOTS)
+        address = room.ctypes.data
+        if self._rooms.get(address) is not room:  # a recycled buffer is known already
+            self._rooms[address] = room
         return room[:numel]
 
     def buffer(self, dtype: torch.dtype, numel: int, *, known: bool = True) -> torch.Tensor:
