@@ -83,7 +83,19 @@ def _cached_reduction(
     return ReduceOptions(ReduceOp.SUM, timeout, signature=signature, overlap=overlap)
 
 
-_basename = functools.lru_cache(maxsize=256)(os.path.basename)
+#: `_file_kind`'s verdicts on a frame's file: walk on past it, or stop (no site).
+_WALK: Final = 0
+_STOP: Final = 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _file_kind(name: str) -> str | int:
+    """What `call_site` makes of a frame of file `name`: `_WALK`, `_STOP`, or its base name."""
+    if name == _RUNNER_FILE or name.startswith("<frozen"):
+        return _STOP
+    if name.startswith(_PACKAGE_DIR) or name == _THREADING_FILE:
+        return _WALK
+    return os.path.basename(name)
 
 
 def call_site() -> tuple[str, str, int] | None:
@@ -100,13 +112,10 @@ def call_site() -> tuple[str, str, int] | None:
     """
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if name == _RUNNER_FILE:
-            return None
-        if not name.startswith(_PACKAGE_DIR) and name != _THREADING_FILE:
-            if name.startswith("<frozen"):
-                return None
-            return _basename(name), frame.f_code.co_name, frame.f_lineno
+        code = frame.f_code
+        kind = _file_kind(code.co_filename)
+        if kind != _WALK:
+            return None if kind == _STOP else (kind, code.co_name, frame.f_lineno)  # type: ignore[return-value]
         frame = frame.f_back
     return None
 

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["MAX_ROUTES", "FlatRoute", "FlatRoutes"]
+__all__ = ["MAX_ROUTES", "FlatRoute", "FlatRoutes", "numpy_dtype", "total_numel"]
 
 #: Routes kept (a model has a handful of buckets); the table is emptied when full.
 MAX_ROUTES: Final = 64
@@ -99,4 +99,4 @@ def numpy_dtype(first: Any) -> np.dtype | None:
 
 def total_numel(parts: Sequence[Any]) -> int:
     """The number of elements of all `parts`."""
-    return sum([p.numel() for p in parts])
+    return sum(map(type(parts[0]).numel, parts))  # torch tensors' method, unbound

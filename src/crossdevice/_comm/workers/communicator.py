@@ -459,7 +459,7 @@ class ProcessGroupCommunicator:
         flight recorder) read as if it had been made (`crossdevice._input.agreement`).
         """
         with self._collective("has_data", None) as call:
-            self._guard(call, lambda: None)  # ended at once (the flight recorder, a trace)
+            self._sequencer.ended(call)  # at once (the flight recorder, a trace)
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait until every worker reaches this barrier (a numbered collective)."""
@@ -584,8 +584,8 @@ class ProcessGroupCommunicator:
     def _collective(self, name: str, timeout: float | None) -> Any:
         """The sequencer's numbered collective, bounded by `timeout` (at most ours)."""
         # The groups' own timeout (ours + slack) was fixed at construction.
-        bound = self.timeout if not timeout else min(self.timeout, timeout)
-        return self._sequencer.collective(name, bound)
+        bound = self._options.timeout_seconds or tuning.TUNING.default_timeout_seconds
+        return self._sequencer.collective(name, min(bound, timeout) if timeout else bound)
 
     def _guard(self, call: Call, run: Callable[[], Any]) -> Any:
         return self._sequencer.guard(call, run)

@@ -25,7 +25,7 @@ from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.speculation import (
     Predictor,
     RoomPool,
-    header_apart,
+    header_room,
     inline_agrees,
     speculative_ops,
 )
@@ -113,7 +113,7 @@ class ProcessGroupTransport:
         buffers = job.buffers
         if buffers is None:
             return self._predictor.zeros(job.layout), None
-        roomy = job.header is not None and not header_apart(job.layout)
+        roomy = job.header is not None and header_room(job.layout)
         live: list[torch.Tensor] = []
         sent: list[torch.Tensor] = []
         for t, mine in zip(buffers, job.donated, strict=True):

@@ -239,7 +239,9 @@ class HealthBoard:
     def wait_works(self, call: Call, works: Sequence[Any]) -> None:
         """`wait` for each of a process group's pending collective works, in order."""
         for work in works:
-            self.wait(call, functools.partial(_work_done, work))
+            # A work that completed needs no watching: its wait returns (or raises) at once.
+            if not (work.is_completed() and _work_done(work, tuning.TUNING.min_wait_seconds)):
+                self.wait(call, functools.partial(_work_done, work))
 
     def wait_messages(self, call: Call, works: Sequence[Any]) -> None:
         """Wait for each pending point-to-point work (a send, a receive), in order.

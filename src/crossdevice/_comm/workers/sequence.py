@@ -100,9 +100,13 @@ class Sequencer:
                 "nothing can pair up with the other workers any more: build a new strategy "
                 "(or communicator) on every worker"
             )
-        self.hold(name)
+        if not self.lock.acquire(blocking=False):
+            self.hold(name)  # raises: another thread holds it
         try:
-            self.settle()
+            current = self.pending  # `settle()`, inline: it runs on every collective
+            if current is not None:
+                self.pending = None
+                current.complete()
             self.seq += 1
             self._health.reached = self.seq  # published by the board's thread
             call = Call(name, self.seq, timeout, time.monotonic(), purpose=purpose.current())
@@ -155,6 +159,12 @@ class Sequencer:
         if _trace.on:
             _trace.worker_ended(self, call)
         return result
+
+    def ended(self, call: Call) -> None:
+        """`call` ended with nothing to run (a collective every worker skips alike)."""
+        call.ended = time.monotonic()
+        if _trace.on:
+            _trace.worker_ended(self, call)
 
     def _report(self, call: Call, error: BaseException) -> None:
         """Write a flight-recorder report of `error`, which ended `call` (it did not end)."""
@@ -212,7 +222,8 @@ class Pending:
         """The reduced values; raises what ended the all-reduce (each time it is asked)."""
         if self._finish is not None:
             sequencer = self._sequencer
-            sequencer.hold(self._call.name)
+            if not sequencer.lock.acquire(blocking=False):
+                sequencer.hold(self._call.name)  # raises: another thread holds it
             try:
                 sequencer.settle(self)
             finally:

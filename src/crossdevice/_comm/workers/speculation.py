@@ -62,6 +62,7 @@ __all__ = [
     "Predictor",
     "RoomPool",
     "header_apart",
+    "header_room",
     "inline_agrees",
     "inline_header",
     "layout_digest",
@@ -161,6 +162,15 @@ def header_apart(layout: Layout, cut: tuning.Tuning | None = None) -> bool:
     return numel * dtype.itemsize >= (cut or tuning.TUNING).header_apart_min_bytes
 
 
+def header_room(layout: Layout) -> bool:
+    """Whether `layout`'s inline header travels behind its first buffer (not apart).
+
+    `not header_apart(layout)`, remembered per layout and tuning as `speculative_ops`'
+    chunks are.
+    """
+    return not _op_spans(layout)[0]
+
+
 #: One op of the predicted all-reduce: the tensor to send and the data range it holds,
 #: (buffer, start, stop), or None for the header's own op.
 Op = tuple[torch.Tensor, tuple[int, int, int] | None]
@@ -181,7 +191,7 @@ def speculative_ops(
     ops: list[Op] = []
     mine: list[int] | None = None
     slots: torch.Tensor | None = None
-    apart, spans = _op_spans(layout, tuning.TUNING)
+    apart, spans = _op_spans(layout)
     if header is not None:
         mine = inline_header(header)
         if apart:
@@ -206,12 +216,18 @@ def speculative_ops(
 _Span = tuple[int, int, int, bool, tuple[int, int, int]]
 
 
-@functools.lru_cache(maxsize=64)
-def _op_spans(layout: Layout, cut: tuning.Tuning) -> tuple[bool, tuple[_Span, ...]]:
-    """(`header_apart(layout)`, the chunks `speculative_ops` sends) under tuning `cut`.
+def _op_spans(layout: Layout) -> tuple[bool, tuple[_Span, ...]]:
+    """(`header_apart(layout)`, the chunks `speculative_ops` sends) under the tuning in force.
 
-    Worked out once per layout and tuning: a training step repeats its layouts.
+    Worked out once per layout and tuning (a training step repeats its layouts).
     """
+    cut = tuning.TUNING
+    if _SPANS.under is not cut or len(_SPANS.spans) >= 256:
+        _SPANS.spans.clear()
+        _SPANS.under = cut
+    found = _SPANS.spans.get(layout)
+    if found is not None:
+        return found
     spans: list[_Span] = []
     for index, (dtype, numel) in enumerate(layout):
         step = numel
@@ -220,7 +236,20 @@ def _op_spans(layout: Layout, cut: tuning.Tuning) -> tuple[bool, tuple[_Span, ..
         for start in range(0, numel, step):
             stop = min(start + step, numel)
             spans.append((index, start, stop, stop == numel, (index, start, stop)))
-    return header_apart(layout, cut), tuple(spans)
+    found = header_apart(layout, cut), tuple(spans)
+    _SPANS.spans[layout] = found
+    return found
+
+
+class _Spans:
+    """`_op_spans`' table, and the tuning it was worked out under."""
+
+    def __init__(self) -> None:
+        self.under: tuning.Tuning | None = None
+        self.spans: dict[Layout, tuple[bool, tuple[_Span, ...]]] = {}
+
+
+_SPANS: Final = _Spans()
 
 
 @functools.lru_cache(maxsize=256)
