@@ -93,3 +93,26 @@ def test_mean_plans_divide_their_results() -> None:
     plan, tensors = _plan([a], "mean")
     (back,) = plan.results([t.clone() for t in tensors])
     np.testing.assert_array_equal(back, np.full(3, 2.0, np.float32))
+
+
+def test_torch_results_come_back_in_their_values_shapes() -> None:
+    # A transport's outputs are flat: a 1-D value's is its result as it is (no reshape),
+    # any other is reshaped to its value's shape.
+    values = [torch.arange(6.0).reshape(2, 3), torch.arange(4.0), torch.ones(1, 1, 2)]
+    plan, tensors = _plan(values)
+    outputs = [t.clone() for t in tensors]
+    back = plan.results(outputs)
+    assert [tuple(b.shape) for b in back] == [(2, 3), (4,), (1, 1, 2)]
+    assert back[1] is outputs[1]
+    for b, v in zip(back, values, strict=True):
+        assert torch.equal(b, v)
+
+
+def test_a_plan_knows_what_the_predictor_learns_of_its_calls() -> None:
+    # Whatever its sequence number, the header of a planned call is learnt as the plan says.
+    from crossdevice._comm.workers.speculation import Predictor
+
+    plan, _ = _plan([np.ones(3, np.float32)])
+    header = plan.template.copy()
+    header[1] = 12345
+    assert plan.history == Predictor.history([header, header])

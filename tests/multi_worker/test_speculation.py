@@ -156,3 +156,25 @@ def test_lazy_packs_fill_the_pack_or_a_slot_with_the_same_bytes() -> None:
     out16 = torch.zeros(2, dtype=torch.int16).numpy()  # bfloat16 bits, as a view
     packs.fill(1, 1, 3, out=out16)
     assert out16.tolist() == packs.flats[1][1:3].view(torch.int16).tolist()
+
+
+def test_chunks_follow_the_tuning_in_force_for_a_layout_seen_before() -> None:
+    # The split is remembered per layout: a changed tuning must split it afresh, and the
+    # old split must come back with the old tuning (every worker splits alike).
+    from crossdevice._core import tuning
+
+    numel = 4096
+    layout = ((torch.float32, numel),)
+    buffers = [torch.zeros(numel + INLINE_SLOTS)]
+    whole, _, _ = speculative_ops(layout, buffers, _header(5))
+    assert [span for _, span in whole] == [(0, 0, numel)]
+    assert whole[0][0] is buffers[0]  # one op: the whole buffer, header room and all
+    with tuning.overridden(pipeline_min_bytes=1024, chunk_bytes=4096):
+        ops, _, _ = speculative_ops(layout, buffers, _header(5))
+        assert [span for _, span in ops] == [(0, k, k + 1024) for k in range(0, numel, 1024)]
+        assert ops[-1][0].numel() == 1024 + INLINE_SLOTS  # the last chunk takes the room
+    with tuning.overridden(header_apart_min_bytes=1024):
+        ops, slots, _ = speculative_ops(layout, buffers, _header(5))
+        assert ops[0] == (slots, None)  # the header apart, as the new tuning says
+    again, _, _ = speculative_ops(layout, buffers, _header(5))
+    assert [span for _, span in again] == [(0, 0, numel)]
