@@ -19,6 +19,7 @@ The user's line that asked for a reduction is part of what the workers compare
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import sys
 import threading
@@ -82,6 +83,9 @@ def _cached_reduction(
     signature = CallSignature("all_reduce", op, None, leaves, site=site)
     return ReduceOptions(ReduceOp.SUM, timeout, signature=signature, overlap=overlap)
 
+
+#: The first of a list of results (a C function: no Python frame).
+_FIRST: Final = operator.itemgetter(0)
 
 #: `_file_kind`'s verdicts on a frame's file: walk on past it, or stop (no site).
 _WALK: Final = 0
@@ -427,11 +431,11 @@ class CollectiveAllReduce(CrossDeviceOps):
             reduce = _reduction(reduce_op.name, leaves, site, merged.timeout_seconds, True)
         workers = self._num_between_graph_workers
 
-        def deliver(totals: list[Any]) -> Any:
+        def mean(totals: list[Any]) -> Any:
             total = totals[0]
-            return backend_for(total).divide(total, workers) if mean else total
+            return backend_for(total).divide(total, workers)
 
-        mean = reduce_op == ReduceOp.MEAN
+        deliver = mean if reduce_op == ReduceOp.MEAN else _FIRST  # no Python frame for SUM
         return FlatRoute(leaves, options, merged, reduce, signature, numpy_dtype(first), deliver)
 
     def _compressed_sum(

@@ -315,7 +315,7 @@ class ProcessGroupCommunicator:
         with self._collective("all_reduce", plan.opts.timeout) as call:
             header = plan.template.copy()
             header[1] = call.seq
-            checked = self._guard(
+            checked = self._sequencer.guard(
                 call,
                 lambda: self._integrity.start(
                     call, header, plan.layout, job, lambda: describe_wires(plan.wires), plan.history

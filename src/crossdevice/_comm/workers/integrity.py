@@ -98,7 +98,8 @@ class Integrity:
         `history`: `Predictor.history` of `header` on every worker, if known already.
         """
         call.fingerprint = header  # for the flight recorder
-        predicted = self._predict()
+        predictor = self.predictor
+        predicted = predictor.predict() if self._standing.world_size <= MAX_INLINE_WORKERS else None
         if predicted:
             sent = job(predicted) if predicted == layout else Job(predicted, None)
             sent.header = header

@@ -28,8 +28,23 @@ from crossdevice._comm.workers.speculation import Predictor
 from crossdevice._comm.workers.transport import Layout, host_layout
 from crossdevice._comm.workers.wire import Wire, divide, donation
 
-__all__ = ["MAX_PLANS", "ReducePlan", "ReducePlans", "make_plan"]
+__all__ = [
+    "AS_IS",
+    "AS_NUMPY",
+    "CONVERT",
+    "MAX_PLANS",
+    "VIEW",
+    "ReducePlan",
+    "ReducePlans",
+    "make_plan",
+]
 
+
+#: How a plan makes a value's result from its flat output (`ReducePlan.how`).
+AS_NUMPY: Final = 0
+AS_IS: Final = 1
+VIEW: Final = 2
+CONVERT: Final = 3
 
 #: Plans kept per communicator (a step has a handful of distinct all-reduces); the table
 #: is emptied when full.
@@ -51,11 +66,13 @@ class ReducePlan:
         own: the layout this worker sends.
         sizes: each value's element count.
         template: the encoded fingerprint, sequence number 0.
-        direct: per value, whether it comes back as a NumPy view of its wire buffer (a
-            host NumPy value sent in its own dtype).
         history: what the predictor learns of this call when every worker's header is
             this one (`Predictor.history`: the sequence number is left out).
-        flat: per value, whether its shape is 1-D (its flat result needs no reshape).
+        how: per value, how its result is made from the transport's flat output:
+            `AS_NUMPY` (a NumPy view: a host NumPy value sent in its own dtype), `AS_IS`
+            (the output itself: a 1-D torch value sent in its own dtype, on its own
+            device), `VIEW` (the output in the value's shape: such a value of any other
+            shape), `CONVERT` (`Wire.result`: anything else).
     """
 
     options: Any
@@ -67,9 +84,8 @@ class ReducePlan:
     own: Layout
     sizes: list[int]
     template: np.ndarray
-    direct: tuple[bool, ...]
     history: bytes
-    flat: tuple[bool, ...]
+    how: tuple[int, ...]
 
     def tensors(self, values: Sequence[Any]) -> list[torch.Tensor]:
         """The values' memory as flat tensors, as the general path would send them."""
@@ -86,18 +102,18 @@ class ReducePlan:
         sums = iter(outputs)
         # NumPy results of their own wire dtype are NumPy views (the work after a wait runs
         # with cold caches, where each torch call costs several times what NumPy's does).
-        # A transport's outputs are flat and exactly as long as their values: a 1-D
-        # value's is its result's shape already.
-        reduced = [
-            (next(sums) if n else w.tensor).numpy().reshape(w.shape)
-            if direct
-            else w.result(
-                next(sums) if n and flat else (next(sums) if n else w.tensor).view(w.shape)
-            )
-            for w, n, direct, flat in zip(
-                self.wires, self.sizes, self.direct, self.flat, strict=True
-            )
-        ]
+        # A transport's outputs are flat and exactly as long as their values.
+        reduced: list[Any] = []
+        for w, n, how in zip(self.wires, self.sizes, self.how, strict=True):
+            out = next(sums) if n else w.tensor.view(w.shape)  # empty: never the input
+            if how == AS_NUMPY:
+                reduced.append(out.numpy().reshape(w.shape))
+            elif how == AS_IS:
+                reduced.append(out)
+            elif how == VIEW:
+                reduced.append(out.view(w.shape))
+            else:
+                reduced.append(w.result(out.view(w.shape)))
         count = self.count
         return reduced if count is None else [divide(r, count) for r in reduced]
 
@@ -128,12 +144,8 @@ def make_plan(
     layout = host_layout(tensors)
     own = tuple((t.dtype, t.numel()) for t in tensors)
     template = prints.all_reduce(opts, wires, tensors, layout, local)
-    direct = tuple(
-        w.kind == "numpy" and w.tensor.dtype == w.dtype and w.tensor.device.type == "cpu"
-        for w in wires
-    )
     history = Predictor.history([template] * world_size)
-    flat = tuple(len(w.shape) == 1 for w in wires)
+    how = tuple(_how(w) for w in wires)
     plan = ReducePlan(
         options,
         opts,
@@ -144,11 +156,20 @@ def make_plan(
         own,
         sizes,
         template,
-        direct,
         history,
-        flat,
+        how,
     )
     return plan, tensors
+
+
+def _how(wire: Wire) -> int:
+    """How a plan makes `wire`'s result from its flat output (`ReducePlan.how`)."""
+    same = wire.tensor.dtype == wire.dtype and wire.tensor.device.type == "cpu"
+    if same and wire.kind == "numpy":
+        return AS_NUMPY
+    if same and wire.kind == "torch" and wire.tensor.device == wire.device:
+        return AS_IS if len(wire.shape) == 1 else VIEW
+    return CONVERT
 
 
 class ReducePlans:
