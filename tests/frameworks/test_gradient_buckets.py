@@ -148,3 +148,32 @@ def test_a_bucket_whose_parameters_were_resized_between_steps_is_reduced_in_thei
         assert after["shapes"][0] == (10, 6)  # widened
         assert before["worst"] <= 1e-5
         assert after["worst"] <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_flat_plan_cuts_the_reduced_buffer_into_views_of_each_shape(
+    torch: Any, dtype: str
+) -> None:
+    """`FlatPlan.views` (one torch call per bucket, issue #26) undoes `FlatPlan.parts`:
+    each gradient a view of its own range of the reduced buffer, in its parameter's shape,
+    and the `used` flags the buffer's last elements."""
+    from crossdevice._frameworks.torch.buckets import FlatPlan
+
+    shapes = [(2, 3), (4,), (1, 2, 2), (), (3, 1)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=getattr(torch, dtype))) for s in shapes]
+    plan = FlatPlan(params)
+    sizes = [p.numel() for p in params]
+    total = torch.arange(sum(sizes) + len(params), dtype=params[0].dtype)
+    grads, used, one_buffer = plan.views(total)
+    assert not one_buffer
+    start = 0
+    for grad, param, size in zip(grads, params, sizes, strict=True):
+        assert grad.shape == param.shape
+        assert grad.dtype == param.dtype
+        assert grad.data_ptr() == total[start:].data_ptr()  # a view, not a copy
+        assert torch.equal(grad.reshape(-1), total[start : start + size])
+        start += size
+    assert torch.equal(used, total[start:])
+    # parts -> flat buffer -> views is the identity.
+    again, _, _ = plan.views(torch.cat(plan.parts(grads, params)))
+    assert all(torch.equal(a, b) for a, b in zip(again, grads, strict=True))

@@ -391,28 +391,30 @@ class GradientSync:
     def _assign(self, replica: int, bucket: list[int], result: buckets.Reduced) -> None:
         params = self._params[replica]
         state = self._states[replica]
+        bases, produced, versions = state.base, state.produced, state.produced_version
         reduced, users, one_buffer = result
         # One read of the flags, not one 0-d tensor and comparison per parameter.
         used = users.tolist()
-        with torch.no_grad():
-            for k, index in enumerate(bucket):
-                param = params[index]
-                base = state.base[index]
-                state.base[index] = None
-                if used[k] == 0:
-                    param.grad = base  # no replica had a gradient: as it was before
-                    state.synced[index] = base is not None
-                    continue
-                if base is not None:
+        for k, index in enumerate(bucket):
+            param = params[index]
+            base = bases[index]
+            if used[k] == 0:
+                param.grad = base  # no replica had a gradient: as it was before
+                bases[index] = None
+                state.synced[index] = base is not None
+                continue
+            if base is None:
+                grad = _own_tensor(reduced[k]) if one_buffer else reduced[k]
+            else:
+                bases[index] = None
+                with torch.no_grad():
                     # The agreed part: out of place where it lies in the replicas' buffer.
                     grad = base + reduced[k] if one_buffer else base.add_(reduced[k])
-                else:
-                    grad = _own_tensor(reduced[k]) if one_buffer else reduced[k]
-                param.grad = grad
-                state.produced[index] = grad
-                state.produced_version[index] = grad._version
-                state.produced_shared[index] = one_buffer and base is None
-                state.synced[index] = True
+            param.grad = grad
+            produced[index] = grad
+            versions[index] = grad._version
+            state.produced_shared[index] = one_buffer and base is None
+            state.synced[index] = True
 
     # --- the optimizer step ---------------------------------------------------------------
     def check_step(self, replica: int, indices: Sequence[int]) -> list[int]:
