@@ -177,3 +177,26 @@ def test_a_flat_plan_cuts_the_reduced_buffer_into_views_of_each_shape(
     # parts -> flat buffer -> views is the identity.
     again, _, _ = plan.views(torch.cat(plan.parts(grads, params)))
     assert all(torch.equal(a, b) for a, b in zip(again, grads, strict=True))
+
+
+def test_a_flat_plan_checks_its_bucket_while_it_reads_the_gradients(torch: Any) -> None:
+    """`FlatPlan.checked_parts`, the per-step case, is `parts` while the plan fits the
+    parameters and no gradient needs the graph, and None (take the slow path) otherwise."""
+    from crossdevice._frameworks.torch.buckets import FlatPlan
+
+    params = [torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(4))]
+    plan = FlatPlan(params)
+    grads = [torch.full((2, 3), 2.0), torch.full((4,), 3.0)]
+    for gs in (grads, [None, grads[1]]):  # a missing gradient adds zeros, flag 0
+        checked = plan.checked_parts(gs, params)
+        assert checked is not None
+        expected = plan.parts(gs, params)
+        assert all(torch.equal(a, b) for a, b in zip(checked, expected, strict=True))
+    assert checked[-1].tolist() == [0.0, 1.0]
+    wider = [params[0], torch.nn.Parameter(torch.ones(5))]
+    assert plan.checked_parts([grads[0], torch.ones(5)], wider) is None  # shape
+    doubles = [params[0], torch.nn.Parameter(torch.ones(4, dtype=torch.float64))]
+    assert plan.checked_parts(grads, doubles) is None  # dtype
+    assert plan.checked_parts(grads, params[:1]) is None  # count
+    graph = [grads[0], torch.ones(4, requires_grad=True) * 3.0]
+    assert plan.checked_parts(graph, params) is None  # create_graph: autograd routes it

@@ -47,6 +47,7 @@ def issue_flat(
     params: Sequence[torch.nn.Parameter],
     wire_dtype: torch.dtype | None,
     plan: FlatPlan | None = None,
+    parts: list[torch.Tensor] | None = None,
 ) -> Pending | None:
     """Issue a bucket's all-reduce as one flat buffer reduced where it lies (`Reduced`).
 
@@ -58,6 +59,7 @@ def issue_flat(
         params: the bucket's parameters (shapes, dtypes, devices).
         wire_dtype: the dtype gradients travel in between workers (None: their own).
         plan: `FlatPlan(params)`, kept from step to step by the caller (None: made now).
+        parts: `plan.parts(grads, params)` where the caller has them (`checked_parts`).
 
     Returns:
         The pending all-reduce, or None where the strategy has no such path (nothing
@@ -67,7 +69,9 @@ def issue_flat(
         plan = FlatPlan(params)
     reduce_flat = ctx.strategy.extended._replica_reduce_flat_async  # type: ignore[attr-defined]
     replica = ctx.replica_id_in_sync_group
-    pending = reduce_flat(replica, op, plan.parts(grads, params), plan.leaves, wire_dtype)
+    if parts is None:
+        parts = plan.parts(grads, params)
+    pending = reduce_flat(replica, op, parts, plan.leaves, wire_dtype)
     if pending is None:
         return None
     return Then([pending], plan.views)
@@ -169,6 +173,36 @@ class FlatPlan:
             first = params[0]
             flags = [g is not None for g in grads]
             parts.append(torch.tensor(flags, dtype=first.dtype, device=first.device))
+        else:
+            parts.append(self._all_used)
+        return parts
+
+    def checked_parts(
+        self, grads: Sequence[torch.Tensor | None], params: Sequence[torch.nn.Parameter]
+    ) -> list[torch.Tensor] | None:
+        """`parts`, or None where the plan does not fit `params` or a gradient needs the graph.
+
+        `fits`, `needs_graph` and `parts` in one pass over the bucket: the per-step case.
+        """
+        shapes = self._shapes
+        if len(params) != len(shapes):
+            return None
+        dtype = self._dtype
+        parts = []
+        missing = False
+        for g, p, shape in zip(grads, params, shapes, strict=True):
+            if p.dtype != dtype or p.shape != shape:
+                return None
+            if g is None:
+                missing = True
+                parts.append(p.new_zeros(p.numel()))
+            elif g.requires_grad:
+                return None
+            else:
+                parts.append(g.reshape(-1))
+        if missing:
+            flags = [g is not None for g in grads]
+            parts.append(torch.tensor(flags, dtype=dtype, device=params[0].device))
         else:
             parts.append(self._all_used)
         return parts
