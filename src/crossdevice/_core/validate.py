@@ -176,17 +176,18 @@ def fits_strategy(value: Any, strategy: Any, what: str) -> None:
     distributed = _distributed_values_type()
     if not distributed:
         return
-    leaves = optree.tree_leaves(value, **_NEST)
-    if not any(isinstance(leaf, distributed) for leaf in leaves):
-        return
-    strategy_devices = tuple(strategy.extended._local_devices)
-    replicas = len(strategy_devices)
-    per_worker = getattr(strategy.extended, "_num_workers", 1) > 1
+    strategy_devices: tuple[Any, ...] = ()
+    replicas = -1  # the strategy's, read at the first distributed leaf
+    per_worker = False
     # The leaves' paths only for a message: flattening with paths costs more than the
     # check itself, and `run` checks its arguments every step.
-    for position, leaf in enumerate(leaves):
+    for position, leaf in enumerate(optree.tree_leaves(value, **_NEST)):
         if not isinstance(leaf, distributed):
             continue
+        if replicas < 0:
+            strategy_devices = tuple(strategy.extended._local_devices)
+            replicas = len(strategy_devices)
+            per_worker = getattr(strategy.extended, "_num_workers", 1) > 1
         owner = getattr(leaf, "_strategy", None)
         if owner is not None:  # a distributed variable: its components are the strategy's
             if owner is not strategy:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -68,6 +69,8 @@ DEFAULT_BUCKET_CAP_BYTES: Final = 25 << 20
 #: bucket bounds that memory; 8 MiB took the 25M-parameter MLP's peak from 1.09 to
 #: 1.04 GB (plain torch 0.85 GB) at no measurable cost (benchmarks/host_memory.py).
 SHARED_BUCKET_CAP_BYTES: Final = 8 << 20
+
+_REQUIRES_GRAD: Final = operator.attrgetter("requires_grad")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -213,7 +216,7 @@ class GradientSync:
     # --- layouts --------------------------------------------------------------------------
     def _layout(self, replica: int) -> _Layout:
         params = self._params[replica]
-        mask = tuple(p.requires_grad for p in params)
+        mask = tuple(map(_REQUIRES_GRAD, params))  # no Python frame per parameter
         layout = self._layouts.get(mask)
         if layout is None:
             layout = self._layouts[mask] = _make_layout(params, mask, self._cap)
