@@ -183,6 +183,9 @@ def test_per_replica_with_the_wrong_number_of_components(
         strategy.reduce("sum", three, axis=None)
     with pytest.raises(ValueError, match=r"Strategy\.run: the PerReplica at \[0\]\[0\]"):
         strategy.run(lambda x: x, args=(three,))  # TF silently dropped the third
+    fine = PerReplica([np.ones(2), np.ones(2)])
+    with pytest.raises(ValueError, match=r"Strategy\.run: the PerReplica at \[0\]\[2\]\['b'\]"):
+        strategy.run(lambda *x: x, args=(fine, 1.0, {"a": fine, "b": three}))
     with pytest.raises(ValueError, match="has 3 components"):
         strategy.extended.batch_reduce_to("sum", [(three, "CPU:0")])
     with pytest.raises(ValueError, match="has 3 components"):

@@ -148,3 +148,56 @@ def test_a_bucket_whose_parameters_were_resized_between_steps_is_reduced_in_thei
         assert after["shapes"][0] == (10, 6)  # widened
         assert before["worst"] <= 1e-5
         assert after["worst"] <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_flat_plan_cuts_the_reduced_buffer_into_views_of_each_shape(
+    torch: Any, dtype: str
+) -> None:
+    """`FlatPlan.views` (one torch call per bucket, issue #26) undoes `FlatPlan.parts`:
+    each gradient a view of its own range of the reduced buffer, in its parameter's shape,
+    and the `used` flags the buffer's last elements."""
+    from crossdevice._frameworks.torch.buckets import FlatPlan
+
+    shapes = [(2, 3), (4,), (0, 3), (1, 2, 2), (), (3, 1)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=getattr(torch, dtype))) for s in shapes]
+    plan = FlatPlan(params)
+    sizes = [p.numel() for p in params]
+    total = torch.arange(sum(sizes) + len(params), dtype=params[0].dtype)
+    grads, used, one_buffer = plan.views(total)
+    assert not one_buffer
+    start = 0
+    for grad, param, size in zip(grads, params, sizes, strict=True):
+        assert grad.shape == param.shape
+        assert grad.dtype == param.dtype
+        if size:  # (an empty one holds nothing to share)
+            assert grad.data_ptr() == total[start:].data_ptr()  # a view, not a copy
+        assert torch.equal(grad.reshape(-1), total[start : start + size])
+        start += size
+    assert torch.equal(used, total[start:])
+    # parts -> flat buffer -> views is the identity.
+    again, _, _ = plan.views(torch.cat(plan.parts(grads, params)))
+    assert all(torch.equal(a, b) for a, b in zip(again, grads, strict=True))
+
+
+def test_a_flat_plan_checks_its_bucket_while_it_reads_the_gradients(torch: Any) -> None:
+    """`FlatPlan.checked_parts`, the per-step case, is `parts` while the plan fits the
+    parameters and no gradient needs the graph, and None (take the slow path) otherwise."""
+    from crossdevice._frameworks.torch.buckets import FlatPlan
+
+    params = [torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(4))]
+    plan = FlatPlan(params)
+    grads = [torch.full((2, 3), 2.0), torch.full((4,), 3.0)]
+    for gs in (grads, [None, grads[1]]):  # a missing gradient adds zeros, flag 0
+        checked = plan.checked_parts(gs, params)
+        assert checked is not None
+        expected = plan.parts(gs, params)
+        assert all(torch.equal(a, b) for a, b in zip(checked, expected, strict=True))
+    assert checked[-1].tolist() == [0.0, 1.0]
+    wider = [params[0], torch.nn.Parameter(torch.ones(5))]
+    assert plan.checked_parts([grads[0], torch.ones(5)], wider) is None  # shape
+    doubles = [params[0], torch.nn.Parameter(torch.ones(4, dtype=torch.float64))]
+    assert plan.checked_parts(grads, doubles) is None  # dtype
+    assert plan.checked_parts(grads, params[:1]) is None  # count
+    graph = [grads[0], torch.ones(4, requires_grad=True) * 3.0]
+    assert plan.checked_parts(graph, params) is None  # create_graph: autograd routes it

@@ -176,24 +176,26 @@ def fits_strategy(value: Any, strategy: Any, what: str) -> None:
     distributed = _distributed_values_type()
     if not distributed:
         return
-    leaves = optree.tree_leaves(value, **_NEST)
-    if not any(isinstance(leaf, distributed) for leaf in leaves):
-        return
-    strategy_devices = tuple(strategy.extended._local_devices)
-    replicas = len(strategy_devices)
-    per_worker = getattr(strategy.extended, "_num_workers", 1) > 1
-    paths, leaves, _ = optree.tree_flatten_with_path(value, **_NEST)
-    for keys, leaf in zip(paths, leaves, strict=True):
+    strategy_devices: tuple[Any, ...] = ()
+    replicas = -1  # the strategy's, read at the first distributed leaf
+    per_worker = False
+    # The leaves' paths only for a message: flattening with paths costs more than the
+    # check itself, and `run` checks its arguments every step.
+    for position, leaf in enumerate(optree.tree_leaves(value, **_NEST)):
         if not isinstance(leaf, distributed):
             continue
-        where = f"{what}: the {type(leaf).__name__} at {_path(keys) or 'the top'}"
+        if replicas < 0:
+            strategy_devices = tuple(strategy.extended._local_devices)
+            replicas = len(strategy_devices)
+            per_worker = getattr(strategy.extended, "_num_workers", 1) > 1
         owner = getattr(leaf, "_strategy", None)
         if owner is not None:  # a distributed variable: its components are the strategy's
             if owner is not strategy:
                 raise ValueError(
-                    f"{where} belongs to {owner!r}, not to {strategy!r}: each strategy "
-                    "reduces only its own distributed variables; read it (`.numpy()`) or "
-                    "create it under this strategy's scope()"
+                    f"{_where(value, position, leaf, what)} belongs to {owner!r}, not to "
+                    f"{strategy!r}: each strategy reduces only its own distributed "
+                    "variables; read it (`.numpy()`) or create it under this strategy's "
+                    "scope()"
                 )
             continue
         count = len(leaf.values)
@@ -207,16 +209,24 @@ def fits_strategy(value: Any, strategy: Any, what: str) -> None:
         ):
             # Devices given explicitly and not ours: a value of another strategy.
             raise ValueError(
-                f"{where} lives on {list(devices)}, but {strategy!r} runs on "
-                f"{list(strategy_devices)}: it was made by another strategy. Make it with "
-                "this strategy (run, experimental_distribute_values_from_function)"
+                f"{_where(value, position, leaf, what)} lives on {list(devices)}, but "
+                f"{strategy!r} runs on {list(strategy_devices)}: it was made by another "
+                "strategy. Make it with this strategy (run, "
+                "experimental_distribute_values_from_function)"
             )
         if count != replicas:
             raise ValueError(
-                f"{where} has {count} components, but {strategy!r} has {replicas} local "
-                f"replica{'s' if replicas != 1 else ''}: expected one component per replica "
+                f"{_where(value, position, leaf, what)} has {count} components, but "
+                f"{strategy!r} has {replicas} local replica{'s' if replicas != 1 else ''}: "
+                "expected one component per replica "
                 "(strategy.experimental_distribute_values_from_function makes such values)"
             )
+
+
+def _where(value: Any, position: int, leaf: Any, what: str) -> str:
+    """How a message names leaf number `position` of `value` (`fits_strategy`)."""
+    keys = optree.tree_flatten_with_path(value, **_NEST)[0][position]
+    return f"{what}: the {type(leaf).__name__} at {_path(keys) or 'the top'}"
 
 
 def _raise(value: Any, what: str) -> None:

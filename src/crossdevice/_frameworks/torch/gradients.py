@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -69,6 +70,8 @@ DEFAULT_BUCKET_CAP_BYTES: Final = 25 << 20
 #: 1.04 GB (plain torch 0.85 GB) at no measurable cost (benchmarks/host_memory.py).
 SHARED_BUCKET_CAP_BYTES: Final = 8 << 20
 
+_REQUIRES_GRAD: Final = operator.attrgetter("requires_grad")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Layout:
@@ -76,8 +79,13 @@ class _Layout:
 
     buckets: list[list[int]]  # positions in the replica's parameter list, reduction order
     bucket_of: list[int]  # bucket of each parameter, -1 for a frozen one
+    sizes: list[int]  # how many parameters each bucket holds
     # (replica, bucket) -> the bucket's flat all-reduce layout, made at its first use.
     flat: dict[tuple[int, int], FlatPlan] = dataclasses.field(default_factory=dict)
+    # (replica, bucket) -> the replica's parameters of the bucket, in bucket order.
+    members: dict[tuple[int, int], list[torch.nn.Parameter]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class _ReplicaState:
@@ -208,7 +216,7 @@ class GradientSync:
     # --- layouts --------------------------------------------------------------------------
     def _layout(self, replica: int) -> _Layout:
         params = self._params[replica]
-        mask = tuple(p.requires_grad for p in params)
+        mask = tuple(map(_REQUIRES_GRAD, params))  # no Python frame per parameter
         layout = self._layouts.get(mask)
         if layout is None:
             layout = self._layouts[mask] = _make_layout(params, mask, self._cap)
@@ -278,6 +286,31 @@ class GradientSync:
     def _on_grad_ready(self, replica: int, index: int, param: Any = None) -> None:
         state = self._states[replica]
         current = self._replica_index()
+        if current != replica or not state.in_pass or self._no_sync[replica]:
+            self._unusual_gradient(state, replica, index, current)
+            return
+        # The per-gradient case: this replica's own pass, reducing.
+        state.touched[index] = True
+        layout = state.layout
+        assert layout is not None
+        bucket = layout.bucket_of[index]
+        if bucket < state.next_bucket:  # frozen (-1), or its bucket was reduced already
+            self._refuse_late_gradient(index, bucket)
+        state.hooked = True
+        if not state.seen[index]:
+            state.seen[index] = True
+            state.ready[bucket] += 1
+        if not state.deferred:
+            # `_reduce_ready`'s own first test, here: most gradients complete no bucket.
+            b = state.next_bucket
+            sizes = layout.sizes
+            if b < len(sizes) and state.ready[b] >= sizes[b]:
+                self._reduce_ready(replica, final=False)
+
+    def _unusual_gradient(
+        self, state: _ReplicaState, replica: int, index: int, current: int | None
+    ) -> None:
+        """A gradient outside this replica's own reducing pass: refused, or only counted."""
         if current is not None and current != replica:
             raise RuntimeError(
                 f"replica {current} ran backward through replica {replica}'s copy of a "
@@ -299,32 +332,31 @@ class GradientSync:
             )
         if self._no_sync[replica]:
             return  # accumulate only; the next backward outside no_sync reduces it
+        # In a pass, but not on the replica's own thread (None: outside any replica):
+        # counted; the pass's end reduces it.
         assert state.layout is not None
         bucket = state.layout.bucket_of[index]
+        if bucket < state.next_bucket:
+            self._refuse_late_gradient(index, bucket)
+        state.hooked = True
+        if not state.seen[index]:
+            state.seen[index] = True
+            state.ready[bucket] += 1
+
+    def _refuse_late_gradient(self, index: int, bucket: int) -> None:
         if bucket < 0:
             raise RuntimeError(
                 f"parameter {self._names[index]!r} of a mirrored module got a gradient but "
                 "did not require grad when this backward pass started; change "
                 "requires_grad between steps, not between forward and backward"
             )
-        if bucket < state.next_bucket:
-            raise RuntimeError(
-                f"parameter {self._names[index]!r} of a mirrored module received a second "
-                "gradient in one backward pass after its bucket was reduced (a parameter "
-                "used both inside and outside a reentrant checkpoint, or overlapping "
-                "retain_graph passes); use torch.utils.checkpoint(..., "
-                "use_reentrant=False), or accumulate inside model.no_sync()"
-            )
-        state.hooked = True
-        if not state.seen[index]:
-            state.seen[index] = True
-            state.ready[bucket] += 1
-        if not state.deferred and current == replica:
-            # `_reduce_ready`'s own first test, here: most gradients complete no bucket.
-            b = state.next_bucket
-            layout_buckets = state.layout.buckets
-            if b < len(layout_buckets) and state.ready[b] >= len(layout_buckets[b]):
-                self._reduce_ready(replica, final=False)
+        raise RuntimeError(
+            f"parameter {self._names[index]!r} of a mirrored module received a second "
+            "gradient in one backward pass after its bucket was reduced (a parameter "
+            "used both inside and outside a reentrant checkpoint, or overlapping "
+            "retain_graph passes); use torch.utils.checkpoint(..., "
+            "use_reentrant=False), or accumulate inside model.no_sync()"
+        )
 
     def _reduce_ready(self, replica: int, final: bool) -> None:
         state = self._states[replica]
@@ -342,16 +374,28 @@ class GradientSync:
         params = self._params[replica]
         state = self._states[replica]
         assert state.layout is not None
-        bucket = state.layout.buckets[b]
-        grads = [params[i].grad for i in bucket]  # only the parts not reduced yet
-        like = [params[i] for i in bucket]
+        layout = state.layout
+        bucket = layout.buckets[b]
+        like = layout.members.get((replica, b))
+        if like is None:
+            like = layout.members[(replica, b)] = [params[i] for i in bucket]
+        grads = [p.grad for p in like]  # only the parts not reduced yet
         ctx = get_replica_context()
         assert ctx is not None  # passes only begin inside a replica
         pending = None
         if self._flat and not self.shared:
-            plan = self._flat_plan(ctx, state.layout, replica, b, like)
-            if plan is not None and not buckets.needs_graph(grads):
-                pending = buckets.issue_flat(ctx, self._op, grads, like, self.gradient_dtype, plan)
+            # The per-step case: the bucket's plan, still fitting, in one pass (`FlatPlan`).
+            plan = layout.flat.get((replica, b))
+            parts = plan.checked_parts(grads, like) if plan is not None else None
+            if parts is None:
+                plan = self._flat_plan(ctx, layout, replica, b, like)
+                if plan is not None and not buckets.needs_graph(grads):
+                    parts = plan.parts(grads, like)
+            if parts is not None:
+                assert plan is not None
+                pending = buckets.issue_flat(
+                    ctx, self._op, grads, like, self.gradient_dtype, plan, parts
+                )
                 self._flat = pending is not None  # the strategy's layout does not change
         if pending is None:
             pending = buckets.issue(ctx, self._op, grads, like, self.shared)
@@ -391,28 +435,30 @@ class GradientSync:
     def _assign(self, replica: int, bucket: list[int], result: buckets.Reduced) -> None:
         params = self._params[replica]
         state = self._states[replica]
+        bases, produced, versions = state.base, state.produced, state.produced_version
         reduced, users, one_buffer = result
         # One read of the flags, not one 0-d tensor and comparison per parameter.
         used = users.tolist()
-        with torch.no_grad():
-            for k, index in enumerate(bucket):
-                param = params[index]
-                base = state.base[index]
-                state.base[index] = None
-                if used[k] == 0:
-                    param.grad = base  # no replica had a gradient: as it was before
-                    state.synced[index] = base is not None
-                    continue
-                if base is not None:
+        for k, index in enumerate(bucket):
+            param = params[index]
+            base = bases[index]
+            if used[k] == 0:
+                param.grad = base  # no replica had a gradient: as it was before
+                bases[index] = None
+                state.synced[index] = base is not None
+                continue
+            if base is None:
+                grad = _own_tensor(reduced[k]) if one_buffer else reduced[k]
+            else:
+                bases[index] = None
+                with torch.no_grad():
                     # The agreed part: out of place where it lies in the replicas' buffer.
                     grad = base + reduced[k] if one_buffer else base.add_(reduced[k])
-                else:
-                    grad = _own_tensor(reduced[k]) if one_buffer else reduced[k]
-                param.grad = grad
-                state.produced[index] = grad
-                state.produced_version[index] = grad._version
-                state.produced_shared[index] = one_buffer and base is None
-                state.synced[index] = True
+            param.grad = grad
+            produced[index] = grad
+            versions[index] = grad._version
+            state.produced_shared[index] = one_buffer and base is None
+            state.synced[index] = True
 
     # --- the optimizer step ---------------------------------------------------------------
     def check_step(self, replica: int, indices: Sequence[int]) -> list[int]:
@@ -550,4 +596,4 @@ def _make_layout(params: Sequence[torch.nn.Parameter], mask: Sequence[bool], cap
     for b, bucket in enumerate(buckets):
         for index in bucket:
             bucket_of[index] = b
-    return _Layout(buckets, bucket_of)
+    return _Layout(buckets, bucket_of, [len(b) for b in buckets])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -258,13 +258,23 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """Clear gradients: the running replica's, or every replica's outside `run`."""
         index = self._index()
         optimizers = self.__dict__["_optimizers"]
+        shared = self.__dict__["_shared"]
+        groups = self._by_sync()
         for r in range(len(optimizers)) if index is None else [index]:
-            for sync, indices in self._by_sync().items():
-                if self.__dict__["_shared"]:
-                    _zero([sync.params(r)[k] for k in indices], set_to_none)
+            optimizer = optimizers[r]
+            if shared or _plain_zero_grad(optimizer):
+                # torch's own loop, without its profiler range (one per call, the most
+                # of its cost per step) unless a profiler records it.
+                _zero(
+                    [p for g in optimizer.param_groups for p in g["params"]]
+                    if not shared
+                    else [sync.params(r)[k] for sync, ks in groups.items() for k in ks],
+                    set_to_none,
+                )
+            else:
+                optimizer.zero_grad(set_to_none)  # its class clears its own way
+            for sync, indices in groups.items():
                 sync.new_step(r, indices)
-            if not self.__dict__["_shared"]:
-                optimizers[r].zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The running replica's `state_dict` (replica 0's in cross-replica context)."""
@@ -343,19 +353,44 @@ def _step_once(strategy: Any, optimizer: torch.optim.Optimizer) -> Any:
         return optimizer.step()
 
 
+def _plain_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.zero_grad` is torch's own and no profiler records its range."""
+    return (
+        type(optimizer).zero_grad is _TORCH_ZERO_GRAD
+        and "zero_grad" not in optimizer.__dict__
+        and not torch._C._autograd._profiler_enabled()
+    )
+
+
+_TORCH_ZERO_GRAD: Final = torch.optim.Optimizer.zero_grad
+
+
 def _zero(params: Sequence[torch.Tensor], set_to_none: bool) -> None:
-    """`Optimizer.zero_grad` for one replica's parameters."""
+    """`Optimizer.zero_grad` for one replica's parameters.
+
+    As torch's: `set_to_none` drops each gradient; otherwise each leaves the graph and is
+    zeroed in place, dense ones by one `torch._foreach_zero_` per device and dtype.
+    """
+    if set_to_none:
+        for param in params:
+            if param.grad is not None:
+                param.grad = None
+        return
+    dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for param in params:
-        if param.grad is None:
+        grad = param.grad
+        if grad is None:
             continue
-        if set_to_none:
-            param.grad = None
+        if grad.grad_fn is not None:
+            grad.detach_()
         else:
-            if param.grad.grad_fn is not None:
-                param.grad.detach_()
-            else:
-                param.grad.requires_grad_(False)
-            param.grad.zero_()
+            grad.requires_grad_(False)
+        if grad.is_sparse:
+            grad.zero_()
+        else:
+            dense.setdefault((grad.device, grad.dtype), []).append(grad)
+    for grads in dense.values():
+        torch._foreach_zero_(grads)
 
 
 def _reduced_closure(closure: Callable[[], Any], op: Any) -> Callable[[], Any]:
