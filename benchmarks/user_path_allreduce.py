@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sizes", nargs="+", type=_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20]
     )
-    parser.add_argument("--rounds", type=int, default=21, help="timed rounds per size (21)")
+    parser.add_argument("--rounds", type=int, default=101, help="timed rounds per size (101)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (3)")
     parser.add_argument("--agg", type=int, default=1, help="calls back to back per sample (1)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON (rank 0)")
