@@ -13,6 +13,9 @@ the strategy hands its replica). Variants, each one epoch per turn, in a rotatin
   machines: every byte through Gloo). The target: at most 1.0x `ddp`.
 * `shm`: the default strategy (on one host, sums through `/dev/shm`).
 * `ddp`: DDP, one torch thread per process (torchrun's default), as every variant.
+* `ddp2`: a second DDP model, trained alike: `ddp2/ddp` is the same code timed twice, so
+  its spread is how far apart this machine puts two identical programs (the resolution
+  of every other ratio).
 * `local`: the same steps with no communication at all (each worker trains alone on its
   slice): the compute floor.
 * `comm`: only the epoch's gradient all-reduces, through the `gloo` strategy (one
@@ -53,7 +56,7 @@ from benchmarks.train_step import (
 
 __all__ = ["main"]
 
-_VARIANTS = ("gloo", "shm", "ddp", "local", "comm")
+_VARIANTS = ("gloo", "shm", "ddp", "ddp2", "local", "comm")
 
 
 def _strategy_epoch(strategy: Any) -> tuple[Callable[[list[Any], int], None], Any]:
@@ -95,6 +98,10 @@ class _Turns:
         self.shm_epoch = None if self.shm is None else _strategy_epoch(self.shm)[0]
         self.ddp = torch.nn.parallel.DistributedDataParallel(_model(torch))
         self.ddp_optimizer = torch.optim.Adam(self.ddp.parameters(), lr=1e-3, eps=1e-7)
+        self.ddp2: Any = None
+        if "ddp2" in variants:
+            self.ddp2 = torch.nn.parallel.DistributedDataParallel(_model(torch))
+            self.ddp2_optimizer = torch.optim.Adam(self.ddp2.parameters(), lr=1e-3, eps=1e-7)
         self.local = _model(torch)
         self.local_optimizer = torch.optim.Adam(self.local.parameters(), lr=1e-3, eps=1e-7)
         self.params = list(self.local.parameters())
@@ -114,6 +121,8 @@ class _Turns:
             "local": lambda: _alone(self.local, self.local_optimizer, slices),
             "comm": lambda: self._communicate(len(slices)),
         }
+        if self.ddp2 is not None:
+            epochs["ddp2"] = lambda: _alone(self.ddp2, self.ddp2_optimizer, slices)
         shm_epoch = self.shm_epoch
         if shm_epoch is not None:
             epochs["shm"] = lambda: shm_epoch(batches, size)
@@ -206,12 +215,13 @@ def _report(per_worker: int, steps: int, times: dict[str, list[float]]) -> None:
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     line = ", ".join(f"{name} {ms:.1f} ms" for name, ms in med.items())
     print(f"batch {per_worker}/worker ({steps} steps/epoch): {line}", flush=True)
-    for name in ("gloo", "shm"):
+    for name in ("gloo", "shm", "ddp2"):
         if name in times and "ddp" in times:
             ratios = [a / b for a, b in zip(times[name], times["ddp"], strict=True)]
+            floor = " (the same code twice: the noise floor)" if name == "ddp2" else ""
             print(
                 f"  {name}/ddp {statistics.median(ratios):.3f} (min-max {min(ratios):.3f}-"
-                f"{max(ratios):.3f})",
+                f"{max(ratios):.3f}){floor}",
                 flush=True,
             )
     if {"gloo", "local", "comm"} <= set(times):
