@@ -38,6 +38,7 @@ def test_a_route_is_kept_for_the_same_call_and_made_anew_for_any_other() -> None
         ("SUM", options, ("a.py", 1), (((3, 1), "float32"),), None, first),
         ("SUM", options, ("a.py", 1), leaves, torch.bfloat16, first),
         ("SUM", options, ("a.py", 1), leaves, None, first.double()),
+        ("SUM", options, ("a.py", 1), leaves, None, torch.zeros(3, device="meta")),  # no room
     ]
     for call in others:
         assert routes.route(*call) is not route, call

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,36 @@ def test_chunks_follow_the_tuning_in_force_for_a_layout_seen_before() -> None:
         assert ops[0] == (slots, None)  # the header apart, as the new tuning says
     again, _, _ = speculative_ops(layout, buffers, _header(5))
     assert [span for _, span in again] == [(0, 0, numel)]
+
+
+def test_a_split_worked_out_while_the_tuning_changed_is_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another thread changes the tuning (and splits a layout under it) while this one
+    # works out a split under the old tuning: that split must not be kept as the new one's.
+    import contextlib
+
+    from crossdevice._comm.workers import speculation
+    from crossdevice._core import tuning
+
+    numel = 4100  # a layout of this test's own
+    layout = ((torch.float32, numel),)
+    buffers = [torch.zeros(numel + INLINE_SLOTS)]
+    original = speculation.header_apart
+    changed = contextlib.ExitStack()
+
+    def meanwhile(layout_: Any, cut: Any = None) -> bool:
+        if layout_ == layout:  # the other thread, now: a new tuning and a split under it
+            changed.enter_context(tuning.overridden(pipeline_min_bytes=1024, chunk_bytes=4096))
+            other = ((torch.float32, 8),)
+            speculative_ops(other, [torch.zeros(8 + INLINE_SLOTS)], _header(5))
+        return original(layout_, cut)
+
+    speculative_ops(((torch.float32, 16),), [torch.zeros(16 + INLINE_SLOTS)], _header(5))
+    monkeypatch.setattr(speculation, "header_apart", meanwhile)
+    with changed:
+        whole, _, _ = speculative_ops(layout, buffers, _header(5))
+        assert [span for _, span in whole] == [(0, 0, numel)]  # the old tuning's split
+        monkeypatch.setattr(speculation, "header_apart", original)
+        ops, _, _ = speculative_ops(layout, buffers, _header(5))
+        assert len(ops) == 5  # the new tuning's: 4 chunks of 1024 elements and the rest

@@ -73,7 +73,8 @@ class FlatRoutes:
         first: Any,
     ) -> FlatRoute:
         """The route of this call: kept from an earlier call like it, else made now."""
-        key = (id(leaves), id(options), reduce_op, site, wire_dtype, first.dtype, first.is_cuda)
+        # The device type, as `numpy_dtype` decides by it (a host room or not).
+        key = (id(leaves), id(options), reduce_op, site, wire_dtype, first.dtype, first.device.type)
         try:
             route = self._routes.get(key)
         except TypeError:  # an unhashable site: made afresh

@@ -584,7 +584,7 @@ class ProcessGroupCommunicator:
     def _collective(self, name: str, timeout: float | None) -> Any:
         """The sequencer's numbered collective, bounded by `timeout` (at most ours)."""
         # The groups' own timeout (ours + slack) was fixed at construction.
-        bound = self._options.timeout_seconds or tuning.TUNING.default_timeout_seconds
+        bound = self.timeout
         return self._sequencer.collective(name, min(bound, timeout) if timeout else bound)
 
     def _guard(self, call: Call, run: Callable[[], Any]) -> Any:

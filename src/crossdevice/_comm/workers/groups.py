@@ -68,7 +68,7 @@ class Groups:
         """
         if tensor.is_complex():
             tensor = torch.view_as_real(tensor)
-        return (self.cuda if tensor.is_cuda else self.host).allreduce([tensor], _SUM)
+        return self.group_for(tensor).allreduce([tensor], _SUM)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         """Launch a send of host `tensor` to rank `peer` on the Gloo group."""

@@ -237,7 +237,8 @@ def _op_spans(layout: Layout) -> tuple[bool, tuple[_Span, ...]]:
             stop = min(start + step, numel)
             spans.append((index, start, stop, stop == numel, (index, start, stop)))
     found = header_apart(layout, cut), tuple(spans)
-    _SPANS.spans[layout] = found
+    if _SPANS.under is cut:  # not if another thread changed the tuning meanwhile
+        _SPANS.spans[layout] = found
     return found
 
 
