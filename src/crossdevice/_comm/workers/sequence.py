@@ -100,13 +100,9 @@ class Sequencer:
                 "nothing can pair up with the other workers any more: build a new strategy "
                 "(or communicator) on every worker"
             )
-        if not self.lock.acquire(blocking=False):
-            self.hold(name)  # raises: another thread holds it
+        self.hold(name)
         try:
-            current = self.pending  # `settle()`, inline: it runs on every collective
-            if current is not None:
-                self.pending = None
-                current.complete()
+            self.settle()
             self.seq += 1
             self._health.reached = self.seq  # published by the board's thread
             call = Call(name, self.seq, timeout, time.monotonic(), purpose=purpose.current())
@@ -222,8 +218,7 @@ class Pending:
         """The reduced values; raises what ended the all-reduce (each time it is asked)."""
         if self._finish is not None:
             sequencer = self._sequencer
-            if not sequencer.lock.acquire(blocking=False):
-                sequencer.hold(self._call.name)  # raises: another thread holds it
+            sequencer.hold(self._call.name)
             try:
                 sequencer.settle(self)
             finally:
