@@ -98,8 +98,7 @@ class Integrity:
         `history`: `Predictor.history` of `header` on every worker, if known already.
         """
         call.fingerprint = header  # for the flight recorder
-        predictor = self.predictor
-        predicted = predictor.predict() if self._standing.world_size <= MAX_INLINE_WORKERS else None
+        predicted = self._predict()
         if predicted:
             sent = job(predicted) if predicted == layout else Job(predicted, None)
             sent.header = header
