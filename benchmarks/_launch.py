@@ -3,7 +3,9 @@
 `launch` runs `python -m MODULE ARGS --worker` in each worker with torchrun's variables
 (`RANK`, `WORLD_SIZE`, `MASTER_ADDR=127.0.0.1`, ...) and one OpenMP thread (torchrun's
 default); all are killed at the deadline. `take_turns` times implementations in the
-workers, interleaved.
+workers, interleaved. `size` and `knob` read sizes (`4M`) and tuning thresholds
+(`ring_min_bytes=4M`) from a command line; `tuning_option` and `set_tunings` give a
+benchmark its `--tuning`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,41 @@ import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["launch", "launch_or_work", "take_turns"]
+__all__ = ["knob", "launch", "launch_or_work", "set_tunings", "size", "take_turns", "tuning_option"]
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def size(text: str) -> int:
+    """`4M` -> 4194304."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    return int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
+
+
+def knob(item: str) -> tuple[str, int | float]:
+    """`ring_min_bytes=4M` -> ("ring_min_bytes", 4194304): a tuning threshold to set."""
+    name, _, value = item.partition("=")
+    return name, float(value) if name.endswith("_seconds") else size(value)
+
+
+def tuning_option(parser: argparse.ArgumentParser, example: str) -> None:
+    """Add `--tuning NAME=VALUE ...`: thresholds every worker sets (`set_tunings`)."""
+    parser.add_argument(
+        "--tuning",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"thresholds to set in every worker (crossdevice._core.tuning), e.g. {example}",
+    )
+
+
+def set_tunings(items: list[str]) -> None:
+    """In a worker: set the `--tuning` thresholds, to measure them against their defaults."""
+    if items:
+        from crossdevice._core import tuning
+
+        tuning.set_tuning(**dict(knob(item) for item in items))
 
 
 def launch_or_work(

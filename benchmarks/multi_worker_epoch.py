@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
-from benchmarks._launch import launch_or_work, take_turns
+from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
 from benchmarks.train_step import (
     EXAMPLES,
     IMAGE_SIZE,
@@ -172,6 +172,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    set_tunings(args.tuning)
     turns = _Turns(args.variants)
     barrier_group = dist.new_group(backend="gloo")  # nobody else's threads kept awake
     if turns.rank == 0:
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=_VARIANTS,
         help="what takes turns (default: all)",
     )
+    tuning_option(parser, "direct_max_workers=1 to send the gradients as before the exchange")
     return launch_or_work("benchmarks.multi_worker_epoch", parser, argv, _worker, 3600.0)
 
 

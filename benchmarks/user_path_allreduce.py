@@ -44,19 +44,12 @@ from unittest import mock
 
 import numpy as np
 
-from benchmarks._launch import launch_or_work, take_turns
+from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
+from benchmarks._launch import size as parse_size
 
 __all__ = ["main"]
 
 _IMPLS = ("raw", "gloo", "shm")
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def _size(text: str) -> int:
-    """`4M` -> 4194304."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1:] if text[-1:] in _UNITS else ""
-    return int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -64,11 +57,9 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import crossdevice
-    from crossdevice._core import tuning
 
     torch.set_num_threads(1)
-    if args.tuning:  # a threshold to measure against its default
-        tuning.set_tuning(**dict(_knob(item) for item in args.tuning))
+    set_tunings(args.tuning)
     with mock.patch.dict(os.environ, {"CROSSDEVICE_SHARED_MEMORY": "0"}):
         gloo = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
     shm = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
@@ -127,12 +118,6 @@ def _worker(args: argparse.Namespace) -> None:
     shm.extended._close()
 
 
-def _knob(item: str) -> tuple[str, int | float]:
-    """`ring_min_bytes=4M` -> ("ring_min_bytes", 4194304)."""
-    name, _, value = item.partition("=")
-    return name, float(value) if name.endswith("_seconds") else _size(value)
-
-
 def _verdict(rows: list[dict[str, Any]]) -> None:
     checks = []
     for row in rows:
@@ -151,20 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--sizes", nargs="+", type=_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20]
+        "--sizes", nargs="+", type=parse_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20]
     )
     parser.add_argument("--rounds", type=int, default=101, help="timed rounds per size (101)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (3)")
     parser.add_argument("--agg", type=int, default=1, help="calls back to back per sample (1)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON (rank 0)")
-    parser.add_argument(
-        "--tuning",
-        nargs="*",
-        default=[],
-        metavar="NAME=VALUE",
-        help="thresholds to set in every worker (crossdevice._core.tuning), e.g. "
-        "ring_min_bytes=1G to keep every size off the ring",
-    )
+    tuning_option(parser, "ring_min_bytes=1G direct_max_workers=1 to keep every size off the ring")
     return launch_or_work("benchmarks.user_path_allreduce", parser, argv, _worker, 1800.0)
 
 

@@ -20,7 +20,7 @@ def test_every_threshold_says_why_and_which_benchmark_chose_it() -> None:
     for field in fields:
         assert len(tuning.reason(field.name)) > 40, field.name
         assert tuning.benchmark(field.name).strip(), field.name
-        assert field.name.endswith(("_bytes", "_seconds")), field.name
+        assert field.name.endswith(("_bytes", "_seconds", "_workers")), field.name
 
 
 def test_overridden_replaces_fields_for_a_block_only() -> None:

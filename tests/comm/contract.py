@@ -25,7 +25,8 @@ from crossdevice._comm.protocol import (
 Make = Callable[[np.ndarray, int], Any]
 Back = Callable[[Any], np.ndarray]
 
-#: Elements of the large all-reduce: 4 MiB of float32, the size the ring starts at.
+#: Elements of the large all-reduce: 4 MiB of float32, the size the ring starts at (on 2
+#: workers it is exchanged whole, below `TUNING.direct_max_bytes`).
 LARGE = 1 << 20
 #: Every collective of the contract is bounded: a peer that never comes fails the case.
 TIMEOUT = 60.0
@@ -201,10 +202,18 @@ def run_all(comm: Communicator, make: Make, back: Back) -> dict[str, Any]:
 
 def worker(rank: int, world_size: int) -> dict[str, Any]:
     """A worker process's side: its `ProcessGroupCommunicator` runs every case."""
+    import torch
+
     from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
+    from tests.comm.peers import apply_tuning, carrier
 
     del rank, world_size
+    apply_tuning()
     with ProcessGroupCommunicator() as comm:
         out = run_all(comm, lambda a, r: a, np.asarray)
         out["shared_memory"] = comm.shared_memory is not None
+        out["carriers"] = {
+            "sum": carrier(comm, ((torch.float32, 6),)),
+            "large": carrier(comm, ((torch.float32, LARGE),)),
+        }
     return out

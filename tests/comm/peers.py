@@ -1,15 +1,45 @@
-"""What the multi-process tests of the communicators share: the Gloo-only environment, a
-failing call's timed outcome, and the check that a worker whose step raised is named by
-the peer waiting for it."""
+"""What the multi-process tests of the communicators share: the Gloo-only environment
+(with thresholds of a test's choosing), a failing call's timed outcome, and the check that
+a worker whose step raised is named by the peer waiting for it."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 #: Shared memory off: every byte through Gloo, as between machines.
 GLOO = {"CROSSDEVICE_SHARED_MEMORY": "0"}
+
+#: Thresholds a test's workers set (`tuned`, `apply_tuning`): `name=value,...`.
+TUNING_ENV = "CROSSDEVICE_TEST_TUNING"
+
+
+def tuned(**changes: int) -> dict[str, str]:
+    """`GLOO`, plus tuning thresholds every worker sets first (`apply_tuning`)."""
+    return {**GLOO, TUNING_ENV: ",".join(f"{k}={v}" for k, v in changes.items())}
+
+
+def apply_tuning() -> None:
+    """In a worker: set the thresholds its test passed (`tuned`), if any."""
+    text = os.environ.get(TUNING_ENV)
+    if text:
+        from crossdevice._core import tuning
+
+        pairs = (item.split("=") for item in text.split(","))
+        tuning.set_tuning(**{name: int(value) for name, value in pairs})
+
+
+def carrier(comm: Any, layout: Any) -> str:
+    """What carries an all-reduce of host `layout` on worker communicator `comm`.
+
+    A transport's name, and "direct" for the ring's whole exchange (`ring.direct`).
+    """
+    from crossdevice._comm.workers import ring
+
+    chosen = comm._integrity.transport_for(layout).name
+    return "direct" if chosen == "ring" and ring.direct(layout, comm.size) else chosen
 
 
 def assert_failing_peer_named(outs: list[dict[str, Any]]) -> None:

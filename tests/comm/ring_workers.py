@@ -1,4 +1,8 @@
-"""Worker side of the ring transport's tests (`test_ring.py`): shared memory off, large values."""
+"""Worker side of the ring transport's tests (`test_ring.py`): shared memory off, large values.
+
+Each worker first sets the thresholds its test chose (`peers.apply_tuning`): the ring's
+two phases or its whole exchange.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.comm.peers import timed_outcome
+from tests.comm.peers import apply_tuning, carrier, timed_outcome
 
 #: Elements per worker: 6 MiB of float32, above the ring's threshold.
 SIZE = 3 << 19
@@ -20,11 +24,15 @@ def data(rank: int) -> np.ndarray:
 
 def sums(rank: int, world_size: int) -> dict[str, Any]:
     """The same large all-reduce, three times (the first agreed first, then predicted)."""
+    import torch
+
     from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     del rank, world_size
+    apply_tuning()
     out: dict[str, Any] = {}
     with ProcessGroupCommunicator() as comm:
+        out["carrier"] = carrier(comm, ((torch.float32, SIZE),))
         mine = data(comm.rank)
         kept = mine.copy()
         out["results"] = [comm.all_reduce([mine], "sum")[0].copy() for _ in range(3)]
@@ -37,6 +45,7 @@ def mismatch(rank: int, world_size: int) -> dict[str, Any]:
     """Repeated large all-reduces, then one worker reshapes its value (same bytes)."""
     from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
+    apply_tuning()
     out: dict[str, Any] = {}
     with ProcessGroupCommunicator() as comm:
         x = np.ones((1024, 1536), np.float32)
@@ -56,6 +65,7 @@ def abort(rank: int, world_size: int) -> dict[str, Any]:
     """Large all-reduces in a strategy; then the last worker's step raises."""
     import crossdevice as cd
 
+    apply_tuning()
     strategy = cd.MultiWorkerMirroredStrategy(devices=["CPU:0"])
     x = np.ones(SIZE, np.float32)
 
@@ -72,3 +82,26 @@ def abort(rank: int, world_size: int) -> dict[str, Any]:
     # Rank 0 serves the store: its peers must read the abort mark before it goes.
     time.sleep(1.5)
     return out
+
+
+def local_sums(rank: int, world_size: int) -> dict[str, Any]:
+    """Two local replicas per worker: their sum, filled lazily into the pack, goes across.
+
+    Integer-valued float32 (exact in any order), 256 KiB a value and two values a call,
+    so the pack's chunks are filled as the transport sends them (`Job.fill`).
+    """
+    import crossdevice as cd
+
+    apply_tuning()
+    strategy = cd.MultiWorkerMirroredStrategy(devices=["CPU:0", "CPU:1"])
+    n = 1 << 16
+
+    def step() -> Any:
+        replica = cd.get_replica_context().replica_id_in_sync_group
+        a = np.arange(n, dtype=np.float32) % 251 * (replica + 1)
+        b = np.full(n, float(replica), np.float32)
+        return cd.get_replica_context().all_reduce("sum", [a, b])
+
+    results = [strategy.run(step) for _ in range(3)]
+    per_replica = [[np.asarray(v) for v in strategy.experimental_local_results(r)] for r in results]
+    return {"results": [[[x.copy() for x in nest] for nest in r] for r in per_replica]}

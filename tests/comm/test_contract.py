@@ -8,7 +8,10 @@ The same cases (`contract.py`) run on each place peers live, through the one
 * `fake-nccl`: a `DeviceCommunicator` of two GPUs of the fake CUDA (NCCL reduce and
   broadcast between devices, one replica thread each);
 * `gloo`: `ProcessGroupCommunicator`s in two worker processes with shared memory off
-  (the Gloo and ring transports, as across machines);
+  (Gloo's in-place all-reduce and the ring's whole exchange, as across machines);
+* `gloo-ring`: the same with the whole exchange off (the ring's two phases);
+* `gloo-direct`: the same with every summed all-reduce exchanged whole, the smallest
+  and those of several buffers too;
 * `shm`: the same on one host with shared memory on.
 
 Every peer's outcome must be what NumPy alone computes (`contract.expected`), bit for
@@ -28,15 +31,29 @@ from crossdevice._comm.protocol import Communicator
 from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
 from tests.collectives.replicas import raise_first, run_replicas
 from tests.comm import contract
+from tests.comm.peers import GLOO, tuned
 
 torch = pytest.importorskip("torch")
 
 IN_PROCESS = ("threads", "cooperative", "fake-nccl")
-WORKERS = {"gloo": {"CROSSDEVICE_SHARED_MEMORY": "0"}, "shm": {}}
+WORKERS = {
+    "gloo": GLOO,
+    "gloo-ring": tuned(direct_max_workers=1),
+    "gloo-direct": tuned(direct_min_bytes=1),
+    "shm": {},
+}
+#: What carries a small float32 sum and the large all-reduce on each worker binding.
+CARRIERS = {
+    "gloo": {"sum": "process group", "large": "direct"},
+    "gloo-ring": {"sum": "process group", "large": "ring"},
+    "gloo-direct": {"sum": "direct", "large": "direct"},
+    "shm": {"sum": "shared memory", "large": "shared memory"},
+}
 BINDINGS = (*IN_PROCESS, *WORKERS)
 #: Peers per binding: three replica threads (an odd count: no pairwise shortcut), two
 #: fake GPUs, two worker processes.
 SIZES = {"threads": 3, "cooperative": 3, "fake-nccl": 2, "gloo": 2, "shm": 2}
+SIZES.update({"gloo-ring": 2, "gloo-direct": 2})
 
 _OUTCOMES: dict[str, list[dict[str, Any]]] = {}
 
@@ -100,6 +117,7 @@ def _outcomes(binding: str) -> list[dict[str, Any]]:
         outcome = [r.unwrap() for r in results]
         for out in outcome:
             assert out.pop("shared_memory") == (binding == "shm")
+            assert out.pop("carriers") == CARRIERS[binding], binding
     _OUTCOMES[binding] = outcome
     return outcome
 

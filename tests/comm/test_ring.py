@@ -1,4 +1,8 @@
-"""The out-of-place ring over Gloo's pairs (`_comm/workers/ring.py`): exact, checked, clear."""
+"""The out-of-place ring over Gloo's pairs (`_comm/workers/ring.py`): exact, checked, clear.
+
+Both of its ways run: two phases (reduce-scatter, all-gather), and the whole exchange
+(`ring.direct`, the default on 2 workers below `TUNING.direct_max_bytes`).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +12,30 @@ import pytest
 pytest.importorskip("torch")
 
 from tests.comm import ring_workers
-from tests.comm.peers import GLOO, assert_failing_peer_named
+from tests.comm.peers import GLOO, assert_failing_peer_named, tuned
 from tests.multi_worker.harness import run_workers
+
+#: (workers, environment, what carries the tests' all-reduces).
+WAYS = [
+    pytest.param(2, GLOO, "direct", id="2-direct"),
+    pytest.param(2, tuned(direct_max_workers=1), "ring", id="2-ring"),
+    pytest.param(3, GLOO, "ring", id="3-ring"),
+    pytest.param(3, tuned(direct_max_workers=3), "direct", id="3-direct"),
+]
+TWO = [w for w in WAYS if w.values[0] == 2]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_ring_sums_in_rank_order_the_same_bits_everywhere(world_size: int) -> None:
-    outs = [r.unwrap() for r in run_workers(ring_workers.sums, world_size, env=GLOO, timeout=90)]
+@pytest.mark.parametrize(("world_size", "env", "way"), WAYS)
+def test_ring_sums_in_rank_order_the_same_bits_everywhere(
+    world_size: int, env: dict[str, str], way: str
+) -> None:
+    outs = [r.unwrap() for r in run_workers(ring_workers.sums, world_size, env=env, timeout=90)]
     chain = ring_workers.data(0)
     for rank in range(1, world_size):
         chain = chain + ring_workers.data(rank)  # the in-order chain, in float32
     for out in outs:
+        assert out["carrier"] == way
         assert not out["shared_memory"]
         assert out["unchanged"]
         for got in out["results"]:
@@ -28,8 +44,12 @@ def test_ring_sums_in_rank_order_the_same_bits_everywhere(world_size: int) -> No
 
 
 @pytest.mark.multiprocess
-def test_a_worker_whose_call_differs_fails_every_worker_through_the_ring() -> None:
-    outs = [r.unwrap() for r in run_workers(ring_workers.mismatch, 2, env=GLOO, timeout=90)]
+@pytest.mark.parametrize(("world_size", "env", "way"), TWO)
+def test_a_worker_whose_call_differs_fails_every_worker_through_the_ring(
+    world_size: int, env: dict[str, str], way: str
+) -> None:
+    del way
+    outs = [r.unwrap() for r in run_workers(ring_workers.mismatch, world_size, env=env, timeout=90)]
     for out in outs:
         kind, message = out["mismatch"]
         assert kind == "CollectiveMismatchError", out
@@ -38,6 +58,30 @@ def test_a_worker_whose_call_differs_fails_every_worker_through_the_ring() -> No
 
 
 @pytest.mark.multiprocess
-def test_a_failing_worker_is_named_by_the_peer_waiting_in_the_ring() -> None:
-    outs = [r.unwrap() for r in run_workers(ring_workers.abort, 2, env=GLOO, timeout=90)]
+@pytest.mark.parametrize(("world_size", "env", "way"), TWO)
+def test_a_failing_worker_is_named_by_the_peer_waiting_in_the_ring(
+    world_size: int, env: dict[str, str], way: str
+) -> None:
+    del way
+    outs = [r.unwrap() for r in run_workers(ring_workers.abort, world_size, env=env, timeout=90)]
     assert_failing_peer_named(outs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("world_size", "env", "way"), TWO)
+def test_local_replicas_sums_filled_as_they_leave_are_exact(
+    world_size: int, env: dict[str, str], way: str
+) -> None:
+    del way
+    outs = [
+        r.unwrap() for r in run_workers(ring_workers.local_sums, world_size, env=env, timeout=90)
+    ]
+    n = 1 << 16
+    replicas = range(2 * world_size)
+    a = sum(np.arange(n, dtype=np.float32) % 251 * (r + 1) for r in replicas)
+    b = np.full(n, float(sum(replicas)), np.float32)
+    for out in outs:
+        for per_replica in out["results"]:
+            for got_a, got_b in per_replica:
+                assert got_a.tobytes() == a.astype(np.float32).tobytes()
+                assert got_b.tobytes() == b.tobytes()

@@ -1,4 +1,4 @@
-"""`TUNING`: every byte and second threshold of the library, in one frozen object.
+"""`TUNING`: every byte, second and worker-count threshold of the library, in one frozen object.
 
 Each threshold is a field with its default, the reason for it, and the benchmark (or the
 measurement) that chose it: `reason(name)` and `benchmark(name)` read them back. Code reads
@@ -36,7 +36,7 @@ def _knob(default: Any, reason: str, benchmark: str) -> Any:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tuning:
-    """The thresholds (bytes, seconds); see each field's `reason` and `benchmark`."""
+    """The thresholds (bytes, seconds, workers); see each field's `reason` and `benchmark`."""
 
     # --- host sums (_arrays) ----------------------------------------------------------
     block_bytes: int = _knob(
@@ -128,6 +128,32 @@ class Tuning:
         "point-to-point ops. On 2 workers (2 runs, --agg 3) 8 MiB pieces took 1.01-1.08x "
         "raw at 16-64 MiB, 1 MiB pieces 1.14-1.37x, unsplit chunks 1.03-1.23x.",
         "python -m benchmarks.user_path_allreduce --tuning ring_piece_bytes=1M",
+    )
+    direct_max_workers: int = _knob(
+        2,
+        "With this many workers or fewer, host all-reduces of direct_min_bytes up to "
+        "direct_max_bytes are exchanged whole: each worker sends its input to every peer "
+        "and sums them all in rank order (one phase, no all-gather, no copy; on 2 workers "
+        "the ring's bytes, on n (n-1)/2 times them). 2 workers, user path, interleaved "
+        "in one process: 1 MiB 1.33-1.45 ms exchanged against 1.60-1.75 ms copied and "
+        "reduced in place by Gloo.",
+        "python -m benchmarks.user_path_allreduce --tuning direct_max_workers=1",
+    )
+    direct_min_bytes: int = _knob(
+        64 * KiB,
+        "Smallest all-reduce exchanged whole (see direct_max_workers); below, Gloo's one "
+        "in-place all-reduce with the inline header (one op, not a header and a data "
+        "message each way) is as fast: 4 KiB 0.83 ms either way, 64 KiB 0.65 ms exchanged "
+        "against 0.89 ms.",
+        "python -m benchmarks.user_path_allreduce --sizes 4K 16K 64K --tuning direct_min_bytes=1K",
+    )
+    direct_max_bytes: int = _knob(
+        8 * MiB,
+        "From this size the ring takes over from the whole exchange (see "
+        "direct_max_workers): each worker then sums only its chunk, and the sums overlap "
+        "the transfers piece by piece. 4 MiB: 3.33 ms exchanged, 3.23 ms by the ring; "
+        "16 MiB: 13.5 ms against 11.8 ms.",
+        "python -m benchmarks.user_path_allreduce --tuning direct_max_bytes=1G",
     )
     header_apart_min_bytes: int = _knob(
         8 * MiB,

@@ -140,7 +140,5 @@ class ProcessGroupTransport:
         """
         if tensor.is_cuda and not roomy:
             return tensor.clone()
-        numel = tensor.numel()
-        room = self._rooms.buffer(tensor.dtype, numel, known=False)
-        room[:numel].copy_(tensor.reshape(-1))
-        return room if roomy else room[:numel]
+        room = self._rooms.copy(tensor)
+        return room if roomy else room[: tensor.numel()]
