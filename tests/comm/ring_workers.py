@@ -105,3 +105,29 @@ def local_sums(rank: int, world_size: int) -> dict[str, Any]:
     results = [strategy.run(step) for _ in range(3)]
     per_replica = [[np.asarray(v) for v in strategy.experimental_local_results(r)] for r in results]
     return {"results": [[[x.copy() for x in nest] for nest in r] for r in per_replica]}
+
+
+def frozen(rank: int, world_size: int) -> dict[str, Any]:
+    """Large all-reduces, then the last worker freezes (SIGSTOP) before its next one.
+
+    Its connections stay open, so only its stopped heartbeat tells: the others must name
+    it long before the 60 s timeout.
+    """
+    import os
+    import signal
+
+    import crossdevice as cd
+
+    apply_tuning()
+    options = cd.experimental.CommunicationOptions(timeout_seconds=60.0)
+    strategy = cd.MultiWorkerMirroredStrategy(communication_options=options, devices=["CPU:0"])
+    x = np.ones(SIZE, np.float32)
+
+    def step() -> Any:
+        return cd.get_replica_context().all_reduce("sum", x)
+
+    for _ in range(3):  # predicted from now on: headers travel with the data
+        strategy.run(step)
+    if rank == world_size - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the harness kills it once the others end
+    return timed_outcome(lambda: strategy.run(step))

@@ -85,3 +85,21 @@ def test_local_replicas_sums_filled_as_they_leave_are_exact(
             for got_a, got_b in per_replica:
                 assert got_a.tobytes() == a.astype(np.float32).tobytes()
                 assert got_b.tobytes() == b.tobytes()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("world_size", "env", "way"), TWO)
+def test_a_frozen_worker_is_named_long_before_the_timeout(
+    world_size: int, env: dict[str, str], way: str
+) -> None:
+    # Point-to-point waits cannot be cut short, so the first messages are waited on by a
+    # helper while the caller reads the board (`HealthBoard.wait_arrival`).
+    del way
+    results = run_workers(
+        ring_workers.frozen, world_size, env=env, timeout=90, required=range(world_size - 1)
+    )
+    got = results[0].unwrap()
+    kind, message = got["outcome"]
+    assert kind == "WorkerFailedError", got
+    assert f"rank {world_size - 1}" in message
+    assert got["elapsed"] < 20.0, got

@@ -135,17 +135,18 @@ class Tuning:
         "direct_max_bytes are exchanged whole: each worker sends its input to every peer "
         "and sums them all in rank order (one phase, no all-gather, no copy; on 2 workers "
         "the ring's bytes, on n (n-1)/2 times them). 2 workers, user path, interleaved "
-        "in one process: 1 MiB 1.33-1.45 ms exchanged against 1.60-1.75 ms copied and "
-        "reduced in place by Gloo.",
+        "in one process: 1 MiB 1.42-1.46 ms exchanged against 1.54-1.65 ms copied and "
+        "reduced in place by Gloo; 476 KiB 1.07-1.11 against 1.13-1.19 ms.",
         "python -m benchmarks.user_path_allreduce --tuning direct_max_workers=1",
     )
     direct_min_bytes: int = _knob(
-        64 * KiB,
-        "Smallest all-reduce exchanged whole (see direct_max_workers); below, Gloo's one "
-        "in-place all-reduce with the inline header (one op, not a header and a data "
-        "message each way) is as fast: 4 KiB 0.83 ms either way, 64 KiB 0.65 ms exchanged "
-        "against 0.89 ms.",
-        "python -m benchmarks.user_path_allreduce --sizes 4K 16K 64K --tuning direct_min_bytes=1K",
+        256 * KiB,
+        "Smallest all-reduce exchanged whole (see direct_max_workers). Below, Gloo's one "
+        "in-place all-reduce with the inline header is as fast: the exchange's first "
+        "messages are waited on by a helper thread, watched (HealthBoard.wait_arrival), "
+        "and that hand-over is not hidden behind the data. 256 KiB 0.86-1.01 ms either "
+        "way; 64 KiB 0.76-0.78 exchanged against 0.72-0.74 ms.",
+        "python -m benchmarks.user_path_allreduce --sizes 64K 256K 1M --tuning direct_min_bytes=1K",
     )
     direct_max_bytes: int = _knob(
         8 * MiB,

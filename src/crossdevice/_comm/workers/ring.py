@@ -204,8 +204,8 @@ class RingTransport:
         job, call, rank, world = flight.job, flight.call, self._rank, self._world
         groups, health = self._groups, self._health
         header = job.header
-        if header is not None:
-            health.wait_messages(call, flight.said)
+        if header is not None:  # the peers' first messages: watched while they come
+            health.wait_arrival(call, flight.said)
             mine = torch.from_numpy(header)
             if not all(torch.equal(h, mine) for h in flight.headers):
                 health.wait_messages(call, flight.works)  # every op pairs up, then the check
