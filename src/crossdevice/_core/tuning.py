@@ -122,12 +122,15 @@ class Tuning:
         "python -m benchmarks.user_path_allreduce",
     )
     ring_piece_bytes: int = _knob(
-        8 * MiB,
+        4 * MiB,
         "The ring sums and forwards a rank's chunk in pieces of at most this many bytes, so "
         "the sum of one piece overlaps the transfer of the next; each piece costs four more "
-        "point-to-point ops. On 2 workers (2 runs, --agg 3) 8 MiB pieces took 1.01-1.08x "
-        "raw at 16-64 MiB, 1 MiB pieces 1.14-1.37x, unsplit chunks 1.03-1.23x.",
-        "python -m benchmarks.user_path_allreduce --tuning ring_piece_bytes=1M",
+        "point-to-point ops. On 2 workers, since a lone peer's pieces land in the output "
+        "and are summed there (4 paired runs of 41 rounds): 16 MiB 0.91-1.01x raw with 4 "
+        "MiB pieces against 0.95-1.08x with 8 MiB ones, 32 MiB 0.96-0.98x against "
+        "1.00-1.09x, 64 MiB 0.94-0.95x either way; 2 MiB pieces 0.98-1.06x. (Before: 8 MiB "
+        "pieces 1.01-1.08x at 16-64 MiB, 1 MiB pieces 1.14-1.37x, unsplit 1.03-1.23x.)",
+        "python -m benchmarks.user_path_allreduce --sizes 16M 32M 64M --tuning ring_piece_bytes=8M",
     )
     direct_max_workers: int = _knob(
         2,
