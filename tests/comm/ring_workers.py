@@ -107,11 +107,11 @@ def local_sums(rank: int, world_size: int) -> dict[str, Any]:
     return {"results": [[[x.copy() for x in nest] for nest in r] for r in per_replica]}
 
 
-def frozen(rank: int, world_size: int) -> dict[str, Any]:
-    """Large all-reduces, then the last worker freezes (SIGSTOP) before its next one.
+def lost(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    """Large all-reduces, then the last worker freezes (SIGSTOP) or dies (SIGKILL).
 
-    Its connections stay open, so only its stopped heartbeat tells: the others must name
-    it long before the 60 s timeout.
+    Frozen, its connections stay open, so only its stopped heartbeat tells; killed, they
+    close. Either way the others must name it long before the 60 s timeout.
     """
     import os
     import signal
@@ -128,6 +128,6 @@ def frozen(rank: int, world_size: int) -> dict[str, Any]:
 
     for _ in range(3):  # predicted from now on: headers travel with the data
         strategy.run(step)
-    if rank == world_size - 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # the harness kills it once the others end
+    if rank == world_size - 1:  # a frozen one is killed by the harness once the others end
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
     return timed_outcome(lambda: strategy.run(step))

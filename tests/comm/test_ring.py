@@ -88,15 +88,21 @@ def test_local_replicas_sums_filled_as_they_leave_are_exact(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["stop", "kill"])
 @pytest.mark.parametrize(("world_size", "env", "way"), TWO)
-def test_a_frozen_worker_is_named_long_before_the_timeout(
-    world_size: int, env: dict[str, str], way: str
+def test_a_frozen_or_dead_worker_is_named_long_before_the_timeout(
+    world_size: int, env: dict[str, str], way: str, how: str
 ) -> None:
     # Point-to-point waits cannot be cut short, so the first messages are waited on by a
     # helper while the caller reads the board (`HealthBoard.wait_arrival`).
     del way
     results = run_workers(
-        ring_workers.frozen, world_size, env=env, timeout=90, required=range(world_size - 1)
+        ring_workers.lost,
+        world_size,
+        args=(how,),
+        env=env,
+        timeout=90,
+        required=range(world_size - 1),
     )
     got = results[0].unwrap()
     kind, message = got["outcome"]
