@@ -20,8 +20,10 @@ Every wait of a worker communicator goes through `HealthBoard.wait`: process-gro
 (`wait_works`), shared-memory rounds, and the first messages of a point-to-point exchange
 (`wait_arrival`: a helper thread makes the blocking wait) alike. It bounds the wait by
 the collective's timeout and consults the board every `TUNING.poll_seconds`, so a failed
-or dead peer is named within seconds whatever the transport. `diagnose` turns what ended a wait into
-the error the caller gets: naming the failed ranks, or the ranks that did not arrive
+or dead peer is named within seconds whatever the transport (in a point-to-point
+exchange, one that dies after its first messages came with its connection left open is
+named at the timeout: `wait_messages`). `diagnose` turns what ended a wait into the
+error the caller gets: naming the failed ranks, or the ranks that did not arrive
 (looking for who died after a broken connection is a `wait` too, on nothing but the
 board).
 """
