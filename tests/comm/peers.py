@@ -34,12 +34,15 @@ def apply_tuning() -> None:
 def carrier(comm: Any, layout: Any) -> str:
     """What carries an all-reduce of host `layout` on worker communicator `comm`.
 
-    A transport's name, and "direct" for the ring's whole exchange (`ring.direct`).
+    A transport's name; for the ring's whole exchange (`ring.direct`) "direct", or
+    "folded" where its inline header rides behind the first buffer (`ring.folded`).
     """
     from crossdevice._comm.workers import ring
 
     chosen = comm._integrity.transport_for(layout).name
-    return "direct" if chosen == "ring" and ring.direct(layout, comm.size) else chosen
+    if chosen != "ring" or not ring.direct(layout, comm.size):
+        return chosen
+    return "folded" if ring.folded(layout, comm.size) else "direct"
 
 
 def assert_failing_peer_named(outs: list[dict[str, Any]]) -> None:

@@ -1,7 +1,10 @@
 """The out-of-place ring over Gloo's pairs (`_comm/workers/ring.py`): exact, checked, clear.
 
-Both of its ways run: two phases (reduce-scatter, all-gather), and the whole exchange
-(`ring.direct`, the default on 2 workers below `TUNING.direct_max_bytes`).
+Every way runs: two phases (reduce-scatter, all-gather), and the whole exchange
+(`ring.direct`, the default on 2 workers below `TUNING.direct_max_bytes`), with its
+header apart or folded behind a first buffer of one piece (`ring.folded`; the tests'
+6 MiB are two pieces by default and too large to fold, one folded with 8 MiB pieces and
+an 8 MiB fold limit).
 """
 
 from __future__ import annotations
@@ -18,9 +21,18 @@ from tests.multi_worker.harness import run_workers
 #: (workers, environment, what carries the tests' all-reduces).
 WAYS = [
     pytest.param(2, GLOO, "direct", id="2-direct"),
+    pytest.param(
+        2, tuned(ring_piece_bytes=8 << 20, header_fold_max_bytes=8 << 20), "folded", id="2-folded"
+    ),
     pytest.param(2, tuned(direct_max_workers=1), "ring", id="2-ring"),
     pytest.param(3, GLOO, "ring", id="3-ring"),
     pytest.param(3, tuned(direct_max_workers=3), "direct", id="3-direct"),
+    pytest.param(
+        3,
+        tuned(direct_max_workers=3, ring_piece_bytes=8 << 20, header_fold_max_bytes=8 << 20),
+        "folded",
+        id="3-folded",
+    ),
 ]
 TWO = [w for w in WAYS if w.values[0] == 2]
 

@@ -159,6 +159,19 @@ class Tuning:
         "16 MiB: 13.5 ms against 11.8 ms.",
         "python -m benchmarks.user_path_allreduce --tuning direct_max_bytes=1G",
     )
+    header_fold_max_bytes: int = _knob(
+        1 * MiB,
+        "A whole exchange (see direct_max_workers) whose first buffer is one piece smaller "
+        "than this carries the inline header behind that buffer: one point-to-point "
+        "message per peer instead of two. A buffer without room behind it (a user's "
+        "tensor; a strategy's packs have room) is copied into one that has, which costs "
+        "more than the message it saves from 1 MiB. 2 workers, fold against header apart "
+        "in one process, 101 interleaved rounds, 2 runs: training path (476 KiB pack) "
+        "0.96-0.97x; user path 256 KiB 0.91x, 512 KiB 0.94-0.98x, 768 KiB 0.94-0.95x, "
+        "1 MiB 1.00-1.07x, 4 MiB 1.03-1.06x.",
+        "python -m benchmarks.user_path_allreduce --sizes 256K 512K 1M "
+        "--tuning header_fold_max_bytes=1",
+    )
     header_apart_min_bytes: int = _knob(
         8 * MiB,
         "A first buffer this large carries no inline header behind it: the header travels "
