@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.comm.peers import TUNING_ENV
 from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
 from tests.frameworks.workers import (
+    bucket_reuse,
     bucket_training,
     bucket_views,
     compressed_gradients,
@@ -74,6 +76,20 @@ def test_a_gradient_kept_from_a_step_keeps_its_bucket(shared_memory: str) -> Non
         assert len(second) == 1
         assert first != second
         assert result["first_unchanged"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("piece_bytes", [4 << 20, 64], ids=["folded", "apart"])
+def test_steps_that_keep_no_gradient_reuse_the_strategys_buffers(piece_bytes: int) -> None:
+    """After `zero_grad()` nothing holds a step's reduced buffer: not the torch layer's
+    record of what it produced, not the helper that waited for the data. So every later
+    step takes its pack and its output from the pool (a fresh 476 KiB buffer every other
+    step cost its page faults on the tutorial CNN's epoch). Across machines (Gloo), with
+    the exchange's header folded behind the data or sent apart (64-byte pieces)."""
+    env = {"CROSSDEVICE_SHARED_MEMORY": "0"}
+    env[TUNING_ENV] = f"ring_piece_bytes={piece_bytes},direct_min_bytes=1"
+    for result in [r.unwrap() for r in run_workers(bucket_reuse, 2, timeout=60, env=env)]:
+        assert result["fresh"] == []
 
 
 @pytest.mark.multiprocess

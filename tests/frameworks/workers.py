@@ -164,6 +164,53 @@ def bucket_views(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+def bucket_reuse(rank: int, world_size: int) -> dict[str, Any]:
+    """Steps that keep no gradient: the host buffers each new one takes, after two steps.
+
+    `zero_grad()` drops the last step's `.grad` views, so the strategy's buffers (the
+    bucket's pack, its reduced output) are free again by the next step's all-reduce.
+    """
+    del world_size
+    import numpy as np
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from crossdevice._arrays import buffer_pool
+    from tests.comm.peers import apply_tuning
+    from tests.frameworks.helpers import mlp
+
+    apply_tuning()
+    fresh: list[int] = []
+    take = buffer_pool.BufferPool.take
+
+    def counted(pool: Any, dtype: Any, length: int) -> Any:
+        known = {id(b) for b in pool._buffers.get((np.dtype(dtype), int(length)), [])}
+        buf = take(pool, dtype, length)
+        if id(buf) not in known:
+            fresh.append(int(length))
+        return buf
+
+    buffer_pool.BufferPool.take = counted  # type: ignore[method-assign]
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.full((4, 6), float(rank + 1))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+
+    for _ in range(2):
+        strategy.run(step)
+    fresh.clear()
+    for _ in range(6):
+        strategy.run(step)
+    return {"fresh": fresh}
+
+
 def resized_bucket(rank: int, world_size: int) -> dict[str, Any]:
     """A step, then the hidden layer of `mlp` widened from 8 to 10 units outside
     `strategy.run` (`.data` replaced, as model-surgery code does), then another step:

@@ -293,6 +293,9 @@ class HealthBoard:
                 failed.append(err)
             finally:
                 done.release()
+            # Not kept while waiting for the next request: a receive's work holds the
+            # buffer it filled, which the caller's pool reuses once nobody holds it.
+            del request, works
 
     def wait_messages(self, call: Call, works: Sequence[Any]) -> None:
         """Wait for each pending point-to-point work (a send, a receive), in order.

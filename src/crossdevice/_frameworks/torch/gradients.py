@@ -71,6 +71,7 @@ DEFAULT_BUCKET_CAP_BYTES: Final = 25 << 20
 SHARED_BUCKET_CAP_BYTES: Final = 8 << 20
 
 _REQUIRES_GRAD: Final = operator.attrgetter("requires_grad")
+_NONE: Final = type(None)  # what `produced` holds before any reduction: calling it gives None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -120,10 +121,10 @@ class _ReplicaState:
         self.pending: list[tuple[list[int], Pending]] = []
         # The agreed part of .grad, taken out while a pass accumulates the local part.
         self.base: list[torch.Tensor | None] = [None] * num_params
-        # .grad holds an agreed (reduced) value: the tensor in `produced`, maybe changed
-        # in place since (clipping, zero_grad(set_to_none=False)).
+        # .grad holds the agreed value in `produced` (weakly: zero_grad() frees its buffer
+        # for the next step), maybe changed in place (clipping, zero_grad(set_to_none=False)).
         self.synced = [False] * num_params
-        self.produced: list[torch.Tensor | None] = [None] * num_params
+        self.produced: list[Callable[[], torch.Tensor | None]] = [_NONE] * num_params
         self.produced_version = [0] * num_params
         # The produced gradient lies in the one buffer every replica's gradient views.
         self.produced_shared = [False] * num_params
@@ -455,7 +456,7 @@ class GradientSync:
                     # The agreed part: out of place where it lies in the replicas' buffer.
                     grad = base + reduced[k] if one_buffer else base.add_(reduced[k])
             param.grad = grad
-            produced[index] = grad
+            produced[index] = weakref.ref(grad)
             versions[index] = grad._version
             state.produced_shared[index] = one_buffer and base is None
             state.synced[index] = True
@@ -480,7 +481,7 @@ class GradientSync:
             if grad is None:
                 continue
             name = self._names[index]
-            if state.synced[index] and grad is state.produced[index]:
+            if state.synced[index] and grad is state.produced[index]():
                 shared = state.produced_shared[index]
                 if shared and replica and grad._version != state.produced_version[index]:
                     raise RuntimeError(
@@ -519,7 +520,7 @@ class GradientSync:
         reduced = ctx.all_reduce(self._op, [params[i].grad for i in indices])
         for index, grad in zip(indices, reduced, strict=True):
             params[index].grad = grad
-            state.produced[index] = grad
+            state.produced[index] = weakref.ref(grad)
             state.produced_version[index] = grad._version
             state.produced_shared[index] = False
             state.synced[index] = True
@@ -535,7 +536,7 @@ class GradientSync:
         for index in indices:
             state.touched[index] = False
             grad = params[index].grad
-            if grad is not None and grad is state.produced[index]:
+            if grad is not None and grad is state.produced[index]():
                 state.produced_version[index] = grad._version
 
 
