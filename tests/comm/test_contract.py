@@ -7,11 +7,12 @@ The same cases (`contract.py`) run on each place peers live, through the one
 * `cooperative`: the same, as greenlets taking turns on one thread;
 * `fake-nccl`: a `DeviceCommunicator` of two GPUs of the fake CUDA (NCCL reduce and
   broadcast between devices, one replica thread each);
-* `gloo`: `ProcessGroupCommunicator`s in two worker processes with shared memory off
-  (Gloo's in-place all-reduce and the ring's whole exchange, as across machines);
-* `gloo-ring`: the same with the whole exchange off (the ring's two phases);
-* `gloo-direct`: the same with every summed all-reduce exchanged whole, the smallest
-  and those of several buffers too (below 1 MiB with the header folded behind the data);
+* `gloo`: `ProcessGroupCommunicator`s in two worker processes with shared memory off,
+  as across machines: every summed all-reduce exchanged whole, the smallest and those
+  of several buffers too (below 1 MiB with the header folded behind the data), Gloo's
+  in-place all-reduce for the other dtypes;
+* `gloo-ring`: the same with the whole exchange off (Gloo's in-place all-reduce for
+  small sums, the ring's two phases for large ones);
 * `shm`: the same on one host with shared memory on.
 
 Every peer's outcome must be what NumPy alone computes (`contract.expected`), bit for
@@ -39,21 +40,19 @@ IN_PROCESS = ("threads", "cooperative", "fake-nccl")
 WORKERS = {
     "gloo": GLOO,
     "gloo-ring": tuned(direct_max_workers=1),
-    "gloo-direct": tuned(direct_min_bytes=1),
     "shm": {},
 }
 #: What carries a small float32 sum and the large all-reduce on each worker binding.
 CARRIERS = {
-    "gloo": {"sum": "process group", "large": "direct"},
+    "gloo": {"sum": "folded", "large": "direct"},
     "gloo-ring": {"sum": "process group", "large": "ring"},
-    "gloo-direct": {"sum": "folded", "large": "direct"},
     "shm": {"sum": "shared memory", "large": "shared memory"},
 }
 BINDINGS = (*IN_PROCESS, *WORKERS)
 #: Peers per binding: three replica threads (an odd count: no pairwise shortcut), two
 #: fake GPUs, two worker processes.
 SIZES = {"threads": 3, "cooperative": 3, "fake-nccl": 2, "gloo": 2, "shm": 2}
-SIZES.update({"gloo-ring": 2, "gloo-direct": 2})
+SIZES.update({"gloo-ring": 2})
 
 _OUTCOMES: dict[str, list[dict[str, Any]]] = {}
 

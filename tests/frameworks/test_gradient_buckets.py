@@ -87,7 +87,7 @@ def test_steps_that_keep_no_gradient_reuse_the_strategys_buffers(piece_bytes: in
     step cost its page faults on the tutorial CNN's epoch). Across machines (Gloo), with
     the exchange's header folded behind the data or sent apart (64-byte pieces)."""
     env = {"CROSSDEVICE_SHARED_MEMORY": "0"}
-    env[TUNING_ENV] = f"ring_piece_bytes={piece_bytes},direct_min_bytes=1"
+    env[TUNING_ENV] = f"ring_piece_bytes={piece_bytes}"
     for result in [r.unwrap() for r in run_workers(bucket_reuse, 2, timeout=60, env=env)]:
         assert result["fresh"] == []
 

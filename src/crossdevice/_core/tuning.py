@@ -143,13 +143,18 @@ class Tuning:
         "python -m benchmarks.user_path_allreduce --tuning direct_max_workers=1",
     )
     direct_min_bytes: int = _knob(
-        256 * KiB,
-        "Smallest all-reduce exchanged whole (see direct_max_workers). Below, Gloo's one "
-        "in-place all-reduce with the inline header is as fast: the exchange's first "
-        "messages are waited on by a helper thread, watched (HealthBoard.wait_arrival), "
-        "and that hand-over is not hidden behind the data. 256 KiB 0.86-1.01 ms either "
-        "way; 64 KiB 0.76-0.78 exchanged against 0.72-0.74 ms.",
-        "python -m benchmarks.user_path_allreduce --sizes 64K 256K 1M --tuning direct_min_bytes=1K",
+        1,
+        "Smallest all-reduce exchanged whole (see direct_max_workers): every one, since "
+        "the header rides behind the data below header_fold_max_bytes (one message per "
+        "peer). The user path's medians, 2 workers, 3 runs each (16 KiB: 6) alternating "
+        "with 256 KiB here (Gloo's in-place all-reduce below it): 4 B 0.59-0.66 ms against "
+        "0.61-1.44 ms, 1 KiB 0.67-0.71 against 0.70-0.82, 4 KiB 0.55-0.94 against "
+        "0.70-0.73, 16 KiB 0.58-0.78 against 0.70-0.81, 64 KiB 0.65-0.68 against "
+        "0.66-0.79, 128 KiB 0.71-0.83 against 0.64-0.92. (With the header apart, 64 KiB "
+        "took 0.76-0.78 ms exchanged against 0.72-0.74 in place: then the limit was "
+        "256 KiB.)",
+        "python -m benchmarks.user_path_allreduce --sizes 4 1K 4K 16K 64K 128K "
+        "--tuning direct_min_bytes=256K",
     )
     direct_max_bytes: int = _knob(
         8 * MiB,

@@ -12,8 +12,8 @@ broadcast; `_cross_device/collective.py`). It is assembled, not inherited
   heartbeat stopped, is named within seconds; a live peer that does not arrive is named
   when `timeout_seconds` (default `TUNING.default_timeout_seconds`) expires;
 * transports (`transport.py`): shared memory between the workers of one host, the
-  out-of-place ring for large host all-reduces (and, between 2 workers, from 256 KiB: the
-  whole exchange), the process groups for the rest;
+  out-of-place ring for large host all-reduces (and, between 2 workers, the whole
+  exchange of every summed one), the process groups for the rest;
 * `Integrity` (`integrity.py`): every collective's fingerprint checked on every worker
   before its result is used, riding inside a repeated all-reduce's data.
 

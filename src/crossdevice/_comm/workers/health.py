@@ -262,7 +262,7 @@ class HealthBoard:
         first messages need it: the peer posts the rest of its sends with them.
         Measured on the user's path, 1 MiB exchanged between 2 workers: 1.42-1.46 ms
         with it, 1.33-1.45 ms waiting here (runs apart); the hand-over mostly overlaps
-        the data still on its way, not so for small ones (`TUNING.direct_min_bytes`).
+        the data still on its way (for small ones, see `TUNING.direct_min_bytes`).
         """
         # A bare lock, held until the helper's wait ends: its C `acquire(timeout=)` took
         # 18-63 us less a call than `threading.Event.wait` (256 KiB and 1 MiB, 2 runs of

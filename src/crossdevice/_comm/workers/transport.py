@@ -8,7 +8,8 @@ the first enabled op of its list the same way):
 
 * `SharedMemoryTransport` (`shm.py`): every worker on this host, through `/dev/shm`;
 * `RingTransport` (`ring.py`): large host all-reduces out of place over Gloo's pairs,
-  so that the input is never copied (between 2 workers from 256 KiB, exchanged whole);
+  so that the input is never copied (between 2 workers exchanged whole, and copied
+  only to carry the header behind it below `TUNING.header_fold_max_bytes`);
 * `ProcessGroupTransport` (`gloo.py`): `torch.distributed.all_reduce` in place, Gloo for
   host buffers and NCCL for CUDA ones; it carries everything the others do not.
 
