@@ -35,10 +35,11 @@ travels as a message of its own (the encoded header, compared byte for byte), or
 whole exchange whose first buffer is one piece (`folded`), as `INLINE_SLOTS` elements
 behind that buffer (its 56-bit digest, as in Gloo's in-place all-reduce): one message
 per peer instead of two. Gloo's point-to-point messages each cost a handshake and a
-wake-up; on the training path (476 KiB, 2 workers) the fold saved 3-4% of a call. The
-buffer that carries it needs room behind its data: a strategy's packs and this
-transport's zeros have it (`RoomPool`), anything else is copied into one that has (so it
-folds below `TUNING.header_fold_max_bytes`, where that copy costs less than a message).
+wake-up; on the training path (476 KiB, 2 workers) the fold saved 3-4% of a call (4
+runs of 5; the fifth was even). The buffer that carries it needs room behind its data:
+a strategy's packs and this transport's zeros have it (`RoomPool`), anything else is
+copied into one that has (so it folds below `TUNING.header_fold_max_bytes`, where that
+copy costs less than a message).
 """
 
 from __future__ import annotations
