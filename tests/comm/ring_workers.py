@@ -22,11 +22,17 @@ def data(rank: int) -> np.ndarray:
     return np.random.default_rng(rank).standard_normal(SIZE).astype(np.float32)
 
 
+def tiny(rank: int) -> np.ndarray:
+    """Two non-integer values of `rank` (a chunk each on 2 workers, none for rank 0 on 3)."""
+    return np.array([0.1, 0.7], np.float32) * np.float32(rank + 1)
+
+
 def sums(rank: int, world_size: int) -> dict[str, Any]:
     """The same large all-reduce, three times (the first agreed first, then predicted)."""
     import torch
 
     from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
+    from crossdevice._core import tuning
 
     del rank, world_size
     apply_tuning()
@@ -37,6 +43,12 @@ def sums(rank: int, world_size: int) -> dict[str, Any]:
         kept = mine.copy()
         out["results"] = [comm.all_reduce([mine], "sum")[0].copy() for _ in range(3)]
         out["unchanged"] = bool(np.array_equal(mine, kept))
+        # Two elements the same way, three times (below the ring's threshold, so it is
+        # lowered): on 3 workers rank 0's chunk of them is empty, no piece of it leaves
+        # for rank 0, and the header apart goes alone.
+        with tuning.overridden(ring_min_bytes=1):
+            out["tiny_carrier"] = carrier(comm, ((torch.float32, 2),))
+            out["tiny"] = [comm.all_reduce([tiny(comm.rank)], "sum")[0].copy() for _ in range(3)]
         out["shared_memory"] = comm.shared_memory is not None
     return out
 

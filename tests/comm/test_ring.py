@@ -43,11 +43,14 @@ def test_ring_sums_in_rank_order_the_same_bits_everywhere(
     world_size: int, env: dict[str, str], way: str
 ) -> None:
     outs = [r.unwrap() for r in run_workers(ring_workers.sums, world_size, env=env, timeout=90)]
-    chain = ring_workers.data(0)
+    chain, tiny = ring_workers.data(0), ring_workers.tiny(0)
     for rank in range(1, world_size):
         chain = chain + ring_workers.data(rank)  # the in-order chain, in float32
+        tiny = tiny + ring_workers.tiny(rank)
     for out in outs:
         assert out["carrier"] == way
+        assert out["tiny_carrier"] == ("folded" if way != "ring" else "ring")
+        assert [got.tobytes() for got in out["tiny"]] == [tiny.tobytes()] * 3
         assert not out["shared_memory"]
         assert out["unchanged"]
         for got in out["results"]:

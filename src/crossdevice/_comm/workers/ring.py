@@ -31,15 +31,15 @@ The inline fingerprint (`Job.header`) travels to every peer with the reduce-scat
 is compared before anything is summed: a worker whose call differs (or that aborts)
 sends zeros with its own header, every worker sees a difference, and none sums or goes
 on to the all-gather (sizes always match: every worker sends the predicted layout). It
-travels as a message of its own (the encoded header, compared byte for byte), or, in a
-whole exchange whose first buffer is one piece (`folded`), as `INLINE_SLOTS` elements
-behind that buffer (its 56-bit digest, as in Gloo's in-place all-reduce): one message
-per peer instead of two. Gloo's point-to-point messages each cost a handshake and a
-wake-up; on the training path (476 KiB, 2 workers) the fold saved 3-4% of a call (4
-runs of 5; the fifth was even). The buffer that carries it needs room behind its data:
-a strategy's packs and this transport's zeros have it (`RoomPool`), anything else is
-copied into one that has (so it folds below `TUNING.header_fold_max_bytes`, where that
-copy costs less than a message).
+travels as a message of its own, sent behind the first piece (the encoded header,
+compared byte for byte), or, in a whole exchange whose first buffer is one piece
+(`folded`), as `INLINE_SLOTS` elements behind that buffer (its 56-bit digest, as in
+Gloo's in-place all-reduce): one message per peer instead of two. Gloo's point-to-point
+messages each cost a handshake and a wake-up; on the training path (476 KiB, 2 workers)
+the fold saved 3-4% of a call (4 runs of 5; the fifth was even). The buffer that
+carries it needs room behind its data: a strategy's packs and this transport's zeros
+have it (`RoomPool`), anything else is copied into one that has (so it folds below
+`TUNING.header_fold_max_bytes`, where that copy costs less than a message).
 """
 
 from __future__ import annotations
@@ -207,24 +207,28 @@ class RingTransport:
         peers = [q for q in range(world) if q != rank]
         split, whole, fold = plan(job.layout, world)
         flight = _RingFlight(self, call, job, split, whole)
-        # Each message's receive is posted before this worker's send of it (the header's
-        # pair, then the data's), so each message lands where it goes (raw point-to-point,
-        # 1 MiB exchanged on 2 workers: 0.84-0.92 ms, 0.94-1.05 ms with the sends first).
-        # Posting the receives earlier still, as soon as the previous collective ended (for
-        # the predicted layout; the next call takes them over), saved 0.26-0.52 ms a call
-        # with 2 ms of spinning between calls, but nothing on the training epoch (+4 to +25
-        # ms an epoch of 1.0-1.1 s, 4 interleaved runs of 21-31 rounds); and a Gloo group
+        # Every receive (the header's, then the data's) is posted before the first send,
+        # so each message lands where it goes, and a header apart follows the first piece
+        # to each peer: the peer's device thread then wakes for the header once that
+        # piece is in, not while it streams in, and the sums can still start with the
+        # first piece. User path, 2 workers, interleaved in the same processes: all
+        # receives first took 0.90-1.02x (median 0.955x) the time at 1 MiB and 0.94-1.00x
+        # (0.955x) at 4 MiB of posting the header's pair, then the data's (5 runs of 101
+        # rounds); the header behind the first piece then took 0.93-0.97x (0.957x) at
+        # 1 MiB and 0.95-1.02x (0.966x) at 4 MiB of it ahead of the data (6 runs of 301),
+        # 0.94-1.01x at 16 MiB (the ring, 4 runs of 101). Raw point-to-point, 1 MiB:
+        # 0.84-0.92 ms against 0.94-1.05 ms with the sends first. Posting the receives
+        # earlier still, as soon as the previous collective ended (for the predicted
+        # layout; the next call takes them over), saved 0.26-0.52 ms a call with 2 ms of
+        # spinning between calls, but nothing on the training epoch (+4 to +25 ms an
+        # epoch of 1.0-1.1 s, 4 interleaved runs of 21-31 rounds); and a Gloo group
         # cannot be freed with a receive pending. Not kept.
-        inline = None
+        inline = header = None
         if job.header is not None:
             if fold:  # behind the first buffer's one piece (`folded`)
                 inline = flight.inline = inline_header(job.header)
-            else:
-                mine = torch.from_numpy(job.header)
-                flight.headers = [torch.empty_like(mine) for _ in peers]
-                headers = zip(peers, flight.headers, strict=True)
-                flight.said = [groups.recv(into, q, _HEADER_TAG) for q, into in headers]
-                flight.said += [groups.send(mine, q, _HEADER_TAG) for q in peers]
+            else:  # a message of its own, sent behind each peer's first piece
+                header = self._expect_headers(flight, job.header, peers)
         fill = job.fill if job.buffers is not None else None
         sources = [self._source(job, j, dtype, n) for j, (dtype, n) in enumerate(job.layout)]
         # Where the sums go, taken here: not in the background (the first with the
@@ -247,9 +251,10 @@ class RingTransport:
             works = [groups.recv(into, q, tag) for q, into in zip(peers, got, strict=True)]
             flight.mine.append((works, got))
         # ...and this worker's part of every peer's chunk leaves, filled first (exchanged
-        # whole, every piece goes to every peer, filled before it goes to the first).
+        # whole, every piece goes to every peer, filled before it goes to the first), a
+        # header apart behind the first piece (or alone: a chunk too small for a piece).
         for q in peers:
-            for tag, j, lo, hi in flight.pieces[q]:
+            for k, (tag, j, lo, hi) in enumerate(flight.pieces[q]):
                 first = q == peers[0]
                 if fill is not None and (first or not whole):
                     fill(j, lo, hi)
@@ -260,6 +265,10 @@ class RingTransport:
                 else:
                     sent = sources[j][lo:hi]
                 flight.works.append(groups.send(sent, q, tag))
+                if k == 0 and header is not None:
+                    flight.said.append(groups.send(header, q, _HEADER_TAG))
+            if header is not None and not flight.pieces[q]:
+                flight.said.append(groups.send(header, q, _HEADER_TAG))
         if fill is not None and not whole:  # this worker's own part of its chunk
             for _, j, lo, hi in flight.pieces[rank]:
                 fill(j, lo, hi)
@@ -267,6 +276,16 @@ class RingTransport:
         if job.overlap and not whole:  # exchanged whole, everything is on its way now
             flight.background()
         return flight
+
+    def _expect_headers(
+        self, flight: _RingFlight, header: np.ndarray, peers: list[int]
+    ) -> torch.Tensor:
+        """Post the receives of every peer's header apart; this worker's, as it is sent."""
+        mine = torch.from_numpy(header)
+        flight.headers = [torch.empty_like(mine) for _ in peers]
+        headers = zip(peers, flight.headers, strict=True)
+        flight.said = [self._groups.recv(into, q, _HEADER_TAG) for q, into in headers]
+        return mine
 
     def _carrier(
         self, job: Job, source: torch.Tensor, numel: int, inline: list[int]
