@@ -209,20 +209,19 @@ class RingTransport:
         flight = _RingFlight(self, call, job, split, whole)
         # Every receive (the header's, then the data's) is posted before the first send,
         # so each message lands where it goes, and a header apart follows the first piece
-        # to each peer: the peer's device thread then wakes for the header once that
-        # piece is in, not while it streams in, and the sums can still start with the
-        # first piece. User path, 2 workers, interleaved in the same processes: all
-        # receives first took 0.90-1.02x (median 0.955x) the time at 1 MiB and 0.94-1.00x
-        # (0.955x) at 4 MiB of posting the header's pair, then the data's (5 runs of 101
-        # rounds); the header behind the first piece then took 0.93-0.97x (0.957x) at
-        # 1 MiB and 0.95-1.02x (0.966x) at 4 MiB of it ahead of the data (6 runs of 301),
-        # 0.94-1.01x at 16 MiB (the ring, 4 runs of 101). Raw point-to-point, 1 MiB:
-        # 0.84-0.92 ms against 0.94-1.05 ms with the sends first. Posting the receives
-        # earlier still, as soon as the previous collective ended (for the predicted
-        # layout; the next call takes them over), saved 0.26-0.52 ms a call with 2 ms of
-        # spinning between calls, but nothing on the training epoch (+4 to +25 ms an
-        # epoch of 1.0-1.1 s, 4 interleaved runs of 21-31 rounds); and a Gloo group
-        # cannot be freed with a receive pending. Not kept.
+        # to each peer (the sums can still start with the first piece). Against posting
+        # the header's pair first, then the data's (user path, 2 workers, the two taking
+        # turns in the same processes, each right after the other equally often; 8 runs
+        # of 200 rounds): 1 MiB 0.92-1.06x the time (median 0.99x), 4 MiB 0.96-1.04x
+        # (0.98x), where the same code against itself gave 0.96-1.06x (0.98x) and
+        # 0.94-1.11x (1.00x): no gain shown beyond the noise. (Timed right after the old
+        # order in 2 rounds of 3, it had seemed 0.955x: the call before counts.) Raw
+        # point-to-point, 1 MiB: 0.84-0.92 ms against 0.94-1.05 ms with the sends first.
+        # Posting the receives earlier still, as soon as the previous collective ended
+        # (for the predicted layout; the next call takes them over), saved 0.26-0.52 ms a
+        # call with 2 ms of spinning between calls, but nothing on the training epoch (+4
+        # to +25 ms an epoch of 1.0-1.1 s, 4 interleaved runs of 21-31 rounds); and a
+        # Gloo group cannot be freed with a receive pending. Not kept.
         inline = header = None
         if job.header is not None:
             if fold:  # behind the first buffer's one piece (`folded`)
