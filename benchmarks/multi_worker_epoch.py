@@ -6,8 +6,9 @@ worker, the step run with `strategy.run` on batches from `experimental_distribut
 the loss scaled TF's way (`compute_average_loss` over the global batch). Against it, in
 the same processes, `torch.nn.parallel.DistributedDataParallel` on the default (Gloo)
 group, each worker its slice of the same global batches (checked to be the very slices
-the strategy hands its replica). Variants, each one epoch per turn, in a rotating order
-(A B C, B C A, ...) after a barrier on a group of their own:
+the strategy hands its replica). Variants, each one epoch per turn, in an order that
+changes from round to round, each right after each other equally often
+(`_launch.take_turns`), after a barrier on a group of their own:
 
 * `gloo`: the strategy built with `CROSSDEVICE_SHARED_MEMORY=0` (workers on different
   machines: every byte through Gloo). The target: at most 1.0x `ddp`.

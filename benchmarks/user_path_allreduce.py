@@ -13,9 +13,10 @@ Two strategies are timed, both built in every worker:
 * `shm`: the default, which on one host sums through `/dev/shm` slots.
 
 Each sample times `--agg` calls of one implementation back to back after a barrier; the
-three take turns in a rotating order (A B C, B C A, ...). The barriers run on a process
-group of their own: on the group a call then uses, they would leave its threads awake
-for that call only (measured: 0.86 ms for a 1 MiB raw all-reduce on the barrier's group
+three take turns, each right after each other equally often (`_launch.take_turns`: the
+call just before a timed one moves its time by several percent). The barriers run on a
+process group of their own: on the group a call then uses, they would leave its threads
+awake for that call only (measured: 0.86 ms for a 1 MiB raw all-reduce on the barrier's group
 against 1.43 ms on another group), favouring whichever implementation shares it.
 Reported per size: each one's median time, and for each strategy the median of its
 per-round ratio to raw and of its per-round difference from raw. The targets (issue

@@ -6,13 +6,14 @@ only keeps the scripts from rotting between measurement sessions.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from benchmarks import _common, _workloads
+from benchmarks import _common, _launch, _workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("[a-z]*.py"))
@@ -63,3 +64,26 @@ def test_side_by_side_says_what_to_do_when_tensorflow_is_missing(tmp_path: Path)
     done = _run("-m", "benchmarks.tf_side_by_side")
     assert done.returncode == 2
     assert "--tf-python is required" in done.stderr
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_take_turns_puts_each_right_after_each_other_equally_often(n: int) -> None:
+    # The call just before a timed one moves its time: a rotation (A B C, B C A, ...)
+    # puts B right after A in 2 rounds of 3 and never A right after B.
+    order: list[str] = []
+    names = [chr(ord("A") + k) for k in range(n)]
+    calls = {name: (lambda name=name: order.append(name)) for name in names}
+    orders = _launch.balanced_orders(n)
+    rounds = 3 * len(orders)
+    times = _launch.take_turns(calls, rounds, 0, lambda: None)
+    assert all(len(times[name]) == rounds for name in names)
+    assert len(order) == n * rounds
+    follows: dict[tuple[str, str], int] = {}
+    for r in range(rounds):
+        one = order[r * n : (r + 1) * n]
+        assert sorted(one) == names  # every implementation once a round
+        for a, b in itertools.pairwise(one):
+            follows[a, b] = follows.get((a, b), 0) + 1
+    expected = {(a, b) for a in names for b in names if a != b}
+    assert set(follows) == expected
+    assert len(set(follows.values())) <= 1  # the same count for every ordered pair
