@@ -90,7 +90,7 @@ class ReducePlan:
     def tensors(self, values: Sequence[Any]) -> list[torch.Tensor]:
         """The values' memory as flat tensors, as the general path would send them."""
         return [
-            (torch.from_numpy(v) if w.kind == "numpy" else v.detach()).view(-1)
+            torch.from_numpy(v.reshape(-1)) if w.kind == "numpy" else v.detach().view(-1)
             for v, w in zip(values, self.wires, strict=True)
         ]
 

@@ -300,6 +300,12 @@ class RoomPool:
             self._rooms[address] = room
         return room[:numel]
 
+    def room(self, dtype: np.dtype, numel: int) -> np.ndarray:
+        """`take`'s whole buffer: `numel` + `INLINE_SLOTS` elements (contents undefined)."""
+        base = self.take(dtype, numel).base
+        assert isinstance(base, np.ndarray)
+        return base
+
     def buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A flat tensor of `numel` + `INLINE_SLOTS` elements, recycled when NumPy has it.
 
@@ -308,9 +314,7 @@ class RoomPool:
         np_dtype = numpy_dtype(dtype)
         if np_dtype is None:
             return torch.empty(numel + INLINE_SLOTS, dtype=dtype)
-        base = self.take(np_dtype, numel).base
-        assert isinstance(base, np.ndarray)
-        return torch.from_numpy(base)
+        return torch.from_numpy(self.room(np_dtype, numel))
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of host `tensor`, flat, in a buffer with `INLINE_SLOTS` more behind it.
