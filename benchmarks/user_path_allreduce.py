@@ -16,8 +16,8 @@ Each sample times `--agg` calls of one implementation back to back after a barri
 three take turns, each right after each other equally often (`_launch.take_turns`: the
 call just before a timed one moves its time by several percent). The barriers run on a
 process group of their own: on the group a call then uses, they would leave its threads
-awake for that call only (measured: 0.86 ms for a 1 MiB raw all-reduce on the barrier's group
-against 1.43 ms on another group), favouring whichever implementation shares it.
+awake for that call only (measured: 0.86 ms for a 1 MiB raw all-reduce on the barrier's
+group against 1.43 ms on another group), favouring whichever implementation shares it.
 Reported per size: each one's median time, and for each strategy the median of its
 per-round ratio to raw and of its per-round difference from raw. The targets (issue
 #26) are checked at the end: `gloo` at most 1.10x raw from 4 MiB up and at most 0.3 ms
