@@ -28,9 +28,12 @@ The overlap: how much of the communication an epoch hides behind compute is
 backward pass; negative: the strategy's steps cost more than compute plus the
 all-reduces, e.g. the per-step agreement of the distributed input on whether there is
 data, and the step's own Python). Reported per batch size: every variant's median epoch
-time, the median per-round ratio of `gloo` and `shm` to `ddp`, and the overlap. At the
-end, the largest difference between the crossdevice and DDP parameters (both started
-alike and saw the same batches).
+time, the median per-round ratio of `gloo` and `shm` to `ddp`, the overlap, and each
+variant's page faults per epoch on rank 0 (fresh pages of memory, zero-filled one 4 KiB
+fault at a time: what `crossdevice._arrays.heap` saves; run with `CROSSDEVICE_KEEP_HEAP=0`
+for glibc's defaults, every variant alike since they share the processes). At the end,
+the largest difference between the crossdevice and DDP parameters (both started alike
+and saw the same batches).
 
     python -m benchmarks.multi_worker_epoch --per-worker 8 32 128 --rounds 7
 """
@@ -185,8 +188,13 @@ def _worker(args: argparse.Namespace) -> None:
         )
     for per_worker in args.per_worker:
         steps, epochs = turns.epochs(per_worker)
+        faults: dict[str, list[int]] = {}
         times = take_turns(
-            {name: epochs[name] for name in args.variants if name in epochs},
+            {
+                name: _counting_faults(epochs[name], faults.setdefault(name, []))
+                for name in args.variants
+                if name in epochs
+            },
             args.rounds,
             args.warmup,
             lambda: dist.barrier(group=barrier_group),
@@ -194,6 +202,8 @@ def _worker(args: argparse.Namespace) -> None:
         )
         if turns.rank == 0:
             _report(per_worker, steps, times)
+            line = ", ".join(f"{name} {statistics.median(n):.0f}" for name, n in faults.items())
+            print(f"  page faults per epoch (rank 0, median): {line}", flush=True)
     if turns.rank == 0 and {"gloo", "ddp"} <= set(args.variants):
         print(
             f"# parameters, gloo vs ddp (the same batches throughout): max |difference| "
@@ -201,6 +211,22 @@ def _worker(args: argparse.Namespace) -> None:
             flush=True,
         )
     turns.close()
+
+
+def _counting_faults(epoch: Callable[[], None], faults: list[int]) -> Callable[[], None]:
+    """`epoch`, appending the page faults this process took during each call to `faults`.
+
+    A fresh page of memory costs a zero-filling fault: how often a step's freed memory
+    went back to the system and was taken again (`crossdevice._arrays.heap`).
+    """
+    import resource
+
+    def counted() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        epoch()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+    return counted
 
 
 def _check_slices(strategy: Any, batches: list[Any], slices: list[Any]) -> None:

@@ -310,6 +310,22 @@ class Tuning:
         "shapes cannot grow the process without end.",
         "tests/collectives (buffer pool tests)",
     )
+    heap_mmap_threshold_bytes: int = _knob(
+        32 * MiB,
+        "A training process (`crossdevice.torch.prepare`, `_arrays/heap.py`) takes blocks "
+        "below this from glibc's heap, not each from a mapping of its own that is unmapped "
+        "when freed: glibc's own ceiling for it on 64-bit, which its moving threshold "
+        "reaches anyway after a step frees such a block.",
+        "python -m benchmarks.multi_worker_epoch (with CROSSDEVICE_KEEP_HEAP=0 against it)",
+    )
+    heap_trim_threshold_bytes: int = _knob(
+        1024 * MiB,
+        "A training process keeps up to this much free memory at the top of glibc's heap "
+        "for its next step instead of handing it back at every free: the TF tutorial CNN "
+        "frees 10-40 MiB there each step at 128 examples, and each page handed back "
+        "costs a zero-filling fault when the next step takes it again.",
+        "python -m benchmarks.multi_worker_epoch (with CROSSDEVICE_KEEP_HEAP=0 against it)",
+    )
     # --- checkpoints and preemption (_train) ------------------------------------------
     checkpoint_write_timeout_seconds: float = _knob(
         1800.0,
