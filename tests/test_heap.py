@@ -68,11 +68,14 @@ _PROBE = textwrap.dedent(
 )
 
 
-def _probe(setup: str, keep: str | None = None) -> tuple[bool, int]:
+def _probe(
+    setup: str, keep: str | None = None, extra: dict[str, str] | None = None
+) -> tuple[bool, int]:
     env = dict(os.environ)
     env.pop(heap.ENV, None)
     if keep is not None:
         env[heap.ENV] = keep
+    env.update(extra or {})
     code = _PROBE.replace("SETUP", setup)
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -107,6 +110,16 @@ def test_environment_zero_leaves_malloc_alone() -> None:
     kept, faults = _probe("from crossdevice._arrays import heap; heap.keep_heap()", keep="0")
     assert not kept
     assert faults > 10_000
+
+
+@pytest.mark.parametrize(
+    "variable",
+    ["MALLOC_TRIM_THRESHOLD_=131072", "GLIBC_TUNABLES=glibc.malloc.trim_threshold=131072"],
+)
+def test_a_process_that_chose_mallocs_settings_keeps_them(variable: str) -> None:
+    name, value = variable.split("=", 1)
+    kept, _ = _probe("from crossdevice._arrays import heap; heap.keep_heap()", extra={name: value})
+    assert not kept
 
 
 def test_elsewhere_than_glibc_it_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

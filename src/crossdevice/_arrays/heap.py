@@ -25,10 +25,12 @@ went from 658-694 ms to 559-577 ms at 32 examples and from 521-556 ms to 464-471
 moving them): blocks below `TUNING.heap_mmap_threshold_bytes` come from the heap, and up
 to `TUNING.heap_trim_threshold_bytes` of free memory stays there for the next step.
 Larger blocks are still mapped and unmapped one by one (glibc's ceiling), and a process
-that frees more than the trim threshold at once still returns it. `crossdevice.torch.
-prepare` calls it; `CROSSDEVICE_KEEP_HEAP=0` in the environment leaves malloc alone. On
-a C library other than glibc it does nothing (musl, macOS and Windows have no such
-thresholds, or other allocators).
+that frees more than the trim threshold at once still returns it.
+`crossdevice.torch.prepare` calls it. It leaves malloc alone with
+`CROSSDEVICE_KEEP_HEAP=0` in the environment, where the process chose these thresholds
+itself (glibc's `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`,
+`MALLOC_MMAP_MAX_` or their `GLIBC_TUNABLES`), and on a C library other than glibc
+(musl, macOS and Windows have no such thresholds, or other allocators).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ __all__ = ["ENV", "keep_heap", "kept"]
 #: Set to 0 to leave glibc's malloc thresholds alone.
 ENV: Final = "CROSSDEVICE_KEEP_HEAP"
 
+#: glibc's own settings of what `keep_heap` sets: a process that sets any keeps its choice.
+_GLIBC_PARAMETERS: Final = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+
 # glibc's <malloc.h> parameter numbers.
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
@@ -57,7 +62,8 @@ _kept: bool | None = None  # None: not asked yet; then whether the thresholds we
 def keep_heap() -> bool:
     """Fix glibc's mmap and trim thresholds for this process, once; whether they are set.
 
-    False where the C library is not glibc, where `CROSSDEVICE_KEEP_HEAP=0`, or where
+    False where the C library is not glibc, where `CROSSDEVICE_KEEP_HEAP=0`, where the
+    environment sets these thresholds itself (`MALLOC_TRIM_THRESHOLD_`, ...), or where
     glibc refused a value (each `mallopt` returns whether it took it).
     """
     global _kept
@@ -75,6 +81,10 @@ def kept() -> bool:
 def _set_thresholds() -> bool:
     if os.environ.get(ENV, "1").strip() == "0" or platform.libc_ver()[0] != "glibc":
         return False
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    for name in _GLIBC_PARAMETERS:
+        if f"MALLOC_{name.upper()}_" in os.environ or f"glibc.malloc.{name}=" in tunables:
+            return False  # the process chose malloc's thresholds itself: they stay
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (AttributeError, OSError):
