@@ -147,12 +147,17 @@ def leaves_midway(rank: int, world_size: int, culprit: int) -> dict[str, Any]:
     return out
 
 
-def min_bytes_settings(rank: int, world_size: int, values: list[str | None]) -> Any:
-    """Build a communicator with this rank's `CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`."""
+def min_bytes_settings(
+    rank: int,
+    world_size: int,
+    values: list[str | None],
+    variable: str = "CROSSDEVICE_SHARED_MEMORY_MIN_BYTES",
+) -> Any:
+    """Build a communicator with this rank's `variable` (default: the byte threshold)."""
     from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
     if values[rank] is not None:
-        os.environ["CROSSDEVICE_SHARED_MEMORY_MIN_BYTES"] = str(values[rank])
+        os.environ[variable] = str(values[rank])
     try:
         with ProcessGroupCommunicator() as comm:
             return ("built", comm.shared_memory is not None)

@@ -173,20 +173,42 @@ def test_a_worker_leaving_midway_is_named_and_no_peer_returns(culprit: int) -> N
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("values", "expected"),
+    ("variable", "values", "expected", "own"),
     [
-        (["0", "1024"], "differs between the workers (rank 0: 0, rank 1: 1024)"),
-        ([None, "lots"], "invalid CROSSDEVICE_SHARED_MEMORY_MIN_BYTES"),
+        (
+            shm.MIN_BYTES_ENV_VAR,
+            ["0", "1024"],
+            "differs between the workers (rank 0: 0, rank 1: 1024)",
+            "",
+        ),
+        (
+            shm.MIN_BYTES_ENV_VAR,
+            [None, "lots"],
+            "invalid CROSSDEVICE_SHARED_MEMORY or CROSSDEVICE_SHARED_MEMORY_MIN_BYTES",
+            "CROSSDEVICE_SHARED_MEMORY_MIN_BYTES must be a byte count",
+        ),
+        # A switch that is neither on nor off is an error on every worker, not "on".
+        (
+            shm.ENV_VAR,
+            [None, "maybe"],
+            "invalid CROSSDEVICE_SHARED_MEMORY or CROSSDEVICE_SHARED_MEMORY_MIN_BYTES",
+            "CROSSDEVICE_SHARED_MEMORY must be 1 or 0",
+        ),
     ],
+    ids=["differ", "bad-min-bytes", "bad-switch"],
 )
-def test_workers_must_agree_on_the_threshold(values: list[str | None], expected: str) -> None:
-    outs = [r.unwrap() for r in run_workers(shm_workers.min_bytes_settings, 2, args=(values,))]
+def test_workers_must_agree_on_the_settings(
+    variable: str, values: list[str | None], expected: str, own: str
+) -> None:
+    outs = [
+        r.unwrap() for r in run_workers(shm_workers.min_bytes_settings, 2, args=(values, variable))
+    ]
     for rank, (kind, message) in enumerate(outs):
         assert kind == "ValueError", (rank, message)
-        if values[rank] != "lots":  # that rank reports its own value's error
-            assert expected in message, message
+        if values[rank] in ("lots", "maybe"):  # that rank reports its own value's error
+            assert own in message, message
         else:
-            assert "CROSSDEVICE_SHARED_MEMORY_MIN_BYTES must be a byte count" in message
+            assert expected in message, message
 
 
 @on_x86_linux

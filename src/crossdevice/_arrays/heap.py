@@ -41,7 +41,7 @@ import platform
 import threading
 from typing import Final
 
-from crossdevice._core import tuning
+from crossdevice._core import environment, tuning
 
 __all__ = ["ENV", "keep_heap", "kept"]
 
@@ -79,7 +79,7 @@ def kept() -> bool:
 
 
 def _set_thresholds() -> bool:
-    if os.environ.get(ENV, "1").strip() == "0" or platform.libc_ver()[0] != "glibc":
+    if not environment.env_switch(ENV, default=True) or platform.libc_ver()[0] != "glibc":
         return False
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     for name in _GLIBC_PARAMETERS:

@@ -17,11 +17,12 @@ NumPy kernels run instead and everything works the same, only slower.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
+
+from crossdevice._core import environment
 
 __all__ = [
     "available",
@@ -48,7 +49,7 @@ _ISA_FLAGS: Final = {"avx2": 4, "sse2": 2, "scalar": 1}
 
 
 def _load() -> tuple[ctypes._CFuncPtr, int] | None:  # type: ignore[name-defined]
-    if os.environ.get("CROSSDEVICE_NATIVE", "1").strip() == "0":
+    if not environment.env_switch("CROSSDEVICE_NATIVE", default=True):
         return None
     try:
         from crossdevice._arrays import _hostsum  # type: ignore[attr-defined]

@@ -17,6 +17,8 @@ import re
 import threading
 from typing import Final
 
+from crossdevice._core import environment
+
 __all__ = [
     "DEFAULT_LOGICAL_CPUS",
     "DeviceSpec",
@@ -174,18 +176,7 @@ _CONFIG = _Config()
 
 
 def _env_count(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"{name} must be a positive integer, got {raw!r}; unset it or write e.g. {name}=4"
-        ) from None
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}; unset it or write e.g. {name}=4")
-    return value
+    return environment.env_int(name, minimum=1)
 
 
 def _env_logical_cpus() -> int | None:

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from crossdevice._arrays import host_kernels
-from crossdevice._core import tuning
+from crossdevice._core import environment, tuning
 
 __all__ = [
     "ENV_VAR",
@@ -138,19 +138,8 @@ def uses_shared_memory(layout: Sequence[tuple[torch.dtype, int]], min_bytes: int
 
 def min_bytes_from_env() -> int:
     """`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES` (default `TUNING.shared_memory_min_bytes`), checked."""
-    raw = os.environ.get(MIN_BYTES_ENV_VAR)
-    if raw is None or not raw.strip():
-        return tuning.TUNING.shared_memory_min_bytes
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"{MIN_BYTES_ENV_VAR} must be a byte count >= 0, got {raw!r}; unset it for the "
-            f"default ({tuning.TUNING.shared_memory_min_bytes})"
-        )
-    return value
+    value = environment.env_int(MIN_BYTES_ENV_VAR, minimum=0, what="a byte count")
+    return tuning.TUNING.shared_memory_min_bytes if value is None else value
 
 
 class SharedSlots:
@@ -181,16 +170,17 @@ class SharedSlots:
 
         `exchange(tensor)` all-gathers a small tensor into a (world_size, ...) array;
         every worker must call this at the same point (two exchanges). Raises ValueError
-        on every worker when a worker's `CROSSDEVICE_SHARED_MEMORY_MIN_BYTES` is invalid
-        or the workers' values differ (they would choose different transports).
+        on every worker when a worker's `CROSSDEVICE_SHARED_MEMORY` or
+        `CROSSDEVICE_SHARED_MEMORY_MIN_BYTES` is invalid, or the workers' byte counts
+        differ (they would choose different transports).
         """
         try:
             min_bytes, bad = min_bytes_from_env(), None
+            wanted = environment.env_switch(ENV_VAR, default=True)
         except ValueError as err:  # still take part in the exchanges, then raise
-            min_bytes, bad = -1, err
+            min_bytes, bad, wanted = -1, err, False
         own: tuple[str, mmap.mmap] | None = None
         nonce = secrets.token_bytes(16)
-        wanted = os.environ.get(ENV_VAR, "1") != "0" and bad is None
         if wanted and world_size > 1 and _futex_ok():
             own = _create(_SIZE, nonce)
         maps: list[mmap.mmap] = []
@@ -224,8 +214,9 @@ class SharedSlots:
         problem = bad
         if problem is None and invalid:
             problem = ValueError(
-                f"rank(s) {invalid} have an invalid {MIN_BYTES_ENV_VAR} (see their error); "
-                "expected a byte count >= 0 on every worker: fix it there or unset it"
+                f"rank(s) {invalid} have an invalid {ENV_VAR} or {MIN_BYTES_ENV_VAR} (see "
+                "their error); expected a switch (1 or 0) and a byte count >= 0 on every "
+                "worker: fix it there or unset it"
             )
         elif problem is None and usable and len(set(settings)) > 1:
             listed = ", ".join(f"rank {r}: {v}" for r, v in enumerate(settings))

@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final
 
+from crossdevice._core import environment
+
 __all__ = ["DEBUG_ENV", "quiet_store"]
 
 #: Set to 1 to see everything torch's C++ side logs (the store's frames included).
@@ -45,8 +47,8 @@ def _log_level_flag() -> Any:
         _state["flag"] = None
         _state["depth"] = 0
         torch = sys.modules.get("torch")
-        wanted = os.environ.get(DEBUG_ENV, "") not in ("", "0") or "TORCH_CPP_LOG_LEVEL" in (
-            os.environ
+        wanted = environment.env_switch(DEBUG_ENV, default=False) or (
+            "TORCH_CPP_LOG_LEVEL" in os.environ
         )
         if torch is not None and torch.__file__ and not wanted:
             lib_dir = os.path.join(os.path.dirname(str(torch.__file__)), "lib")

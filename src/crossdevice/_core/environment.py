@@ -1,0 +1,67 @@
+"""The one way crossdevice reads a setting from an environment variable.
+
+Two kinds of settings come from the environment: switches (`CROSSDEVICE_NATIVE`,
+`CROSSDEVICE_KEEP_HEAP`, `CROSSDEVICE_SHARED_MEMORY`, `CROSSDEVICE_DEBUG`) and counts
+(`CROSSDEVICE_LOGICAL_CPUS`, `CROSSDEVICE_LOGICAL_GPUS`,
+`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`). Each is read here, alike: unset or blank means
+the default; surrounding spaces do not count; a switch takes `1`/`0` or `true`/`false`,
+`yes`/`no`, `on`/`off` in any case. Anything else is a `ValueError` naming the variable,
+what it received and what it accepts, never a silent default: `CROSSDEVICE_SHARED_MEMORY=off`
+once meant "on" (only `0` turned it off).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+__all__ = ["env_int", "env_switch"]
+
+_ON: Final = frozenset({"1", "true", "yes", "on"})
+_OFF: Final = frozenset({"0", "false", "no", "off"})
+
+
+def env_switch(name: str, *, default: bool) -> bool:
+    """Whether switch `name` is on: `default` when unset or blank.
+
+    Raises:
+        ValueError: the variable holds something other than a switch's words.
+    """
+    raw = os.environ.get(name)
+    word = "" if raw is None else raw.strip().lower()
+    if not word:
+        return default
+    if word in _ON:
+        return True
+    if word in _OFF:
+        return False
+    raise ValueError(
+        f"{name} must be 1 or 0 (or true/false, yes/no, on/off), got {raw!r}; set one of "
+        f"those or unset it for the default ({'on' if default else 'off'})"
+    )
+
+
+def env_int(name: str, *, minimum: int, what: str = "an integer") -> int | None:
+    """The integer in `name`, at least `minimum`; None when unset or blank.
+
+    Args:
+        name: the variable.
+        minimum: the smallest value accepted.
+        what: what the value counts, for the error ("a byte count").
+
+    Raises:
+        ValueError: not an integer, or below `minimum`.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(
+            f"{name} must be {what} >= {minimum}, got {raw!r}; fix it (e.g. {name}="
+            f"{max(minimum, 4)}) or unset it for the default"
+        )
+    return value

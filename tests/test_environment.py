@@ -1,0 +1,86 @@
+"""Settings read from environment variables: one parser, alike for every variable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from crossdevice._arrays import heap
+from crossdevice._comm.workers import shared_memory as shm
+from crossdevice._core import devices, environment
+
+_NAME = "CROSSDEVICE_TEST_SETTING"
+
+
+@pytest.mark.parametrize("word", ["1", "true", "TRUE", "Yes", "on", " 1 ", "On\n"])
+@pytest.mark.parametrize("default", [True, False])
+def test_a_switch_turns_on(monkeypatch: pytest.MonkeyPatch, word: str, default: bool) -> None:
+    monkeypatch.setenv(_NAME, word)
+    assert environment.env_switch(_NAME, default=default) is True
+
+
+@pytest.mark.parametrize("word", ["0", "false", "False", "NO", "off", " 0 "])
+@pytest.mark.parametrize("default", [True, False])
+def test_a_switch_turns_off(monkeypatch: pytest.MonkeyPatch, word: str, default: bool) -> None:
+    monkeypatch.setenv(_NAME, word)
+    assert environment.env_switch(_NAME, default=default) is False
+
+
+@pytest.mark.parametrize("default", [True, False])
+def test_unset_or_blank_is_the_default(monkeypatch: pytest.MonkeyPatch, default: bool) -> None:
+    monkeypatch.delenv(_NAME, raising=False)
+    assert environment.env_switch(_NAME, default=default) is default
+    monkeypatch.setenv(_NAME, "  ")
+    assert environment.env_switch(_NAME, default=default) is default
+
+
+@pytest.mark.parametrize("word", ["2", "maybe", "disable", "00", "o"])
+def test_anything_else_is_an_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, word: str
+) -> None:
+    monkeypatch.setenv(_NAME, word)
+    with pytest.raises(ValueError, match=rf"{_NAME} must be 1 or 0 .* got '{word}'"):
+        environment.env_switch(_NAME, default=True)
+
+
+def test_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_NAME, raising=False)
+    assert environment.env_int(_NAME, minimum=1) is None
+    monkeypatch.setenv(_NAME, " 7 ")
+    assert environment.env_int(_NAME, minimum=1) == 7
+    monkeypatch.setenv(_NAME, "0")
+    assert environment.env_int(_NAME, minimum=0) == 0
+    for bad in ("0", "-3", "1.5", "many"):
+        monkeypatch.setenv(_NAME, bad)
+        with pytest.raises(ValueError, match=rf"{_NAME} must be an integer >= 1, got '{bad}'"):
+            environment.env_int(_NAME, minimum=1)
+
+
+def test_every_reader_goes_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library's switches and counts reject what the parser rejects."""
+    monkeypatch.setenv("CROSSDEVICE_KEEP_HEAP", "off")
+    assert heap._set_thresholds() is False  # "off" is off (nothing else said so before)
+    monkeypatch.setenv("CROSSDEVICE_KEEP_HEAP", "sometimes")
+    with pytest.raises(ValueError, match="CROSSDEVICE_KEEP_HEAP must be 1 or 0"):
+        heap._set_thresholds()
+    monkeypatch.setenv(shm.MIN_BYTES_ENV_VAR, "lots")
+    with pytest.raises(ValueError, match="CROSSDEVICE_SHARED_MEMORY_MIN_BYTES must be a byte"):
+        shm.min_bytes_from_env()
+    monkeypatch.setenv("CROSSDEVICE_LOGICAL_CPUS", "0")
+    with pytest.raises(ValueError, match="CROSSDEVICE_LOGICAL_CPUS must be an integer >= 1"):
+        devices._env_logical_cpus()
+
+
+@pytest.mark.parametrize(("value", "native"), [("off", False), ("true", True)])
+def test_the_native_kernel_switch(value: str, native: bool) -> None:
+    code = "from crossdevice._arrays import native; print(native.available())"
+    env = {"CROSSDEVICE_NATIVE": value, "PATH": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    built = subprocess.run(
+        [sys.executable, "-c", code], env={"PATH": ""}, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out.stdout.strip() == str(native and built == "True")
