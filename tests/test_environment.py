@@ -84,3 +84,14 @@ def test_the_native_kernel_switch(value: str, native: bool) -> None:
         [sys.executable, "-c", code], env={"PATH": ""}, capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out.stdout.strip() == str(native and built == "True")
+
+
+def test_the_trace_window_is_a_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    from crossdevice._trace import session
+
+    monkeypatch.setenv(session.ENV_REPORT_EVERY, "25")
+    assert session._report_every(None) == 25
+    for bad in ("0", "-1", "ten"):
+        monkeypatch.setenv(session.ENV_REPORT_EVERY, bad)
+        with pytest.raises(ValueError, match="CROSSDEVICE_TRACE_REPORT_EVERY must be a whole"):
+            session._report_every(None)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Final
 
+from crossdevice._core import environment
 from crossdevice._trace import state
 from crossdevice._trace.recorder import DEFAULT_MAX_BYTES, DEFAULT_STEPS, WORKER_LANE, Recorder
 from crossdevice._trace.stragglers import Stragglers, WorkerGaps
@@ -214,15 +215,8 @@ def _stop(session: Session) -> str | None:
 def _report_every(report_every: int | None) -> int:
     if report_every is not None:
         return report_every
-    text = os.environ.get(ENV_REPORT_EVERY, "")
-    if not text:
-        return DEFAULT_REPORT_EVERY
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"{ENV_REPORT_EVERY} must be a whole number of steps (>= 1), received {text!r}"
-        ) from None
+    steps = environment.env_int(ENV_REPORT_EVERY, minimum=1, what="a whole number of steps")
+    return DEFAULT_REPORT_EVERY if steps is None else steps
 
 
 @contextlib.contextmanager
