@@ -1,9 +1,10 @@
 """Step time and peak memory of a 25M-parameter MLP on host replicas, four ways.
 
 The model of #27: six 2048-wide linear layers (25.2M parameters) with ReLU, trained with
-Adam on global batches of 256, on 2 cores. Each configuration runs in its own process,
-the configurations take turns (A B C D A B C D ...), and each run reports its median step
-time over the timed steps and its peak resident memory (`getrusage`):
+Adam on global batches of 256, on 2 cores. Each configuration runs in its own process;
+the configurations take turns, in an order that changes from round to round so that each
+comes right after each other equally often (`_launch.balanced_orders`); each run reports
+its median step time over the timed steps and its peak resident memory (`getrusage`):
 
 * torch: one process, the whole global batch per step, torch's own thread count;
 * shared: `crossdevice.torch.prepare` on 4 CPU replicas, parameters and optimizer state
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from benchmarks._launch import balanced_orders
 
 WIDTH = 2048
 LAYERS = 6
@@ -200,8 +203,10 @@ def main() -> None:
         print(json.dumps(_one(args.one, args.steps, args.warmup)))
         return
     results: dict[str, list[dict[str, float]]] = {k: [] for k in args.kinds}
-    for _ in range(args.rounds):
-        for kind in args.kinds:
+    # Each kind right after each other equally often: the run before a timed one moves it.
+    orders = balanced_orders(len(args.kinds))
+    for r in range(args.rounds):
+        for kind in (args.kinds[k] for k in orders[r % len(orders)]):
             done = subprocess.run(
                 [
                     sys.executable,

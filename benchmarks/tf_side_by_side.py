@@ -4,8 +4,10 @@ On a shared machine the memory bandwidth moves by ±30% from one minute to the n
 timing one library and then the other compares the minutes as much as the libraries.
 Here one TensorFlow worker and two crossdevice workers (the strategy path and
 `ReductionToOneDevice().reduce`) are alive at once and take turns: round after round, each
-makes one call, in an order that rotates every round, with a pause before each call so
-that nobody's threads are still spinning when the next one starts. Every round gives a
+makes one call, in an order that changes every round so that each comes right after each
+other equally often (`_launch.balanced_orders`: under a rotation the call just before a
+timed one moves its time), with a pause before each call so that nobody's threads are
+still spinning when the next one starts. Every round gives a
 ratio (ours / TF's) taken within the same few tens of milliseconds; the medians of those
 ratios are the comparison.
 
@@ -182,15 +184,18 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 def compare(tf_python: str, mib: int, rounds: int, gap: float) -> dict[str, Any]:
     """Interleave the three workers for `rounds` rounds; per-round ratios to TF."""
+    # Here, not at the top: the TensorFlow worker runs this file in its own interpreter.
+    from benchmarks._launch import balanced_orders
+
     pythons = {"crossdevice-run": sys.executable, "crossdevice-reduce": sys.executable}
     workers = [_Worker(name, pythons.get(name, tf_python), mib) for name in _WORKERS]
     times: dict[str, list[float]] = {w.name: [] for w in workers}
     try:
         for w in workers:
             w.ready()
+        orders = balanced_orders(len(workers))
         for r in range(rounds):
-            k = r % len(workers)
-            for w in workers[k:] + workers[:k]:
+            for w in (workers[k] for k in orders[r % len(orders)]):
                 time.sleep(gap)
                 times[w.name].append(w.call())
     finally:
