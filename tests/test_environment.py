@@ -95,3 +95,23 @@ def test_the_trace_window_is_a_count(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(session.ENV_REPORT_EVERY, bad)
         with pytest.raises(ValueError, match="CROSSDEVICE_TRACE_REPORT_EVERY must be a whole"):
             session._report_every(None)
+
+
+def test_prepare_rejects_a_bad_heap_switch_before_it_wraps_anything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    import crossdevice
+    import crossdevice.torch as cdt
+
+    monkeypatch.setenv("CROSSDEVICE_KEEP_HEAP", "sometimes")
+    strategy = crossdevice.MirroredStrategy(["CPU:0"])
+    with strategy.scope():
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="CROSSDEVICE_KEEP_HEAP must be 1 or 0"):
+        cdt.prepare(model, optimizer, strategy=strategy)
+    # Nothing was prepared: with the switch fixed, the same objects prepare.
+    monkeypatch.setenv("CROSSDEVICE_KEEP_HEAP", "0")
+    prepared, _ = cdt.prepare(model, optimizer, strategy=strategy)
+    assert type(prepared).__name__ == "MirroredModule"

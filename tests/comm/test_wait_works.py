@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 from crossdevice._comm.workers.calls import Call, WaitFailedError
-from crossdevice._comm.workers.health import HealthBoard
+from crossdevice._comm.workers.health import HealthBoard, _work_done
 
 
 class _Work:
@@ -64,3 +64,48 @@ def test_a_work_in_flight_is_watched() -> None:
     HealthBoard.wait_works(board, _call(), [done, running])  # type: ignore[arg-type]
     assert len(board.watched) == 1
     assert (done.waits, running.waits) == (1, 1)
+
+
+class _LateWork:
+    """A collective's work whose wait times out just before it completes (torch's base
+    `Work.wait(timeout)` raises "Operation timed out!" and leaves the work running)."""
+
+    def __init__(self, error: str | None = None) -> None:
+        self.completed = False
+        self.error = error
+        self.waits = 0
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waits += 1
+        if not self.completed:
+            self.completed = True  # it ends right after this wait gave up
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return True
+
+
+def test_a_work_that_completes_as_its_wait_times_out_is_done() -> None:
+    # Seen: a healthy broadcast failed "Operation timed out!" in 1 launch of 20.
+    work = _LateWork()
+    assert _work_done(work, 0.001) is True
+    assert work.waits == 2
+
+
+def test_a_work_that_fails_as_its_wait_times_out_raises_its_own_error() -> None:
+    work = _LateWork(error="Connection closed by peer")
+    with pytest.raises(WaitFailedError) as caught:
+        _work_done(work, 0.001)
+    assert "Connection closed by peer" in str(caught.value.cause)
+
+
+def test_a_work_still_running_is_not_done() -> None:
+    class Running(_Work):
+        def wait(self, timeout: Any = None) -> bool:
+            self.waits += 1
+            raise RuntimeError("Operation timed out!")
+
+    assert _work_done(Running(completed=False), 0.001) is False

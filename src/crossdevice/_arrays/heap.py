@@ -73,13 +73,23 @@ def keep_heap() -> bool:
         return _kept
 
 
+def wanted() -> bool:
+    """Whether `CROSSDEVICE_KEEP_HEAP` leaves keeping the heap on (the default).
+
+    Raises:
+        ValueError: the variable is not a switch (`_core.environment.env_switch`): raised
+            by `prepare` before it wraps anything.
+    """
+    return environment.env_switch(ENV, default=True)
+
+
 def kept() -> bool:
     """Whether `keep_heap` set the thresholds in this process (False before it was called)."""
     return bool(_kept)
 
 
 def _set_thresholds() -> bool:
-    if not environment.env_switch(ENV, default=True) or platform.libc_ver()[0] != "glibc":
+    if not wanted() or platform.libc_ver()[0] != "glibc":
         return False
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     for name in _GLIBC_PARAMETERS:

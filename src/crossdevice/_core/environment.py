@@ -3,11 +3,11 @@
 Two kinds of settings come from the environment: switches (`CROSSDEVICE_NATIVE`,
 `CROSSDEVICE_KEEP_HEAP`, `CROSSDEVICE_SHARED_MEMORY`, `CROSSDEVICE_DEBUG`) and counts
 (`CROSSDEVICE_LOGICAL_CPUS`, `CROSSDEVICE_LOGICAL_GPUS`,
-`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`, `CROSSDEVICE_TRACE_REPORT_EVERY`). Each is read here, alike: unset or blank means
-the default; surrounding spaces do not count; a switch takes `1`/`0` or `true`/`false`,
-`yes`/`no`, `on`/`off` in any case. Anything else is a `ValueError` naming the variable,
-what it received and what it accepts, never a silent default: `CROSSDEVICE_SHARED_MEMORY=off`
-once meant "on" (only `0` turned it off).
+`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`, `CROSSDEVICE_TRACE_REPORT_EVERY`). Each is read
+here, alike: unset or blank means the default; surrounding spaces do not count; a switch
+takes `1`/`0` or `true`/`false`, `yes`/`no`, `on`/`off` in any case. Anything else is a
+`ValueError` naming the variable, what it received and what it accepts, never a silent
+default: `CROSSDEVICE_SHARED_MEMORY=off` once meant "on" (only `0` turned it off).
 """
 
 from __future__ import annotations

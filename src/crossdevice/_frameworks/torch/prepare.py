@@ -99,6 +99,7 @@ def prepare(
         ('MirroredModule', 'MirroredOptimizer')
     """
     strategy = strategy_or_current(strategy, "crossdevice.torch.prepare")
+    heap.wanted()  # a bad CROSSDEVICE_KEEP_HEAP raises here, before anything is wrapped
     autocast = _autocast_dtype(mixed_precision)
     _check_gradient_dtype(gradient_dtype, strategy)
     scalers = [o for o in objects if isinstance(o, torch.amp.GradScaler)]
