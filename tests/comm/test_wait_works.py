@@ -66,26 +66,19 @@ def test_a_work_in_flight_is_watched() -> None:
     assert (done.waits, running.waits) == (1, 1)
 
 
-class _LateWork:
+class _LateWork(_Work):
     """A collective's work whose wait times out just before it completes (torch's base
     `Work.wait(timeout)` raises "Operation timed out!" and leaves the work running)."""
 
     def __init__(self, error: str | None = None) -> None:
-        self.completed = False
-        self.error = error
-        self.waits = 0
-
-    def is_completed(self) -> bool:
-        return self.completed
+        super().__init__(completed=False, error=error)
 
     def wait(self, timeout: Any = None) -> bool:
-        self.waits += 1
         if not self.completed:
+            self.waits += 1
             self.completed = True  # it ends right after this wait gave up
             raise RuntimeError("Operation timed out!")
-        if self.error is not None:
-            raise RuntimeError(self.error)
-        return True
+        return super().wait(timeout)
 
 
 def test_a_work_that_completes_as_its_wait_times_out_is_done() -> None:
