@@ -52,7 +52,9 @@ def test_logical_cpu_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CROSSDEVICE_LOGICAL_CPUS", "5")
     assert devices.get_logical_cpu_devices() == 5
     monkeypatch.setenv("CROSSDEVICE_LOGICAL_CPUS", "five")
-    with pytest.raises(ValueError, match="positive integer, got 'five'"):
+    with pytest.raises(
+        ValueError, match="CROSSDEVICE_LOGICAL_CPUS must be an integer >= 1, got 'five'"
+    ):
         devices.get_logical_cpu_devices()
     monkeypatch.delenv("CROSSDEVICE_LOGICAL_CPUS")
     assert devices.get_logical_cpu_devices() == devices.DEFAULT_LOGICAL_CPUS
