@@ -115,3 +115,30 @@ def test_prepare_rejects_a_bad_heap_switch_before_it_wraps_anything(
     monkeypatch.setenv("CROSSDEVICE_KEEP_HEAP", "0")
     prepared, _ = cdt.prepare(model, optimizer, strategy=strategy)
     assert type(prepared).__name__ == "MirroredModule"
+
+
+@pytest.mark.parametrize(
+    ("value", "outcome"),
+    [("maybe", "ValueError"), ("true", "loud"), ("off", "quiet"), ("", "quiet")],
+)
+def test_the_debug_switch_is_read_where_the_store_is_wrapped(value: str, outcome: str) -> None:
+    """A bad `CROSSDEVICE_DEBUG` raises where a communicator wraps its store (its start),
+    not later in the health board's thread, where an error would stop the heartbeats."""
+    pytest.importorskip("torch")
+    code = (
+        "import torch\n"
+        "from crossdevice._comm.workers import store_logging as s\n"
+        "try:\n"
+        "    s.quiet_store(object())\n"
+        "except ValueError as err:\n"
+        "    print('ValueError', err)\n"
+        "else:\n"
+        "    print('quiet' if s._log_level_flag() is not None else 'loud')\n"
+    )
+    env = {"PATH": "", "CROSSDEVICE_DEBUG": value}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split()[0] == outcome, done.stdout
+    if outcome == "ValueError":
+        assert "CROSSDEVICE_DEBUG must be 1 or 0" in done.stdout

@@ -44,12 +44,13 @@ _state: dict[str, Any] = {}  # "flag": the c_int or None once looked up; "depth"
 def _log_level_flag() -> Any:
     """libc10's `FLAGS_caffe2_log_level`, or None where it cannot or must not be changed."""
     if "flag" not in _state:
-        _state["flag"] = None
-        _state["depth"] = 0
-        torch = sys.modules.get("torch")
+        # Read before anything is cached: a bad value raises on every call until fixed.
         wanted = environment.env_switch(DEBUG_ENV, default=False) or (
             "TORCH_CPP_LOG_LEVEL" in os.environ
         )
+        _state["flag"] = None
+        _state["depth"] = 0
+        torch = sys.modules.get("torch")
         if torch is not None and torch.__file__ and not wanted:
             lib_dir = os.path.join(os.path.dirname(str(torch.__file__)), "lib")
             for name in ("libc10.so", "libc10.dylib"):
@@ -96,5 +97,11 @@ class _QuietStore:
 
 
 def quiet_store(store: Any) -> Any:
-    """`store`, with each call made under torch's ERROR log level (see the module doc)."""
+    """`store`, with each call made under torch's ERROR log level (see the module doc).
+
+    Raises:
+        ValueError: `CROSSDEVICE_DEBUG` is not a switch; here, on the thread that wraps
+            the store (a communicator's start), not in a thread that calls it later.
+    """
+    _log_level_flag()
     return _QuietStore(store)
