@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from crossdevice._arrays import heap
-from crossdevice._comm.workers import shared_memory as shm
 from crossdevice._core import devices, environment
 
 _NAME = "CROSSDEVICE_TEST_SETTING"
@@ -65,12 +64,18 @@ def test_every_reader_goes_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CROSSDEVICE_KEEP_HEAP", "sometimes")
     with pytest.raises(ValueError, match="CROSSDEVICE_KEEP_HEAP must be 1 or 0"):
         heap._set_thresholds()
-    monkeypatch.setenv(shm.MIN_BYTES_ENV_VAR, "lots")
-    with pytest.raises(ValueError, match="CROSSDEVICE_SHARED_MEMORY_MIN_BYTES must be a byte"):
-        shm.min_bytes_from_env()
     monkeypatch.setenv("CROSSDEVICE_LOGICAL_CPUS", "0")
     with pytest.raises(ValueError, match="CROSSDEVICE_LOGICAL_CPUS must be an integer >= 1"):
         devices._env_logical_cpus()
+
+
+def test_the_shared_memory_threshold_is_a_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    from crossdevice._comm.workers import shared_memory as shm
+
+    monkeypatch.setenv(shm.MIN_BYTES_ENV_VAR, "lots")
+    with pytest.raises(ValueError, match="CROSSDEVICE_SHARED_MEMORY_MIN_BYTES must be a byte"):
+        shm.min_bytes_from_env()
 
 
 @pytest.mark.parametrize(("value", "native"), [("off", False), ("true", True)])
