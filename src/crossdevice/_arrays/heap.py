@@ -43,7 +43,7 @@ from typing import Final
 
 from crossdevice._core import environment, tuning
 
-__all__ = ["ENV", "keep_heap", "kept"]
+__all__ = ["ENV", "keep_heap", "kept", "wanted"]
 
 #: Set to 0 to leave glibc's malloc thresholds alone.
 ENV: Final = "CROSSDEVICE_KEEP_HEAP"
