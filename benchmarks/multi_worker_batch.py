@@ -4,7 +4,8 @@ Run under torchrun (one process per worker, Gloo on the host)::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.multi_worker_batch
 
-Each round times, interleaved so drift on a shared host hits them alike:
+Each round times each once, in balanced orders so drift on a shared host hits them
+alike (`_launch.take_turns`):
 
 * `per_tensor`: one `torch.distributed.all_reduce` per tensor (160 calls, in place);
 * `one_call_floor`: one `torch.distributed.all_reduce` of a flat buffer already holding
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import crossdevice
+from benchmarks._launch import take_turns
 from benchmarks._workloads import batch_sizes
 from crossdevice._values.values import PerReplica
 
@@ -50,7 +51,9 @@ def main() -> None:
     sizes = [max(1, int(s * args.scale)) for s in batch_sizes()]
     rng = np.random.default_rng(comm.rank)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in sizes]
-    tensors = [torch.from_numpy(a.copy()) for a in arrays]
+    # The in-place calls reduce zeros: any other values would double every call and
+    # overflow to inf after ~128 rounds. An add takes the same time whatever it adds.
+    tensors = [torch.zeros(s, dtype=torch.float32) for s in sizes]
     device = extended.worker_devices[0]
     values = [PerReplica([a], devices=[device]) for a in arrays]
     group = comm.host_group
@@ -61,14 +64,8 @@ def main() -> None:
         "batch_all_reduce": lambda: comm.batch_all_reduce(arrays, "sum"),
         "batch_reduce_to": lambda: extended.batch_reduce_to("sum", [(v, v) for v in values]),
     }
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for round_ in range(args.rounds + 1):
-        for name, call in calls.items():
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            call()
-            if round_:  # the first round warms up
-                times[name].append(time.perf_counter() - start)
+    # One untimed round warms up; then each round runs every call once, in balanced orders.
+    times = take_turns(calls, args.rounds, 1, lambda: dist.barrier(group=group))
     if comm.rank == 0:
         medians = {name: statistics.median(t) for name, t in times.items()}
         base = medians["per_tensor"]
