@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +37,25 @@ def pytest_configure(config: pytest.Config) -> None:
     # Flight-recorder reports of the errors tests provoke go to a directory of this run
     # (inherited by the worker processes tests start), not the user's temp dir.
     os.environ.setdefault("CROSSDEVICE_FLIGHT_DIR", tempfile.mkdtemp(prefix="crossdevice-flight-"))
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) while the test runs.
+
+    A process started with SIGINT ignored (a background job of a non-interactive shell,
+    `nohup`) keeps it ignored, and Python then installs no handler of its own: a test
+    that sends SIGINT would wait in vain for its KeyboardInterrupt (seen: three tests
+    failed when the suite ran as a background job). Processes the test starts get
+    SIGINT's default action back too (exec resets a handler, but keeps an ignore).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT handlers can only be set from the main thread")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(autouse=True)

@@ -189,6 +189,7 @@ def test_demo_fails_when_accuracy_is_too_low(capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ctrl_c")  # the demo keeps an ignored SIGINT ignored
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_demo_saves_on_a_signal_and_the_same_command_resumes(
     torch_module: object, tmp_path: Path, signum: int
@@ -219,3 +220,16 @@ def test_demo_saves_on_a_signal_and_the_same_command_resumes(
     assert f"resumed at epoch {epoch}, step {step} (from {tmp_path})" in again.stdout
     assert again.stdout.count("held-out accuracy ") == 10 - epoch + 1  # the rest of the run
     assert again.stdout.rstrip().endswith("demo: OK")
+
+
+def test_ctrl_c_becomes_a_termination_notice_unless_the_process_ignores_it() -> None:
+    """The demo saves on Ctrl-C, but a process started with SIGINT ignored keeps ignoring it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `nohup ... &`
+    try:
+        assert demo_common._ctrl_c_as_sigterm() is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        assert demo_common._ctrl_c_as_sigterm() is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.default_int_handler)
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -201,6 +201,7 @@ def test_concurrent_callers_are_serialised(strategy: Any) -> None:
     assert not errors
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_interrupting_the_caller_while_replicas_run_leaves_the_strategy_usable() -> None:
     """Ctrl-C while `run` waits for replica threads: the next run waits for them first.
 

@@ -167,9 +167,7 @@ def _interrupt_main_after(seconds: float) -> None:
     threading.Thread(target=send, daemon=True).start()
 
 
-@pytest.mark.skipif(
-    threading.current_thread() is not threading.main_thread(), reason="SIGINT needs main"
-)
+@pytest.mark.usefixtures("ctrl_c")
 def test_the_first_ctrl_c_ends_a_run_whose_replica_is_stuck_in_user_code(mode: str) -> None:
     strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
     unstuck = threading.Event()

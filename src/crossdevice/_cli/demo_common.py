@@ -198,8 +198,15 @@ def fit(
 
 
 def _ctrl_c_as_sigterm() -> Any:
-    """Make Ctrl-C a termination notice (save, then exit); returns the previous handler."""
+    """Make Ctrl-C a termination notice (save, then exit); returns the previous handler.
+
+    Leaves SIGINT alone (returns None) off the main thread, and where the process was
+    started with it ignored (`nohup`, a background job of a non-interactive shell), as
+    Python itself leaves it.
+    """
     if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         return None
     return signal.signal(signal.SIGINT, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
 
