@@ -25,7 +25,7 @@ above raw at 1 MiB; `shm` at most 1.0x raw from 4 MiB up.
 
 `raw2` is the raw call again, on a buffer of its own, timed in the same turns: its ratio
 to raw is the run's own noise floor. On the 2-core host the raw call against itself
-took 0.88-1.08x at 1 MiB (11 runs of 101-1001 rounds) and 0.98-1.06x at 4 MiB (13 runs),
+took 0.88-1.15x at 1 MiB (15 runs of 101-1001 rounds) and 0.98-1.18x at 4 MiB (17 runs),
 so one run cannot tell a few percent apart; the verdict prints it beside each target.
 
 Launch two workers on this host with the bundled launcher (it runs torchrun's
