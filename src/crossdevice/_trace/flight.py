@@ -18,11 +18,15 @@ every parked cooperative replica (a greenlet: `register_stacks`).
 
 Reports go to the directory named by `CROSSDEVICE_FLIGHT_DIR` (`off` writes none), by
 default `crossdevice-flight` in the system's temporary directory. At most
-`MAX_REPORTS` per process: a loop that fails the same way does not fill the disk.
+`MAX_REPORTS` per process: a loop that fails the same way does not fill the disk. And
+the directory keeps the newest `KEPT_REPORTS` reports of every process together: each
+writer deletes the oldest beyond that (a job relaunched after every crash, or a test
+suite run again and again, otherwise grows it without end).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -39,6 +43,7 @@ from typing import Any, Final
 __all__ = [
     "COLLECTIVES",
     "ENV_DIR",
+    "KEPT_REPORTS",
     "MAX_REPORTS",
     "as_text",
     "attach",
@@ -54,6 +59,9 @@ __all__ = [
 COLLECTIVES: Final = 1000
 #: Reports one process writes at most.
 MAX_REPORTS: Final = 20
+#: Reports the directory keeps, of all processes together (each is a .json and a .txt
+#: of some 10-50 KB): the oldest beyond it are deleted by whoever writes the next one.
+KEPT_REPORTS: Final = 200
 #: The environment variable that names the reports' directory (`off`: none).
 ENV_DIR: Final = "CROSSDEVICE_FLIGHT_DIR"
 #: Marks an exception whose message already says where its report is.
@@ -163,9 +171,37 @@ def report(
             f.write(as_text(data))
     except Exception as err:  # a full disk must not hide the error being reported
         return f" Flight recorder: could not write a report in {directory}: {err!r}."
+    with contextlib.suppress(OSError):  # the report is written; pruning is best effort
+        _prune(directory, keep=os.path.basename(base))
     # On the message's last line: a log that shows only the last line (`Type: message`)
     # still shows where the report is.
     return f" Flight recorder report: {base}.txt (and .json)"
+
+
+def _prune(directory: str, keep: str) -> None:
+    """Delete the oldest reports in `directory` beyond `KEPT_REPORTS`, never `keep`.
+
+    Only this module's files (`flight-*.json` and `.txt`, a report's two counted as one,
+    aged by the newer) are touched. Processes that prune at once can only race to delete
+    the same old files: a file already gone is skipped.
+    """
+    ages: dict[str, float] = {}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            stem, dot, suffix = entry.name.rpartition(".")
+            if not (dot and stem.startswith("flight-") and suffix in ("json", "txt")):
+                continue
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except OSError:  # deleted by another process meanwhile
+                continue
+            ages[stem] = max(ages.get(stem, mtime), mtime)
+    ages.pop(keep, None)
+    excess = len(ages) + 1 - KEPT_REPORTS
+    for stem in sorted(ages, key=ages.__getitem__)[: max(excess, 0)]:
+        for suffix in (".json", ".txt"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, stem + suffix))
 
 
 def attach(
