@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -78,15 +79,22 @@ def test_the_shared_memory_threshold_is_a_count(monkeypatch: pytest.MonkeyPatch)
         shm.min_bytes_from_env()
 
 
+#: A child's environment with none of ours but where crossdevice is imported from (a
+#: checkout run with PYTHONPATH=src, as scripts/gpu_check.sh does, installs nothing).
+_BARE: dict[str, str] = {"PATH": ""} | (
+    {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+)
+
+
 @pytest.mark.parametrize(("value", "native"), [("off", False), ("true", True)])
 def test_the_native_kernel_switch(value: str, native: bool) -> None:
     code = "from crossdevice._arrays import native; print(native.available())"
-    env = {"CROSSDEVICE_NATIVE": value, "PATH": ""}
+    env = {"CROSSDEVICE_NATIVE": value, **_BARE}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     built = subprocess.run(
-        [sys.executable, "-c", code], env={"PATH": ""}, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], env=_BARE, capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out.stdout.strip() == str(native and built == "True")
 
@@ -140,7 +148,7 @@ def test_the_debug_switch_is_read_where_the_store_is_wrapped(value: str, outcome
         "else:\n"
         "    print('quiet' if s._log_level_flag() is not None else 'loud')\n"
     )
-    env = {"PATH": "", "CROSSDEVICE_DEBUG": value}
+    env = {"CROSSDEVICE_DEBUG": value, **_BARE}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )

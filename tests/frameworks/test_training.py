@@ -401,6 +401,26 @@ def test_replicas_draw_their_own_reproducible_streams(torch: Any, cdt: Any, mode
     assert not torch.equal(first[0][0][0], first[1][0][0])  # a new run, new draws
 
 
+def test_a_replica_can_trace_a_graph_that_draws_random_numbers(torch: Any, cdt: Any) -> None:
+    # torch.compile's inductor traces its replacement patterns (torch.randperm among them)
+    # with make_fx the first time a replica's compiled module runs: a draw traced there
+    # must stay torch's own, never take the replica's generator (a graph cannot hold one).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def draws(x: Any) -> Any:
+        return x + torch.rand(3) + torch.randperm(3) + torch.nn.functional.dropout(x)
+
+    def step() -> Any:
+        graph = make_fx(draws)(torch.zeros(3))
+        return sorted(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1"])
+    traced = strategy.experimental_local_results(strategy.run(step))
+    assert traced
+    assert all(t == traced[0] for t in traced)
+    assert any("randperm" in target for target in traced[0])
+
+
 def test_random_draws_outside_replicas_are_torchs_own(torch: Any, cdt: Any) -> None:
     import contextlib
 

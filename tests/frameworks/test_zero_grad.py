@@ -107,7 +107,10 @@ def test_an_optimizers_own_zero_grad_is_called(torch: Any, cdt: Any) -> None:
 def test_a_profiler_still_records_torchs_zero_grad_range(torch: Any, cdt: Any) -> None:
     strategy, model, optimizer = _prepared(torch, cdt, 1, share_storage=False)
     _backward(torch, model)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    # acc_events: torch 2.11 warns (an error here) that a second profiler in one process
+    # clears the first one's events unless it keeps them.
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
         optimizer.zero_grad()
     names = {event.name for event in profile.events()}
     assert "Optimizer.zero_grad#SGD.zero_grad" in names, sorted(names)

@@ -76,6 +76,22 @@ _DROPOUTS: Final = (
 )
 _MIX: Final = 0x9E3779B97F4A7C15
 _is_compiling: Final = torch.compiler.is_compiling
+_proxy_mode: Callable[[], Any]
+try:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode as _proxy_mode
+except ImportError:  # pragma: no cover - a torch without it traces only through dynamo
+    _proxy_mode = type(None)
+
+
+def _is_tracing() -> bool:
+    """Whether torch is building a graph: a replica's generator cannot go into one.
+
+    Dynamo (`torch.compiler.is_compiling`), and `make_fx`'s proxy mode, which dynamo's
+    flag does not cover: inductor traces its replacement patterns with it the first time
+    a replica's compiled module runs, and torch 2.11's `randperm` pattern then failed
+    with "argument of type: <class 'torch._C.Generator'>".
+    """
+    return _is_compiling() or _proxy_mode() is not None
 
 
 class _ReplicaStreams:
@@ -153,7 +169,7 @@ def _draw_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _with_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     def draw(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("generator") is None and not _is_compiling():
+        if kwargs.get("generator") is None and not _is_tracing():
             generator = replica_generator(_draw_device(args, kwargs))
             if generator is not None:
                 kwargs["generator"] = generator
@@ -166,7 +182,7 @@ def _dropout_like(original: Callable[..., Any], feature: bool) -> Callable[..., 
     def dropout(
         input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
     ) -> torch.Tensor:
-        generator = replica_generator(input.device) if training and not _is_compiling() else None
+        generator = replica_generator(input.device) if training and not _is_tracing() else None
         if generator is None or p == 0.0:
             return original(input, p, training, inplace)
         if p < 0.0 or p > 1.0:
@@ -223,7 +239,7 @@ def _seeder(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _state_generator(args: tuple[Any, ...], kwargs: dict[str, Any], cuda: bool) -> Any:
-    if _is_compiling():
+    if _is_tracing():
         return None
     if not cuda:
         return replica_generator(None)
