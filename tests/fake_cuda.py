@@ -720,6 +720,9 @@ class FakeCuda:
             "synchronize": synchronize,
             "is_initialized": lambda: True,
             "get_device_name": lambda device=None: "fake_cuda",
+            # No graph is ever captured here; a CUDA build of torch would ask the driver
+            # (torch's optimizers check it once CUDA is available).
+            "is_current_stream_capturing": lambda: False,
         }
         for name, value in patches.items():
             self._patch(cuda, name, value)
