@@ -14,12 +14,17 @@ has one, applied after every training-mode forward inside `strategy.run`:
 * `"none"`: each replica keeps its own (they may then differ; BatchNorm's integer
   `num_batches_tracked` counts the same on every replica, so it needs nothing).
 
-A floating or integer buffer with no declared aggregation that a forward pass changes
-is an error naming it: `prepare(..., buffer_aggregation={"name": "sum"})` declares it
-(names as in `named_buffers()`, `fnmatch` patterns allowed). Inside one forward a
-replica reads its own update, as on one device of that slice: combining happens after
-the pass, so a layer that reads a statistic it has just updated sees its replica's value,
-not the global batch's (`SyncBatchNorm` computes BatchNorm's over the global batch).
+Changes made any other way inside `strategy.run` (a submodule called directly, an
+eval-mode forward) are combined by the same rule when the run ends (`settle`).
+
+A floating buffer that every replica changed to bitwise the same value (spectral norm's
+power iteration) needs no rule. Any other integer or floating buffer with no declared
+aggregation that a forward pass changes is an error naming it: `prepare(...,
+buffer_aggregation={"name": "sum"})` declares it (names as in `named_buffers()`,
+`fnmatch` patterns allowed). Inside one forward a replica reads its own update, as on
+one device of that slice: combining happens after the pass, so a layer that reads a
+statistic it has just updated sees its replica's value, not the global batch's
+(`SyncBatchNorm` computes BatchNorm's over the global batch).
 """
 
 from __future__ import annotations
@@ -121,13 +126,23 @@ def _declared(declared: Mapping[str, str], name: str) -> str | None:
 class BufferSync:
     """One replica set's buffers, combined across replicas after each forward pass.
 
+    A forward of the mirrored module combines them when it returns (`after_forward`).
+    Whatever else changes a buffer inside `strategy.run` (a submodule called directly,
+    `model.module(x)`, an eval-mode forward) is found when the run ends, or at a
+    `merge_call`, and combined there by the same rule (`settle`): the replicas' buffers
+    never silently differ.
+
     Args:
         replicas: every local replica's module (same structure).
         aggregations: `resolve_aggregations` of replica 0.
+        replicas_in_sync: every replica of every worker (default: the local ones).
     """
 
     def __init__(
-        self, replicas: Sequence[torch.nn.Module], aggregations: Mapping[str, str | None]
+        self,
+        replicas: Sequence[torch.nn.Module],
+        aggregations: Mapping[str, str | None],
+        replicas_in_sync: int | None = None,
     ) -> None:
         self._slots: list[list[tuple[torch.nn.Module, str]]] = []
         for replica in replicas:
@@ -137,16 +152,17 @@ class BufferSync:
                 prefix, _, leaf = name.rpartition(".")
                 slots.append((owners[prefix], leaf))
             self._slots.append(slots)
+        self._local = len(replicas)
+        self._in_sync = len(replicas) if replicas_in_sync is None else replicas_in_sync
         self._names = list(aggregations)
         self._how = [aggregations[n] for n in self._names]
         self._synced = [k for k, h in enumerate(self._how) if h not in (None, "none")]
         self._watched = [k for k, h in enumerate(self._how) if h is None]
         # Values the replicas agreed on last, to add changes to ("sum").
         self._agreed: list[dict[int, torch.Tensor]] = [{} for _ in replicas]
-        self._seen: list[list[tuple[int, int]]] = [
-            self._marks(r, self._watched) for r in range(len(replicas))
-        ]
+        self._seen: list[list[tuple[int, int]]] = []
         for r in range(len(replicas)):
+            self._seen.append(self._marks(r, self._watched))
             self._keep_agreed(r)
 
     @property
@@ -170,26 +186,43 @@ class BufferSync:
             if self._how[k] == "sum":
                 self._agreed[replica][k] = self._buffer(replica, k).detach().clone()
 
+    def _changed_watched(self, replica: int) -> tuple[list[int], list[tuple[int, int]]]:
+        now = self._marks(replica, self._watched)
+        if now == self._seen[replica]:
+            return [], now
+        changed = [
+            k
+            for k, before, after in zip(self._watched, self._seen[replica], now, strict=True)
+            if before != after
+        ]
+        return changed, now
+
     def after_forward(self, replica: int, training: bool) -> None:
-        """Combine the declared buffers (training mode), refuse undeclared changes."""
+        """Combine the declared buffers (training mode), refuse undeclared changes.
+
+        An undeclared floating buffer that every replica changed to bitwise the same
+        value (spectral norm's power iteration) depends on no replica's slice of the
+        batch: it is kept as it is.
+        """
         if self._watched:
-            now = self._marks(replica, self._watched)
-            if now != self._seen[replica]:
-                changed = [
-                    self._names[k]
-                    for k, before, after in zip(
-                        self._watched, self._seen[replica], now, strict=True
-                    )
-                    if before != after
-                ]
-                raise RuntimeError(
-                    f"the forward pass changed buffer(s) {changed} of a mirrored module, which "
-                    "have no declared aggregation: each replica changed them from its own "
-                    "slice of the batch. Declare how replicas combine them, e.g. "
-                    f"prepare(..., buffer_aggregation={{{changed[0]!r}: 'sum'}}) (one of "
-                    f"{list(AGGREGATIONS)}), or register them with persistent state outside "
-                    "the forward pass"
+            changed, now = self._changed_watched(replica)
+            if changed:
+                counts = [k for k in changed if not self._buffer(replica, k).is_floating_point()]
+                if counts:
+                    self._undeclared(counts, "integer")
+                ctx = get_replica_context()
+                assert ctx is not None
+                gathered = ctx.all_gather(
+                    [self._buffer(replica, k).unsqueeze(0) for k in changed], 0
                 )
+                differ = [
+                    k
+                    for k, stacked in zip(changed, gathered, strict=True)
+                    if not all(torch.equal(stacked[0], other) for other in stacked[1:])
+                ]
+                if differ:
+                    self._undeclared(differ, "different")
+                self._seen[replica] = now
         if not training or not self._synced:
             return
         ctx = get_replica_context()
@@ -219,6 +252,118 @@ class BufferSync:
             module, leaf = self._slots[replica][k]
             module._buffers[leaf] = value
         self._keep_agreed(replica)
+
+    def _undeclared(self, ks: list[int], why: str) -> None:
+        names = [self._names[k] for k in ks]
+        reason = (
+            "they hold integers (a count may be of examples or of steps)"
+            if why == "integer"
+            else "the replicas' values differ: each replica changed them from its own "
+            "slice of the batch"
+        )
+        raise RuntimeError(
+            f"the forward pass changed buffer(s) {names} of a mirrored module, which have "
+            f"no declared aggregation, and {reason}. Declare how the replicas combine "
+            f"them, prepare(..., buffer_aggregation={{{names[0]!r}: ...}}), with one of: "
+            "'mean' for running statistics (BatchNorm's running mean and variance), 'sum' "
+            "for counters of examples (every replica's changes added), 'max' for running "
+            "maxima, 'first_replica' for values every replica computes alike (replica "
+            "0's), 'none' to let each replica keep its own; or change them outside the "
+            "forward pass"
+        )
+
+    def settle(self) -> None:
+        """Combine what changed outside a forward of the mirrored module (a run ended).
+
+        Called in cross-replica code while no replica runs: the local replicas' values
+        are combined here by each buffer's rule; across workers that needs a forward of
+        the mirrored module (an error says so).
+
+        Raises:
+            RuntimeError: an undeclared buffer changed to values that differ, an
+                undeclared integer buffer changed, or a buffer changed outside a forward
+                of the mirrored module on several workers.
+        """
+        replicas = range(self._local)
+        if self._watched:
+            changes = [self._changed_watched(r) for r in replicas]
+            changed = sorted({k for ks, _ in changes for k in ks})
+            if changed:
+                if self._in_sync != self._local:
+                    self._across_workers(changed)
+                counts = [k for k in changed if not self._buffer(0, k).is_floating_point()]
+                if counts:
+                    self._undeclared(counts, "integer")
+                differ = [
+                    k
+                    for k in changed
+                    if not all(
+                        torch.equal(
+                            self._buffer(0, k), self._buffer(r, k).to(self._buffer(0, k).device)
+                        )
+                        for r in replicas
+                    )
+                ]
+                if differ:
+                    self._undeclared(differ, "different")
+                for r, (_, now) in zip(replicas, changes, strict=True):
+                    self._seen[r] = now
+        # BatchNorm's kernels update running statistics without a version bump: the
+        # values tell. Replicas that agree on a "mean", "max" or "first_replica" buffer
+        # have nothing to combine; a "sum" one is compared with what they agreed on.
+        changed = [k for k in self._synced if self._differs(k)]
+        if not changed:
+            return
+        if self._in_sync != self._local:
+            self._across_workers(changed)
+        with torch.no_grad():
+            for k in changed:
+                self._combine_locally(k)
+        for r in replicas:
+            self._keep_agreed(r)
+
+    def _differs(self, k: int) -> bool:
+        if self._how[k] == "sum":
+            return any(
+                not torch.equal(self._buffer(r, k), self._agreed[r][k]) for r in range(self._local)
+            )
+        first = self._buffer(0, k)
+        return any(
+            not torch.equal(first, self._buffer(r, k).to(first.device))
+            for r in range(1, self._local)
+        )
+
+    def _combine_locally(self, k: int) -> None:
+        values = [self._buffer(r, k).detach() for r in range(self._local)]
+        device = values[0].device
+        how = self._how[k]
+        if how == "mean":
+            value = values[0].clone()
+            for other in values[1:]:
+                value += other.to(device)
+            value /= len(values)
+        elif how == "sum":
+            agreed = self._agreed[0][k]
+            value = agreed.clone()
+            for r, other in enumerate(values):
+                value += other.to(device) - self._agreed[r][k].to(device)
+        elif how == "max":
+            value = torch.stack([v.to(device) for v in values]).amax(0)
+        else:  # first_replica
+            value = values[0].clone()
+        for r in range(self._local):
+            module, leaf = self._slots[r][k]
+            module._buffers[leaf] = value.to(values[r].device, copy=True)
+
+    def _across_workers(self, ks: list[int]) -> None:
+        names = [self._names[k] for k in ks]
+        raise RuntimeError(
+            f"buffer(s) {names} of a mirrored module changed inside strategy.run outside a "
+            "forward of the mirrored module itself (a submodule called directly, "
+            "model.module(x), or an eval-mode forward), and the replicas span several "
+            "workers, whose buffers only a forward of the mirrored module combines. Call "
+            "the prepared model itself (model(x)) for the forward passes that change them"
+        )
 
     def refresh(self, replica: int) -> None:
         """Buffers were set from outside (a copy from replica 0): watch from here."""

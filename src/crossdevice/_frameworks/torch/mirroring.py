@@ -18,12 +18,14 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
 from crossdevice._frameworks.torch.buffers import BufferSync
+from crossdevice._frameworks.torch.hooks import HookMirror
+from crossdevice._frameworks.torch.storage import ParameterCheck
 
 __all__ = [
     "ReplicaMirror",
@@ -129,18 +131,30 @@ class ReplicaMirror:
     parameter inside `strategy.run` (not in a `merge_fn`) is an error naming it: every
     replica would apply its own write to the one tensor.
 
+    It also keeps each replica's parameter objects and memory as prepared
+    (`ParameterCheck`: `model.float()`, `param.data = ...`), gives every replica the
+    hooks registered on replica 0 (`HookMirror`), and combines buffers that a replica
+    changed outside a forward of the mirrored module (`BufferSync.settle`) when a run
+    ends.
+
     Args:
         replicas: every local replica's module.
         buffers: their buffer aggregation, told when buffers are set from replica 0.
         shared: the replicas' parameters share replica 0's storage (`alias`).
+        own_hooks: the handle ids of the library's own hooks on the replicas' parameters.
     """
 
     def __init__(
-        self, replicas: Sequence[torch.nn.Module], buffers: BufferSync, shared: bool = False
+        self,
+        replicas: Sequence[torch.nn.Module],
+        buffers: BufferSync,
+        shared: bool = False,
+        own_hooks: Callable[[], Collection[int]] = tuple,
     ) -> None:
         self._shared = shared and len(replicas) > 1
         self._names = [name for name, _ in replicas[0].named_parameters()]
         self._running: list[list[int]] = []  # every replica's parameter versions in run
+        self._in_run = False
         self._replicas = list(replicas)
         self._params = [list(r.parameters()) for r in replicas]
         self._modules = [list(r.modules()) for r in replicas]
@@ -149,6 +163,8 @@ class ReplicaMirror:
         ]
         self._buffers = buffers
         self._record: tuple[Any, ...] = ()
+        self.storage = ParameterCheck(replicas, self._names, self._shared)
+        self._hooks = HookMirror(replicas, own_hooks)
         self.enter_cross_replica()
 
     def _state(self) -> tuple[Any, ...]:
@@ -168,10 +184,18 @@ class ReplicaMirror:
             RuntimeError: with shared storage, code inside `strategy.run` changed a
                 parameter in place.
         """
+        if self._in_run and len(self._replicas) == 1:  # alone here, among several workers
+            self._in_run = False
+            self._buffers.settle()
         if len(self._replicas) == 1:
             return
-        if self._shared and self._running:
-            self._check_unchanged()
+        if self._in_run:  # a run (or the code before a merge_fn) has just ended
+            self._in_run = False
+            if self._shared and self._running:
+                self._check_unchanged()
+            self.storage.follow_first(in_run=True)
+            self._buffers.settle()
+        self._hooks.enter_cross_replica()
         self._record = self._state()
 
     def _versions(self) -> list[list[int]]:
@@ -195,12 +219,36 @@ class ReplicaMirror:
     def leave_cross_replica(self) -> None:
         """Copy whatever cross-replica code changed on replica 0 to every other replica."""
         if len(self._replicas) == 1:
+            self._in_run = True
             return
         try:
+            self.storage.follow_first()
             self._propagate()
+            self._hooks.leave_cross_replica()
         finally:
+            self._in_run = True
             if self._shared:
                 self._running = self._versions()
+
+    def sync_now(self) -> None:
+        """Bring every replica to replica 0's state now (cross-replica code)."""
+        if len(self._replicas) > 1:
+            self.storage.follow_first()
+            self._propagate()
+            self._hooks.leave_cross_replica()
+
+    def settled(self) -> None:
+        """Every replica was changed alike (`MirroredModule._apply`): record that state.
+
+        Raises:
+            RuntimeError: a parameter object was replaced (`ParameterCheck`).
+        """
+        self.storage.follow_first()
+        self.storage.record()
+        if len(self._replicas) > 1:
+            for r in range(len(self._replicas)):
+                self._buffers.refresh(r)
+            self._record = self._state()
 
     def _propagate(self) -> None:
         now = self._state()

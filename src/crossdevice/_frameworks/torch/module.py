@@ -18,14 +18,12 @@ during backward (`gradients.py`), buffers combine after each forward as declared
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from crossdevice._arrays import torch_guard, torch_patches
-from crossdevice._arrays.packing import plan
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._frameworks.torch import backward, once  # noqa: F401 - torch patches
 from crossdevice._frameworks.torch.buffers import BufferSync, resolve_aggregations
@@ -45,6 +43,12 @@ from crossdevice._frameworks.torch.replicas import (
     local_replica_index,
     strategy_or_current,
     torch_devices,
+)
+from crossdevice._frameworks.torch.setup import (
+    broadcast_from_chief,
+    check_mirrorable,
+    sharing,
+    unwrap_compiled,
 )
 from crossdevice._frameworks.torch.threads import apply_thread_policy
 from crossdevice._strategies.base import Strategy
@@ -115,8 +119,13 @@ class MirroredModule(torch.nn.Module):
         autocast: torch.dtype | None = None,
         share_storage: bool | None = None,
     ) -> None:
-        module, compiled = _unwrap_compiled(module)
-        _check_mirrorable(module)
+        module, compiled = unwrap_compiled(module)
+        if isinstance(module, MirroredModule):
+            raise TypeError(
+                f"the module is mirrored already: {module!r}. Prepare a model once and use "
+                "the MirroredModule prepare returned"
+            )
+        check_mirrorable(module)
         if bucket_cap_bytes is not None and (
             isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int)
         ):
@@ -128,13 +137,13 @@ class MirroredModule(torch.nn.Module):
         aggregations = resolve_aggregations(module, buffer_aggregation, sync_buffers)
         super().__init__()
         devices = torch_devices(strategy)
-        shared = _sharing(share_storage, devices)
+        shared = sharing(share_storage, devices)
         if bucket_cap_bytes is None:
             bucket_cap_bytes = SHARED_BUCKET_CAP_BYTES if shared else DEFAULT_BUCKET_CAP_BYTES
         replicas = make_replicas(module, devices, shared)
         if compiled is not None:
             compile_replicas(replicas, compiled)
-        _broadcast_from_chief(strategy, replicas)
+        broadcast_from_chief(strategy, replicas)
         self._setup(strategy, replicas, op, bucket_cap_bytes, aggregations, autocast, shared)
         strategy._patch_torch()  # its replicas run in parallel: the patches (and threads)
         apply_thread_policy(len(replicas), threads_per_replica)
@@ -168,14 +177,13 @@ class MirroredModule(torch.nn.Module):
             shared,
         )
         state["_gradients"] = sync
-        buffers = BufferSync(replicas, aggregations)
+        buffers = BufferSync(replicas, aggregations, strategy.num_replicas_in_sync)
         state["_buffer_sync"] = buffers
-        mirror = ReplicaMirror(replicas, buffers, shared)
+        mirror = ReplicaMirror(replicas, buffers, shared, functools.partial(_own_hooks, sync))
         state["_mirror"] = mirror
         backward.register(strategy, sync)
-        if len(replicas) > 1:  # one copy has nothing to keep in step: no per-run calls
+        if strategy.num_replicas_in_sync > 1:  # alone, nothing to keep in step: no per-run calls
             strategy.extended._sections.add(mirror)
-        self.training = replicas[0].training
         torch_guard.mark(self, strategy, None)
         for index, replica in enumerate(replicas):
             for submodule in replica.modules():
@@ -330,21 +338,58 @@ class MirroredModule(torch.nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load `state_dict` into every replica's copy (cross-replica context only)."""
+        """Load `state_dict` into every replica's copy (cross-replica context only).
+
+        `assign=True` is refused: it replaces the parameters that the gradient
+        reduction and the optimizer hold (load values in place, the default).
+        """
         self._require_cross_replica("load_state_dict")
+        if assign:
+            raise RuntimeError(
+                "load_state_dict(assign=True) replaces a mirrored module's parameters, but "
+                "its gradient reduction and optimizer hold the prepared ones: the new ones "
+                "would never train. Load in place (assign=False, the default), or load "
+                "with assign=True before crossdevice.torch.prepare"
+            )
+        self.__dict__["_mirror"].sync_now()  # hooks registered on replica 0 load too
         result = None
         for replica in self.__dict__["_replicas"]:
             result = replica.load_state_dict(state_dict, strict=strict, assign=assign)
         return result
 
     def train(self, mode: bool = True) -> MirroredModule:
-        """Set training mode on every replica's copy."""
+        """Set training mode: every copy's outside `strategy.run`, the running replica's inside.
+
+        Inside `run` each replica sets its own copy's mode (a validation pass in the
+        step), as each would on its own device, and reads its own.
+        """
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
-        self.training = mode
-        for replica in self.__dict__.get("_replicas", ()):
+        replicas = self.__dict__.get("_replicas")
+        if replicas is None:
+            self.__dict__["_training"] = mode
+            return self
+        index = local_replica_index(self.__dict__["_strategy"])
+        for replica in replicas if index is None else [replicas[index]]:
             replica.train(mode)
         return self
+
+    @property
+    def training(self) -> bool:
+        """The running replica's copy's training flag (replica 0's outside `run`)."""
+        if "_replicas" not in self.__dict__:
+            return self.__dict__.get("_training", True)
+        return self._current().training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        replicas = self.__dict__.get("_replicas")
+        if replicas is None:  # torch.nn.Module.__init__
+            self.__dict__["_training"] = mode
+            return
+        index = local_replica_index(self.__dict__["_strategy"])
+        for replica in replicas if index is None else [replicas[index]]:
+            replica.training = mode
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: the running replica's, or every replica's in cross-replica context."""
@@ -379,7 +424,7 @@ class MirroredModule(torch.nn.Module):
             for replica in replicas[1:]:
                 for name, value in replica.state_dict().items():
                     value.copy_(source[name])
-        _broadcast_from_chief(self.__dict__["_strategy"], replicas)
+        broadcast_from_chief(self.__dict__["_strategy"], replicas)
         fn(self)
         return self
 
@@ -388,15 +433,29 @@ class MirroredModule(torch.nn.Module):
         if replicas is None:
             return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         devices = torch_devices(self.__dict__["_strategy"])
-        for replica, device in zip(replicas, devices, strict=True):
-            replica._apply(fn, recurse)
-            for tensor in (*replica.parameters(), *replica.buffers()):
-                if tensor.device != device:
-                    raise RuntimeError(
-                        f"a mirrored module's replicas stay on the strategy's devices "
-                        f"({[str(d) for d in devices]}), but this call moved one to "
-                        f"{tensor.device}; move the module before mirroring it"
-                    )
+        index = local_replica_index(self.__dict__["_strategy"])
+        if index is not None:  # the running replica's copy (`model.to(device)` in a step)
+            replicas, devices = [replicas[index]], [devices[index]]
+        mirror: ReplicaMirror = self.__dict__["_mirror"]
+        if index is None:
+            mirror.sync_now()  # replica 0's changes so far reach every replica first
+        try:
+            for replica, device in zip(replicas, devices, strict=True):
+                replica._apply(fn, recurse)
+                for tensor in (*replica.parameters(), *replica.buffers()):
+                    if tensor.device != device:
+                        raise RuntimeError(
+                            f"a mirrored module's replicas stay on the strategy's devices "
+                            f"({[str(d) for d in devices]}), but this call moved one to "
+                            f"{tensor.device}; move the module before mirroring it"
+                        )
+        finally:
+            if index is None:
+                # torch gives each parameter new memory (`param.data = fn(param)`): with
+                # shared storage each replica views replica 0's again; the parameter
+                # objects must stay the prepared ones (torch.__future__'s
+                # set_overwrite_module_params_on_conversion(True) replaces them: an error).
+                mirror.settled()
         return self
 
     def __getattr__(self, name: str) -> Any:
@@ -498,7 +557,15 @@ def _before(self: MirroredModule) -> tuple[int, bool]:
 
 
 def _after(self: MirroredModule, index: int) -> None:
-    self.__dict__["_buffer_sync"].after_forward(index, self.training)
+    # The replica's own mode: another replica may be in eval mode meanwhile.
+    replica = self.__dict__["_replicas"][index]
+    self.__dict__["_buffer_sync"].after_forward(index, replica.training)
+
+
+def _own_hooks(sync: GradientSync) -> list[int]:
+    """The handle ids of the gradient reduction's hooks on the replicas' parameters."""
+    handles = getattr(sync, "_handles", ())
+    return [h.id for per_replica in handles for h in per_replica if h is not None]
 
 
 def _ready_for_dynamo() -> None:
@@ -517,83 +584,3 @@ def _ready_for_dynamo() -> None:
 
 
 torch_patches.on_dynamo(_ready_for_dynamo)
-
-
-def _sharing(share_storage: bool | None, devices: list[torch.device]) -> bool:
-    if share_storage is not None and not isinstance(share_storage, bool):
-        raise TypeError(f"share_storage must be None, True or False, got {share_storage!r}")
-    on_host = all(d.type == "cpu" for d in devices)
-    if share_storage and not on_host:
-        raise ValueError(
-            "share_storage=True needs every local replica on the CPU (one address space); "
-            f"the replicas are on {[str(d) for d in devices]}"
-        )
-    return on_host and len(devices) > 1 if share_storage is None else share_storage
-
-
-def _unwrap_compiled(module: Any) -> tuple[Any, Any]:
-    """`(module, its torch.compile context)` for a compiled module, else `(module, None)`."""
-    if "torch._dynamo" in sys.modules:
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        if isinstance(module, OptimizedModule):
-            return module._orig_mod, module.dynamo_ctx
-    return module, None
-
-
-def _check_mirrorable(module: Any) -> None:
-    if isinstance(module, MirroredModule):
-        raise TypeError(
-            f"the module is mirrored already: {module!r}. Prepare a model once and use "
-            "the MirroredModule prepare returned"
-        )
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(
-            f"MirroredModule expects a torch.nn.Module, got {type(module).__name__}: {module!r}"
-        )
-    for name, submodule in module.named_modules():
-        if getattr(submodule, "sparse", False) is True:
-            raise ValueError(
-                f"submodule {name or type(submodule).__name__!r} ({type(submodule).__name__}"
-                "(sparse=True)) makes sparse gradients, which mirrored modules do not "
-                "reduce (their gradient buckets are dense). Build it with sparse=False, and "
-                "use a dense optimizer (Adam rather than SparseAdam)"
-            )
-        marked = torch_guard.mark_of(submodule)
-        if marked is not None:
-            strategy, index = marked
-            what = "the module" if not name else f"its submodule {name!r}"
-            raise ValueError(
-                f"{what} is replica {index}'s copy of a model mirrored by {strategy!r} "
-                f"already ({type(submodule).__name__}); prepare a model once and use the "
-                "MirroredModule that prepare returned (its .module is the running "
-                "replica's copy)"
-            )
-
-
-def _broadcast_from_chief(strategy: Strategy, replicas: list[torch.nn.Module]) -> None:
-    """Give every replica of every worker the chief's parameters and buffers.
-
-    Local replicas are deep copies already; across workers, one broadcast per dtype.
-    """
-    communicator = getattr(strategy.extended, "_worker_communicator", None)
-    tensors = [*replicas[0].parameters(), *replicas[0].buffers()]
-    if communicator is not None and tensors:
-        packs = plan(
-            [t.dtype for t in tensors],
-            [tuple(t.shape) for t in tensors],
-            [t.element_size() for t in tensors],
-        )
-        with torch.no_grad():
-            for pack in packs:  # one per dtype
-                flat = torch.cat([tensors[k].detach().reshape(-1).cpu() for k in pack.members])
-                chief = torch.as_tensor(communicator.broadcast(flat, root=0))
-                for k, value in zip(pack.members, pack.unpack(chief), strict=True):
-                    tensors[k].copy_(value)
-    if len(replicas) > 1:
-        with torch.no_grad():
-            for replica in replicas[1:]:
-                others = [*replica.parameters(), *replica.buffers()]
-                for target, source in zip(others, tensors, strict=True):
-                    if target.data_ptr() != source.data_ptr():  # shared storage: itself
-                        target.copy_(source)
