@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from crossdevice._arrays import backend_for, is_array
-from crossdevice._arrays.handout import hand_out_all
+from crossdevice._arrays.handout import hand_out, hand_out_all
 from crossdevice._comm.devices import algorithms
 from crossdevice._comm.protocol import Done, Pending, Then
 from crossdevice._core import context, nest, validate
@@ -578,7 +578,7 @@ def _on_host(value: DistributedValues) -> bool:
     return True
 
 
-def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Mirrored:
+def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Any:
     """`value`'s host components reduced in replica order on the host, one per replica.
 
     The components are checked to agree first (one array library, dtype and shape), as
@@ -588,6 +588,10 @@ def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Mirrored:
     total = algorithms.reduce_to_one(arrays, local_host_device(), op)
     if isinstance(total, np.generic):
         total = np.asarray(total)
+    if len(arrays) == 1:
+        # One replica (OneDeviceStrategy on a GPU): its value, as every single-replica
+        # reduction gives (a Mirrored of one reached the user from `run`).
+        return hand_out(total, copy=False)
     return Mirrored(hand_out_all(total, len(arrays)), devices=value._devices)
 
 

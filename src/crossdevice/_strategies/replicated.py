@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from crossdevice._arrays.handout import hand_out
+from crossdevice._arrays.handout import hand_out, is_shared
 from crossdevice._core import context, nest
 from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
@@ -148,9 +148,10 @@ class ReplicatedExtended(StrategyExtended):
         local_id = replica_id - self._replica_id_offset
         if type(value) is np.ndarray or isinstance(value, np.generic):
             # One NumPy leaf (a loss, a flat gradient buffer): no nest to walk.
-            return communicator._all_reduce_one(
+            result = communicator._all_reduce_one(
                 local_id, np.asarray(value), op, self._timeout(options)
             )
+            return hand_out(result, copy=True)  # one buffer for every replica
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
@@ -231,7 +232,7 @@ class ReplicatedExtended(StrategyExtended):
         plain = _regroup_numpy(results, self._devices)
         if plain is not None:
             return plain
-        return regroup(results, PerReplica, False, self._devices, collapse_arrays=False)
+        return regroup(results, PerReplica, False, self._devices)
 
     def _merge_timeout(self) -> float | None:
         """How long local replicas wait at a merge: the strategy's timeout_seconds."""
@@ -377,15 +378,15 @@ class ReplicatedExtended(StrategyExtended):
 
 
 def _regroup_numpy(results: list[Any], devices: tuple[str, ...]) -> Any:
-    """`regroup(results, PerReplica, False, devices, collapse_arrays=False)` for NumPy results.
+    """`regroup(results, PerReplica, False, devices)` for NumPy results.
 
     The per-step case (a loss, a metric, a shared all-reduce result): NumPy arrays and
     scalars are leaves and never variables, so regroup's rule for them is short; its
     general walk (leaf tests, the variable metaclass's isinstance) took about 6 us of a
-    4-replica step on the dev VM. Arrays stay
-    per-replica even when every replica returns the same one (TF gives each replica its
-    own tensor); the same scalar object from every replica stays plain. None for
-    anything else (and for one replica, which regroup unwraps).
+    4-replica step on the dev VM. The same object from every replica stays plain (TF:
+    a captured constant, what one merge_fn returned), unless it is a collective's
+    result that every replica shares (`is_shared`: TF gives each replica its own
+    tensor). None for anything else (and for one replica, which regroup unwraps).
     """
     if len(results) < 2:
         return None
@@ -393,7 +394,7 @@ def _regroup_numpy(results: list[Any], devices: tuple[str, ...]) -> Any:
         if type(result) is not np.ndarray and not isinstance(result, np.generic):
             return None
     first = results[0]
-    if type(first) is not np.ndarray and all(r is first for r in results):
+    if all(r is first for r in results) and not is_shared(first):
         return first
     return PerReplica._from_parts(tuple(results), devices)
 
