@@ -419,3 +419,96 @@ def test_bitwise_operators_are_forwarded(mirrored: Any) -> None:
         np.testing.assert_array_equal(pow(value, 2, 7), (x**2) % 7)
         np.testing.assert_array_equal(pow(value, 2), x**2)
     assert pow(cd.Mirrored([5, 5]), 2, 3) == 1  # Python ints: the built-in pow
+
+
+# --- review p05/p14: distributed variables' aggregation rules, as TF 2.21 applies them ---
+MIRRORED_KINDS = [
+    lambda: cd.MirroredStrategy(["CPU:0"]),
+    lambda: cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"]),
+    cd.MultiWorkerMirroredStrategy,
+]
+MIRRORED_IDS = ["mirrored1", "mirrored3", "multi_worker"]
+
+
+@pytest.mark.parametrize("sync", ["on_write", "on_read", "auto"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.bool_, np.complex64])
+@pytest.mark.parametrize("make", MIRRORED_KINDS, ids=MIRRORED_IDS)
+def test_mean_of_a_non_floating_distributed_variable_is_refused(
+    make: Any, dtype: Any, sync: str
+) -> None:
+    # TF values.DistributedVariable: "creating distributed tf.Variable with
+    # aggregation=MEAN and a non-floating dtype is not supported" (any replica count).
+    with make().scope(), pytest.raises(ValueError, match="aggregation=MEAN and a non-floating"):
+        cd.Variable(np.zeros(2, dtype), synchronization=sync, aggregation="mean")
+
+
+@pytest.mark.parametrize("make", SINGLE_WORKER[1:], ids=SINGLE_WORKER_IDS[1:])
+def test_mean_of_an_integer_variable_is_accepted_where_tf_accepts_it(make: Any) -> None:
+    # CentralStorage, OneDevice and the default strategy make no DistributedVariable in
+    # TF (AggregatingVariable or a plain one): TF accepts MEAN there.
+    with make().scope():
+        for sync in ("on_write", "on_read"):
+            v = cd.Variable(np.int32(1), synchronization=sync, aggregation="mean")
+            assert int(v.numpy()) == 1
+
+
+@pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub"])
+@pytest.mark.parametrize("make", MIRRORED_KINDS, ids=MIRRORED_IDS)
+def test_cross_replica_update_of_an_on_read_none_variable_is_refused(
+    make: Any, method: str
+) -> None:
+    # TF 2.21: "Could not convert from `tf.VariableAggregation` VariableAggregationV2.NONE
+    # to `tf.distribute.ReduceOp` type" for all three, with any number of replicas.
+    strategy = make()
+    with strategy.scope():
+        v = cd.Variable(np.float32(1.0), synchronization="on_read", aggregation="none")
+    with pytest.raises(ValueError, match=r"VariableAggregation\.NONE to a reduce op") as info:
+        getattr(v, method)(np.float32(3.0))
+    assert "strategy.run" in str(info.value)
+    assert [float(c.numpy()) for c in v.values] == [1.0] * len(v.values)  # nothing applied
+    # Inside a replica (and in extended.update) each component is its own: allowed.
+    strategy.run(lambda: getattr(v, method)(np.float32(2.0)))
+    strategy.extended.update(v, lambda c: c.assign(np.float32(5.0)))
+    assert [float(c.numpy()) for c in v.values] == [5.0] * len(v.values)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "value", "components"),
+    [
+        (1, 7, [7]),  # TF: [7] (ours raised TypeError)
+        (2, 4, [2, 2]),  # TF: [2, 2]
+        (3, 6, [2, 2, 2]),  # TF: [2, 2, 2]
+        (3, 7, [3, 2, 2]),  # TF: [2, 2, 2], which reads back as 6: we keep the remainder
+        (3, -7, [-2, -2, -3]),  # TF: [-2, -2, -2], read -6
+    ],
+)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_cross_replica_assign_of_an_integer_sum_variable(
+    replicas: int, value: int, components: list[int], dtype: Any
+) -> None:
+    strategy = cd.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    with strategy.scope():
+        v = cd.Variable(dtype(0), synchronization="on_read", aggregation="sum")
+    v.assign(value)
+    assert [int(c.numpy()) for c in v.values] == components
+    assert all(c.numpy().dtype == dtype for c in v.values)
+    assert int(v.numpy()) == value
+
+
+@pytest.mark.parametrize("make", SINGLE_WORKER[1:], ids=SINGLE_WORKER_IDS[1:])
+def test_integer_sum_variable_assign_on_single_replica_strategies(make: Any) -> None:
+    # TF: OneDevice, default and CentralStorage all give back 7.
+    with make().scope():
+        v = cd.Variable(np.int32(0), synchronization="on_read", aggregation="sum")
+    v.assign(7)
+    assert int(v.numpy()) == 7
+
+
+def test_float_sum_variable_assign_divides_as_tf_does() -> None:
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        v = cd.Variable(np.float32(0.0), synchronization="on_read", aggregation="sum")
+    v.assign(5)  # TF: [2.5, 2.5], read 5.0
+    assert [float(c.numpy()) for c in v.values] == [2.5, 2.5]
+    assert float(v.numpy()) == 5.0
+
