@@ -512,3 +512,89 @@ def test_float_sum_variable_assign_divides_as_tf_does() -> None:
     assert [float(c.numpy()) for c in v.values] == [2.5, 2.5]
     assert float(v.numpy()) == 5.0
 
+
+# --- review p07/p19: colocate_vars_with's scope, non_slot_devices and update_non_slot ------
+EVERY_KIND = [*SINGLE_WORKER, cd.MultiWorkerMirroredStrategy]
+EVERY_KIND_IDS = [*SINGLE_WORKER_IDS, "multi_worker"]
+
+
+@pytest.mark.parametrize(
+    "make", [m for m, i in zip(EVERY_KIND, EVERY_KIND_IDS, strict=True) if i != "default"]
+)
+def test_colocate_vars_with_needs_the_strategy_scope(make: Any) -> None:
+    # TF: RuntimeError 'Need to be inside "with strategy.scope()" for ...'.
+    strategy = make()
+    with strategy.scope():
+        v = cd.Variable(1.0)
+    outside = r'Need to be inside "with strategy\.scope\(\)"'
+    with pytest.raises(RuntimeError, match=outside), strategy.extended.colocate_vars_with(v):
+        pass
+    other = cd.MirroredStrategy(["CPU:0"])
+    with (
+        other.scope(),
+        pytest.raises(RuntimeError, match="in the scope"),
+        strategy.extended.colocate_vars_with(v),
+    ):
+        pass
+    with strategy.scope(), strategy.extended.colocate_vars_with(v):
+        w = cd.Variable(2.0)
+    assert type(w) is type(v)
+
+
+def test_the_default_strategy_colocates_with_any_variable() -> None:
+    v = cd.Variable(1.0)  # TF's default strategy checks neither scope nor variable
+    with cd.get_strategy().extended.colocate_vars_with(v):
+        w = cd.Variable(2.0)
+    assert float(w.numpy()) == 2.0
+
+
+@pytest.mark.parametrize("make", EVERY_KIND, ids=EVERY_KIND_IDS)
+def test_update_non_slot_as_tf(make: Any) -> None:
+    strategy = make()
+    extended = strategy.extended
+    with strategy.scope():
+        a = cd.Variable(1.0, name="b_var")
+        b = cd.Variable(2.0, name="a_var")
+    devices = extended.non_slot_devices([a, b])
+    if isinstance(devices, tuple):  # Mirrored, MultiWorkerMirrored and OneDevice: devices
+        assert devices == extended.worker_devices
+        calls = len(devices)
+    else:  # the default strategy and CentralStorage: the variable that sorts first
+        assert devices is b
+        calls = 1
+    # TF: `update_non_slot(non_slot_devices([v]), lambda: 5)` is 5; with group=False (5,).
+    assert extended.update_non_slot(devices, lambda: 5) == 5
+    assert extended.update_non_slot(devices, lambda: 5, group=False) == (5,)
+    assert extended.update_non_slot(devices, lambda x, y=0: x + y, args=(1,), kwargs={"y": 2}) == 3
+    result = extended.update_non_slot(devices, lambda: np.array(3.0))
+    local = strategy.experimental_local_results(result)
+    assert [float(x) for x in local] == [3.0] * calls
+    assert type(result) is (cd.Mirrored if calls > 1 else np.ndarray)
+    each = extended.update_non_slot(devices, lambda: np.array(3.0), group=False)
+    assert type(each) is tuple
+    assert len(each) == calls
+    # Each call runs in an update context: a variable's update reaches every component.
+    extended.update_non_slot(devices, lambda: a.assign_add(1.0))
+    assert [float(c.numpy()) for c in strategy.experimental_local_results(a)] == [2.0] * len(
+        strategy.experimental_local_results(a)
+    )
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        strategy.run(lambda: extended.update_non_slot(devices, lambda: 5))
+
+
+def test_update_non_slot_splits_per_replica_arguments() -> None:
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    extended = strategy.extended
+    devices = extended.non_slot_devices([])
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float64(ctx.replica_id_in_sync_group + 1)
+    )
+    result = extended.update_non_slot(devices, lambda x: x * 2, args=(value,))
+    assert [float(x) for x in strategy.experimental_local_results(result)] == [2.0, 4.0, 6.0]
+    part = extended.update_non_slot(devices[1:], cd.get_replica_context)
+    assert part is None  # an update context is no replica context (TF)
+    with pytest.raises(ValueError, match="what non_slot_devices\\(\\) returned") as info:
+        extended.update_non_slot(strategy.extended.worker_devices[0], lambda: 5)
+    assert "CPU:2" in str(info.value)
+    with pytest.raises(ValueError, match="non_slot_devices"):
+        extended.update_non_slot(("CPU:3",), lambda: 5)

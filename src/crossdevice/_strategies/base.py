@@ -26,7 +26,7 @@ from crossdevice._strategies.extended import (
     SingleReplicaExtended as SingleReplicaExtended,
 )
 from crossdevice._strategies.extended import StrategyExtended as StrategyExtended
-from crossdevice._strategies.extended import as_reducible_leaf as as_reducible_leaf
+from crossdevice._strategies.leaves import as_reducible_leaf as as_reducible_leaf
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import set_variable_creator

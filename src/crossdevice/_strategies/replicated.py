@@ -365,13 +365,63 @@ class ReplicatedExtended(StrategyExtended):
                 "extended.update expects a variable created in this strategy's scope, got "
                 f"{var!r}; create it inside `with strategy.scope():`"
             )
+        components = var.values
+        results = self._each_device(
+            range(len(components)),
+            lambda i: fn(components[i], *select_replica(i, args), **select_replica(i, kwargs)),
+        )
+        return self._regroup_update(results, var._devices, group)
+
+    def _non_slot_devices(self, var_list: list[Any]) -> Any:
+        del var_list
+        return self._devices  # TF's MirroredStrategy: every replica device
+
+    def _update_non_slot(
+        self,
+        colocate_with: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        indices = self._device_indices(colocate_with)
+        results = self._each_device(
+            indices, lambda i: fn(*select_replica(i, args), **select_replica(i, kwargs))
+        )
+        return self._regroup_update(results, tuple(self._devices[i] for i in indices), group)
+
+    def _device_indices(self, colocate_with: Any) -> list[int]:
+        """The replica index of each device of `colocate_with` (`non_slot_devices`'s tuple)."""
+        error = ArgumentAssertionError(
+            "update_non_slot: colocate_with must be what non_slot_devices() returned, a "
+            f"tuple of this strategy's devices {list(self._devices)}; got {colocate_with!r}"
+        )
+        if isinstance(colocate_with, str) or not isinstance(colocate_with, tuple | list):
+            raise error
+        names = [getattr(d, "name", d) for d in colocate_with]
+        if not all(isinstance(name, str) for name in names):
+            raise error
+        try:
+            canonical = [canonicalize(str(name)) for name in names]
+        except ValueError as err:
+            raise error from err
+        if not canonical or any(d not in self._devices for d in canonical):
+            raise error
+        return [self._devices.index(d) for d in canonical]
+
+    def _each_device(self, indices: Any, call: Callable[[int], Any]) -> list[Any]:
+        """`call(i)` for each replica index, in update context `i` on that replica's device."""
         strategy = self._container_strategy_ref
         results = []
-        for i, component in enumerate(var.values):
+        for i in indices:
             update = context.Frame(strategy, None, None, i)
-            with context.entered(update), device_scope(component.device):
-                results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
-        regrouped = regroup(results, Mirrored, False, var._devices)
+            with context.entered(update), device_scope(self._devices[i]):
+                results.append(call(i))
+        return results
+
+    def _regroup_update(self, results: list[Any], devices: Any, group: bool) -> Any:
+        """TF's `update_regroup`: Mirrored where devices differ; a tuple each without `group`."""
+        regrouped = regroup(results, Mirrored, False, devices)
         if group:
             return regrouped
         return nest.map_structure(self._local_results, regrouped)
