@@ -1,4 +1,9 @@
-"""The split rule for global batches: balanced sizes, remainder first, empty slices."""
+"""The split rule for global batches: TF's `ceil(B / N)` per replica in order, empty slices.
+
+The expected splits were measured with TF 2.21 (`experimental_distribute_dataset` of
+`tf.data.Dataset.range(n).batch(B)` on N logical CPUs); the old rule here (balanced
+sizes, remainder first: 7 over 3 as 3/2/2) was not what TF does.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +26,19 @@ Pair = collections.namedtuple("Pair", ["x", "y"])
     ("batch", "replicas", "expected"),
     [
         (8, 2, (4, 4)),
-        (7, 3, (3, 2, 2)),
+        (7, 2, (4, 3)),
+        (5, 2, (3, 2)),
+        (7, 3, (3, 3, 1)),
+        (4, 3, (2, 2, 0)),
+        (5, 3, (2, 2, 1)),
+        (10, 3, (4, 4, 2)),
+        (6, 4, (2, 2, 2, 0)),
+        (5, 4, (2, 2, 1, 0)),
+        (9, 4, (3, 3, 3, 0)),
+        (3, 4, (1, 1, 1, 0)),
+        (7, 4, (2, 2, 2, 1)),
         (1, 2, (1, 0)),
+        (1, 3, (1, 0, 0)),
         (0, 3, (0, 0, 0)),
         (5, 8, (1,) * 5 + (0,) * 3),
     ],
@@ -32,12 +48,17 @@ def test_split_sizes(batch: int, replicas: int, expected: tuple[int, ...]) -> No
 
 
 @given(st.integers(0, 500), st.integers(1, 33))
-def test_split_sizes_balanced_remainder_first(batch: int, replicas: int) -> None:
+def test_split_sizes_ceil_in_order(batch: int, replicas: int) -> None:
     sizes = split_sizes(batch, replicas)
     assert len(sizes) == replicas
     assert sum(sizes) == batch
-    assert max(sizes) - min(sizes) <= 1
     assert list(sizes) == sorted(sizes, reverse=True)
+    full = -(-batch // replicas)
+    # ceil(B / N) each, in order, then at most one short slice, then empty ones.
+    whole = sum(1 for size in sizes if size == full)
+    assert sizes[:whole] == (full,) * whole
+    assert all(size < full for size in sizes[whole:])
+    assert all(size == 0 for size in sizes[whole + 1 :])
     bounds = split_bounds(batch, replicas)
     assert bounds[0][0] == 0
     assert bounds[-1][1] == batch
@@ -52,8 +73,9 @@ def test_split_sizes_rejects_bad_counts() -> None:
 
 
 def test_split_batch_uneven_7_over_3(backend: Backend) -> None:
+    # TF: [0, 1, 2] / [3, 4, 5] / [6].
     parts = split_batch(backend.make(np.arange(7 * 2).reshape(7, 2)), 3)
-    assert [to_numpy(p)[:, 0].tolist() for p in parts] == [[0, 2, 4], [6, 8], [10, 12]]
+    assert [to_numpy(p)[:, 0].tolist() for p in parts] == [[0, 2, 4], [6, 8, 10], [12]]
 
 
 def test_split_batch_empty_replica_keeps_dtype_and_trailing_shape(backend: Backend) -> None:
@@ -67,11 +89,12 @@ def test_split_batch_empty_replica_keeps_dtype_and_trailing_shape(backend: Backe
 
 def test_split_batch_nests_and_replica_ids() -> None:
     batch = {"image": np.arange(10).reshape(5, 2), "label": Pair(np.arange(5), [np.arange(5) * 10])}
-    parts = split_batch(batch, 4, replica_ids=range(2, 4))
+    parts = split_batch(batch, 4, replica_ids=range(2, 4))  # 5 over 4: 2/2/1/0
     assert len(parts) == 2
-    assert parts[0]["image"].tolist() == [[6, 7]]
-    assert parts[1]["label"].x.tolist() == [4]
-    assert parts[1]["label"].y[0].tolist() == [40]
+    assert parts[0]["image"].tolist() == [[8, 9]]
+    assert parts[0]["label"].x.tolist() == [4]
+    assert parts[0]["label"].y[0].tolist() == [40]
+    assert parts[1]["label"].x.tolist() == []
     assert isinstance(parts[0]["label"], Pair)
     with pytest.raises(ValueError, match=r"replica id 4 is out of range for 4 replicas"):
         split_batch(batch, 4, replica_ids=[4])

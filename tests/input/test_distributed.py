@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import crossdevice as cd
 from crossdevice._core.devices import canonicalize
 from crossdevice._input.distributed import DistributedDataset, DistributedDatasetsFromFunction
 from crossdevice._input.input_context import InputContext, InputOptions
@@ -45,8 +46,83 @@ def test_partial_last_batch_9_by_4_over_2(backend: Backend) -> None:
 
 
 def test_uneven_batch_7_over_3(backend: Backend) -> None:
+    # TF 2.21: [0, 1, 2] / [3, 4, 5] / [6] (not 3/2/2, as our docs once said).
     dist = DistributedDataset([backend.make(np.arange(7))], devices=THREE)
-    assert [lists(step) for step in dist] == [[[0, 1, 2], [3, 4], [5, 6]]]
+    assert [lists(step) for step in dist] == [[[0, 1, 2], [3, 4, 5], [6]]]
+
+
+#: (replicas, examples, global batch, drop_remainder, each step's per-replica sizes), as
+#: TF 2.21's `experimental_distribute_dataset(tf.data.Dataset.range(examples).batch(
+#: global_batch, drop_remainder))` gave them on that many logical CPUs.
+TF_SPLITS = [
+    (2, 7, 7, False, [[4, 3]]),
+    (2, 4, 4, False, [[2, 2]]),
+    (2, 6, 6, False, [[3, 3]]),
+    (2, 5, 5, False, [[3, 2]]),
+    (2, 9, 9, False, [[5, 4]]),
+    (2, 10, 4, False, [[2, 2], [2, 2], [1, 1]]),
+    (2, 10, 4, True, [[2, 2], [2, 2]]),
+    (2, 14, 8, False, [[4, 4], [3, 3]]),
+    (2, 13, 6, True, [[3, 3], [3, 3]]),
+    (2, 3, 3, False, [[2, 1]]),
+    (2, 1, 1, False, [[1, 0]]),
+    (2, 11, 5, False, [[3, 2], [3, 2], [1, 0]]),
+    (2, 17, 10, False, [[5, 5], [4, 3]]),
+    (3, 7, 7, False, [[3, 3, 1]]),
+    (3, 4, 4, False, [[2, 2, 0]]),
+    (3, 6, 6, False, [[2, 2, 2]]),
+    (3, 5, 5, False, [[2, 2, 1]]),
+    (3, 9, 9, False, [[3, 3, 3]]),
+    (3, 10, 4, False, [[2, 2, 0], [2, 2, 0], [1, 1, 0]]),
+    (3, 10, 4, True, [[2, 2, 0], [2, 2, 0]]),
+    (3, 14, 8, False, [[3, 3, 2], [2, 2, 2]]),
+    (3, 13, 6, True, [[2, 2, 2], [2, 2, 2]]),
+    (3, 3, 3, False, [[1, 1, 1]]),
+    (3, 1, 1, False, [[1, 0, 0]]),
+    (3, 11, 5, False, [[2, 2, 1], [2, 2, 1], [1, 0, 0]]),
+    (3, 17, 10, False, [[4, 4, 2], [3, 3, 1]]),
+    (4, 7, 7, False, [[2, 2, 2, 1]]),
+    (4, 4, 4, False, [[1, 1, 1, 1]]),
+    (4, 6, 6, False, [[2, 2, 2, 0]]),
+    (4, 5, 5, False, [[2, 2, 1, 0]]),
+    (4, 9, 9, False, [[3, 3, 3, 0]]),
+    (4, 10, 4, False, [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]]),
+    (4, 10, 4, True, [[1, 1, 1, 1], [1, 1, 1, 1]]),
+    (4, 14, 8, False, [[2, 2, 2, 2], [2, 2, 2, 0]]),
+    (4, 13, 6, True, [[2, 2, 2, 0], [2, 2, 2, 0]]),
+    (4, 3, 3, False, [[1, 1, 1, 0]]),
+    (4, 1, 1, False, [[1, 0, 0, 0]]),
+    (4, 11, 5, False, [[2, 2, 1, 0], [2, 2, 1, 0], [1, 0, 0, 0]]),
+    (4, 17, 10, False, [[3, 3, 3, 1], [2, 2, 2, 1]]),
+]
+
+
+@pytest.mark.parametrize(("replicas", "examples", "global_batch", "drop", "expected"), TF_SPLITS)
+def test_batches_split_as_tf_splits_them(
+    replicas: int, examples: int, global_batch: int, drop: bool, expected: list[list[int]]
+) -> None:
+    data = [
+        np.arange(start, min(start + global_batch, examples))
+        for start in range(0, examples, global_batch)
+    ]
+    if drop:
+        data = [batch for batch in data if len(batch) == global_batch]
+    devices = tuple(f"CPU:{i}" for i in range(replicas))
+    steps = [lists(step) for step in DistributedDataset(data, devices=devices)]
+    assert [[len(part) for part in step] for step in steps] == expected
+    assert [[x for part in step for x in part] for step in steps] == [b.tolist() for b in data]
+
+
+def test_mean_of_replica_means_is_tfs() -> None:
+    # TF 2.21, range(12).batch(7) on 3 replicas: [0,1,2]/[3,4,5]/[6] then [7,8]/[9,10]/[11];
+    # the mean of the per-replica means is 3.6667 and 9.3333 (3.3333 with 3/2/2).
+    strategy = cd.MirroredStrategy(list(THREE))
+    data = [np.arange(7.0), np.arange(7.0, 12.0)]
+    means = []
+    for step in strategy.experimental_distribute_dataset(data):
+        per_replica = strategy.run(lambda x: x.mean(), args=(step,))
+        means.append(float(strategy.reduce("mean", per_replica, axis=None)))
+    assert means == pytest.approx([11 / 3, 28 / 3])
 
 
 def test_components_carry_the_replica_devices() -> None:
@@ -115,11 +191,11 @@ def test_multi_worker_keeps_its_own_replicas() -> None:
 
 
 def test_multi_worker_two_local_replicas() -> None:
-    data = [np.arange(7)]  # 7 over 4 global replicas: 2/2/2/1
+    data = [np.arange(6)]  # 6 over 4 global replicas: 2/2/2/0 (TF's split on one worker)
     w0 = next(iter(DistributedDataset(data, devices=TWO, num_workers=2, worker_index=0)))
     w1 = next(iter(DistributedDataset(data, devices=TWO, num_workers=2, worker_index=1)))
     assert lists(w0) == [[0, 1], [2, 3]]
-    assert lists(w1) == [[4, 5], [6]]
+    assert lists(w1) == [[4, 5], []]
 
 
 def test_bad_batch_is_reported_before_anything_is_yielded() -> None:

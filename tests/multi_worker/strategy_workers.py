@@ -102,6 +102,16 @@ def scenarios(rank: int, world_size: int, local: int, use_torch: bool) -> dict[s
     for per_replica in strategy.experimental_distribute_dataset(batches):
         shards.append([_np(x) for x in strategy.experimental_local_results(per_replica)])
     out["shards"] = shards
+
+    # A cross-replica assign of a SUM variable: every replica of every worker its share.
+    with strategy.scope():
+        count = cd.Variable(np.int64(0), synchronization="on_read", aggregation="sum")
+        total = cd.Variable(np.float64(0), synchronization="on_read", aggregation="sum")
+    count.assign(7)
+    total.assign(6.0)
+    out["count_parts"] = [int(c.numpy()) for c in count.values]
+    out["total_parts"] = [float(c.numpy()) for c in total.values]
+    out["count"], out["total"] = int(count.numpy()), float(total.numpy())
     return out
 
 

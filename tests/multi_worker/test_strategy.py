@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def _split(batch: np.ndarray, n: int) -> list[list[int]]:
-    sizes = [len(batch) // n + (1 if i < len(batch) % n else 0) for i in range(n)]
-    bounds = np.cumsum([0, *sizes])
-    return [batch[bounds[i] : bounds[i + 1]].tolist() for i in range(n)]
+    """TF's split: ceil(B / n) examples per replica in order, the last ones what is left."""
+    size = -(-len(batch) // n)
+    return [batch[i * size : (i + 1) * size].tolist() for i in range(n)]
 
 
 @pytest.mark.parametrize(
@@ -78,6 +78,12 @@ def test_collectives_match_numpy(
         # Sharding: each global batch is split over all n replicas; this worker keeps its own.
         for step, batch in enumerate([np.arange(0, 8), np.arange(8, 14)]):
             assert out["shards"][step] == _split(batch, n)[rank * local : (rank + 1) * local]
+        # A SUM variable assigned in cross-replica context reads back what was assigned
+        # (TF divides by the local replicas only: the read would be world_size times it).
+        mine = slice(rank * local, (rank + 1) * local)
+        assert out["count_parts"] == [7 // n + (r < 7 % n) for r in range(n)][mine]
+        assert out["total_parts"] == [6.0 / n] * local
+        assert (out["count"], out["total"]) == (7, 6.0)
 
 
 @pytest.mark.parametrize("how", ["stall", "die"])

@@ -419,3 +419,182 @@ def test_bitwise_operators_are_forwarded(mirrored: Any) -> None:
         np.testing.assert_array_equal(pow(value, 2, 7), (x**2) % 7)
         np.testing.assert_array_equal(pow(value, 2), x**2)
     assert pow(cd.Mirrored([5, 5]), 2, 3) == 1  # Python ints: the built-in pow
+
+
+# --- review p05/p14: distributed variables' aggregation rules, as TF 2.21 applies them ---
+MIRRORED_KINDS = [
+    lambda: cd.MirroredStrategy(["CPU:0"]),
+    lambda: cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"]),
+    cd.MultiWorkerMirroredStrategy,
+]
+MIRRORED_IDS = ["mirrored1", "mirrored3", "multi_worker"]
+
+
+@pytest.mark.parametrize("sync", ["on_write", "on_read", "auto"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.bool_, np.complex64])
+@pytest.mark.parametrize("make", MIRRORED_KINDS, ids=MIRRORED_IDS)
+def test_mean_of_a_non_floating_distributed_variable_is_refused(
+    make: Any, dtype: Any, sync: str
+) -> None:
+    # TF values.DistributedVariable: "creating distributed tf.Variable with
+    # aggregation=MEAN and a non-floating dtype is not supported" (any replica count).
+    with make().scope(), pytest.raises(ValueError, match="aggregation=MEAN and a non-floating"):
+        cd.Variable(np.zeros(2, dtype), synchronization=sync, aggregation="mean")
+
+
+@pytest.mark.parametrize("make", SINGLE_WORKER[1:], ids=SINGLE_WORKER_IDS[1:])
+def test_mean_of_an_integer_variable_is_accepted_where_tf_accepts_it(make: Any) -> None:
+    # CentralStorage, OneDevice and the default strategy make no DistributedVariable in
+    # TF (AggregatingVariable or a plain one): TF accepts MEAN there.
+    with make().scope():
+        for sync in ("on_write", "on_read"):
+            v = cd.Variable(np.int32(1), synchronization=sync, aggregation="mean")
+            assert int(v.numpy()) == 1
+
+
+@pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub"])
+@pytest.mark.parametrize("make", MIRRORED_KINDS, ids=MIRRORED_IDS)
+def test_cross_replica_update_of_an_on_read_none_variable_is_refused(
+    make: Any, method: str
+) -> None:
+    # TF 2.21: "Could not convert from `tf.VariableAggregation` VariableAggregationV2.NONE
+    # to `tf.distribute.ReduceOp` type" for all three, with any number of replicas.
+    strategy = make()
+    with strategy.scope():
+        v = cd.Variable(np.float32(1.0), synchronization="on_read", aggregation="none")
+    with pytest.raises(ValueError, match=r"VariableAggregation\.NONE to a reduce op") as info:
+        getattr(v, method)(np.float32(3.0))
+    assert "strategy.run" in str(info.value)
+    assert [float(c.numpy()) for c in v.values] == [1.0] * len(v.values)  # nothing applied
+    # Inside a replica (and in extended.update) each component is its own: allowed.
+    strategy.run(lambda: getattr(v, method)(np.float32(2.0)))
+    strategy.extended.update(v, lambda c: c.assign(np.float32(5.0)))
+    assert [float(c.numpy()) for c in v.values] == [5.0] * len(v.values)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "value", "components"),
+    [
+        (1, 7, [7]),  # TF: [7] (ours raised TypeError)
+        (2, 4, [2, 2]),  # TF: [2, 2]
+        (3, 6, [2, 2, 2]),  # TF: [2, 2, 2]
+        (3, 7, [3, 2, 2]),  # TF: [2, 2, 2], which reads back as 6: we keep the remainder
+        (3, -7, [-2, -2, -3]),  # TF: [-2, -2, -2], read -6
+    ],
+)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_cross_replica_assign_of_an_integer_sum_variable(
+    replicas: int, value: int, components: list[int], dtype: Any
+) -> None:
+    strategy = cd.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    with strategy.scope():
+        v = cd.Variable(dtype(0), synchronization="on_read", aggregation="sum")
+    v.assign(value)
+    assert [int(c.numpy()) for c in v.values] == components
+    assert all(c.numpy().dtype == dtype for c in v.values)
+    assert int(v.numpy()) == value
+
+
+@pytest.mark.parametrize("make", SINGLE_WORKER[1:], ids=SINGLE_WORKER_IDS[1:])
+def test_integer_sum_variable_assign_on_single_replica_strategies(make: Any) -> None:
+    # TF: OneDevice, default and CentralStorage all give back 7.
+    with make().scope():
+        v = cd.Variable(np.int32(0), synchronization="on_read", aggregation="sum")
+    v.assign(7)
+    assert int(v.numpy()) == 7
+
+
+def test_float_sum_variable_assign_divides_as_tf_does() -> None:
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        v = cd.Variable(np.float32(0.0), synchronization="on_read", aggregation="sum")
+    v.assign(5)  # TF: [2.5, 2.5], read 5.0
+    assert [float(c.numpy()) for c in v.values] == [2.5, 2.5]
+    assert float(v.numpy()) == 5.0
+
+
+# --- review p07/p19: colocate_vars_with's scope, non_slot_devices and update_non_slot ------
+EVERY_KIND = [*SINGLE_WORKER, cd.MultiWorkerMirroredStrategy]
+EVERY_KIND_IDS = [*SINGLE_WORKER_IDS, "multi_worker"]
+
+
+@pytest.mark.parametrize(
+    "make", [m for m, i in zip(EVERY_KIND, EVERY_KIND_IDS, strict=True) if i != "default"]
+)
+def test_colocate_vars_with_needs_the_strategy_scope(make: Any) -> None:
+    # TF: RuntimeError 'Need to be inside "with strategy.scope()" for ...'.
+    strategy = make()
+    with strategy.scope():
+        v = cd.Variable(1.0)
+    outside = r'Need to be inside "with strategy\.scope\(\)"'
+    with pytest.raises(RuntimeError, match=outside), strategy.extended.colocate_vars_with(v):
+        pass
+    other = cd.MirroredStrategy(["CPU:0"])
+    with (
+        other.scope(),
+        pytest.raises(RuntimeError, match="in the scope"),
+        strategy.extended.colocate_vars_with(v),
+    ):
+        pass
+    with strategy.scope(), strategy.extended.colocate_vars_with(v):
+        w = cd.Variable(2.0)
+    assert type(w) is type(v)
+
+
+def test_the_default_strategy_colocates_with_any_variable() -> None:
+    v = cd.Variable(1.0)  # TF's default strategy checks neither scope nor variable
+    with cd.get_strategy().extended.colocate_vars_with(v):
+        w = cd.Variable(2.0)
+    assert float(w.numpy()) == 2.0
+
+
+@pytest.mark.parametrize("make", EVERY_KIND, ids=EVERY_KIND_IDS)
+def test_update_non_slot_as_tf(make: Any) -> None:
+    strategy = make()
+    extended = strategy.extended
+    with strategy.scope():
+        a = cd.Variable(1.0, name="b_var")
+        b = cd.Variable(2.0, name="a_var")
+    devices = extended.non_slot_devices([a, b])
+    if isinstance(devices, tuple):  # Mirrored, MultiWorkerMirrored and OneDevice: devices
+        assert devices == extended.worker_devices
+        calls = len(devices)
+    else:  # the default strategy and CentralStorage: the variable that sorts first
+        assert devices is b
+        calls = 1
+    # TF: `update_non_slot(non_slot_devices([v]), lambda: 5)` is 5; with group=False (5,).
+    assert extended.update_non_slot(devices, lambda: 5) == 5
+    assert extended.update_non_slot(devices, lambda: 5, group=False) == (5,)
+    assert extended.update_non_slot(devices, lambda x, y=0: x + y, args=(1,), kwargs={"y": 2}) == 3
+    result = extended.update_non_slot(devices, lambda: np.array(3.0))
+    local = strategy.experimental_local_results(result)
+    assert [float(x) for x in local] == [3.0] * calls
+    assert type(result) is (cd.Mirrored if calls > 1 else np.ndarray)
+    each = extended.update_non_slot(devices, lambda: np.array(3.0), group=False)
+    assert type(each) is tuple
+    assert len(each) == calls
+    # Each call runs in an update context: a variable's update reaches every component.
+    extended.update_non_slot(devices, lambda: a.assign_add(1.0))
+    assert [float(c.numpy()) for c in strategy.experimental_local_results(a)] == [2.0] * len(
+        strategy.experimental_local_results(a)
+    )
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        strategy.run(lambda: extended.update_non_slot(devices, lambda: 5))
+
+
+def test_update_non_slot_splits_per_replica_arguments() -> None:
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    extended = strategy.extended
+    devices = extended.non_slot_devices([])
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float64(ctx.replica_id_in_sync_group + 1)
+    )
+    result = extended.update_non_slot(devices, lambda x: x * 2, args=(value,))
+    assert [float(x) for x in strategy.experimental_local_results(result)] == [2.0, 4.0, 6.0]
+    part = extended.update_non_slot(devices[1:], cd.get_replica_context)
+    assert part is None  # an update context is no replica context (TF)
+    with pytest.raises(ValueError, match="what non_slot_devices\\(\\) returned") as info:
+        extended.update_non_slot(strategy.extended.worker_devices[0], lambda: 5)
+    assert "CPU:2" in str(info.value)
+    with pytest.raises(ValueError, match="non_slot_devices"):
+        extended.update_non_slot(("CPU:3",), lambda: 5)

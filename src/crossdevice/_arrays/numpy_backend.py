@@ -77,11 +77,17 @@ class NumpyBackend:
         return host_kernels.sum_n([np.asarray(x) for x in xs], out)
 
     def divide(self, x: Any, n: float) -> Any:
-        """True division: float dtypes are kept, integers become float64."""
+        """True division: float dtypes are kept, integers become float64; arrays stay arrays.
+
+        (NumPy's ufuncs turn a 0-d array into a NumPy scalar: an integer MEAN of 0-d
+        arrays came back as a scalar where every other dtype and rank gave an array.)
+        """
         result = np.true_divide(x, n)
         arr = np.asarray(x)
         if np.issubdtype(arr.dtype, np.inexact) and result.dtype != arr.dtype:
             result = result.astype(arr.dtype)
+        if isinstance(x, np.ndarray) and not isinstance(result, np.ndarray):
+            result = np.asarray(result)
         return result
 
     def reduce_sum(self, x: Any, axis: tuple[int, ...]) -> Any:

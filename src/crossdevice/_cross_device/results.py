@@ -84,7 +84,7 @@ def mirror(
         and not any("GPU" in d for d in destinations)
     ):
         # The common host case: one read-only buffer serves every destination.
-        shared = hand_out(first, copy=False)
+        shared = hand_out(first, copy=len(destinations) > 1)
         if len(destinations) == 1:
             return shared
         return Mirrored([shared] * len(destinations), devices=destinations)

@@ -26,7 +26,7 @@ from crossdevice._strategies.extended import (
     SingleReplicaExtended as SingleReplicaExtended,
 )
 from crossdevice._strategies.extended import StrategyExtended as StrategyExtended
-from crossdevice._strategies.extended import as_reducible_leaf as as_reducible_leaf
+from crossdevice._strategies.leaves import as_reducible_leaf as as_reducible_leaf
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import set_variable_creator
@@ -273,6 +273,12 @@ class Strategy:
         sums = [backend_for(c).reduce_sum(c, axes) for c in components]
         if isinstance(value, DistributedValues):
             numer: Any = PerReplica(sums, devices=value._devices)
+        elif op == ReduceOp.SUM:
+            # TF runs the per-axis sum in every replica (`self.run(reduce_sum, (value,))`),
+            # which gives each replica a tensor of its own, then sums those: a plain value
+            # counts once per replica in sync.
+            devices = extended._local_devices
+            numer = PerReplica([sums[0]] * len(devices), devices=devices)
         else:
             numer = sums[0]
         if op == ReduceOp.SUM:
@@ -309,8 +315,10 @@ class Strategy:
         # Every leaf's axis is checked before the first leaf is gathered.
         leaves, structure = nest.flatten(value)
         parts = [_components(leaf) for leaf in leaves]
-        for _, components in parts:
-            _check_axes(axis, components, "Strategy.gather", False)
+        for leaf, components in parts:
+            if isinstance(leaf, DistributedValues):
+                # (A plain value comes back as it is, whatever its rank: TF.)
+                _check_axes(axis, components, "Strategy.gather", False)
 
         def gather_leaf(x: Any) -> Any:
             if isinstance(x, DistributedVariable):

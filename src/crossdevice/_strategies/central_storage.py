@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
-from crossdevice._core import context
+from crossdevice._core import context, nest
 from crossdevice._core.devices import canonicalize, check_device_exists, device_scope
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._strategies.base import Strategy
+from crossdevice._strategies.base import Strategy, StrategyExtended
 from crossdevice._strategies.replicated import ReplicatedExtended, canonical_devices
 from crossdevice._strategies.variable_creation import create_in_replica_context
 from crossdevice._values.distributed_variables import AggregatingVariable
@@ -79,8 +79,6 @@ class _CentralStorageExtended(ReplicatedExtended):
         kwargs: dict[str, Any],
         group: bool,
     ) -> Any:
-        from crossdevice._core import nest
-
         def check(x: Any) -> Any:
             if isinstance(x, PerReplica):
                 raise ValueError(
@@ -104,6 +102,24 @@ class _CentralStorageExtended(ReplicatedExtended):
         if result is target:
             result = var
         return result if group else (result,)
+
+    def _non_slot_devices(self, var_list: list[Any]) -> Any:
+        # TF's ParameterServerStrategyExtended: the variable whose name sorts first.
+        return StrategyExtended._non_slot_devices(self, var_list)
+
+    def _update_non_slot(
+        self,
+        colocate_with: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        # TF: one call, not one per replica (ReplicatedExtended's), on the parameter device.
+        return StrategyExtended._update_non_slot(self, colocate_with, fn, args, kwargs, group)
+
+    def _non_slot_device(self) -> str:
+        return self._parameter_device
 
     def _reduce_to(
         self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions | None

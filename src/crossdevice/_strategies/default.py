@@ -73,6 +73,18 @@ class _DefaultExtended(SingleReplicaExtended):
         result = fn(var, *args, **kwargs)
         return result if group else self._local_results(result)
 
+    def _update_non_slot(
+        self,
+        colocate_with: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        del colocate_with  # as `_update`: the plain call
+        result = fn(*args, **kwargs)
+        return result if group else self._local_results(result)
+
     def _create_variable(self, frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
         return type.__call__(Variable, *args, **kwargs)
 

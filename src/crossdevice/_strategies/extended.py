@@ -13,25 +13,21 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
-from crossdevice._arrays import backend_for, is_array
-from crossdevice._arrays.handout import hand_out_all
-from crossdevice._comm.devices import algorithms
 from crossdevice._comm.protocol import Done, Pending, Then
 from crossdevice._core import context, nest, validate
-from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope, local_host_device
+from crossdevice._core.devices import DeviceSpec, canonicalize, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
-from crossdevice._cross_device import inputs
 from crossdevice._input.input_context import ValueContext
 from crossdevice._replica.cuda_streams import cuda_device
+from crossdevice._strategies.leaves import host_all_reduce, leaf_call, on_host, placed
+from crossdevice._strategies.non_slot import NonSlotMethods
 from crossdevice._strategies.sections import CrossReplicaSections
 from crossdevice._sync.call import CallSignature
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
-from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
+from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import Variable
 
 
@@ -49,10 +45,10 @@ class ContainerStrategy(Protocol):
         """The strategy's cross-replica scope."""
 
 
-__all__ = ["ContainerStrategy", "SingleReplicaExtended", "StrategyExtended", "as_reducible_leaf"]
+__all__ = ["ContainerStrategy", "SingleReplicaExtended", "StrategyExtended"]
 
 
-class StrategyExtended:
+class StrategyExtended(NonSlotMethods):
     """Additional, lower-level strategy API (`tf.distribute.StrategyExtended`).
 
     Reached as `strategy.extended`. Concrete strategies implement the `_`-hooks.
@@ -267,9 +263,22 @@ class StrategyExtended:
         """Create variables inside this block on the same devices as `colocate_with_variable`.
 
         Raises:
+            RuntimeError: not inside this strategy's `scope()` (TF's error; the default
+                strategy needs none).
             ValueError: the variable was not created in this strategy's scope.
         """
-        if not self.variable_created_in_scope(colocate_with_variable):
+        frame = context.current_frame()
+        current = frame.strategy if frame is not None else None
+        if not self._is_default and current is not self._container_strategy_ref:
+            raise RuntimeError(
+                f'Need to be inside "with strategy.scope()" for '
+                f"{self._container_strategy_ref!r}"
+                + ("" if current is None else f" (in the scope of {current!r})")
+                + ": enter it around colocate_vars_with (`with strategy.scope(), "
+                "strategy.extended.colocate_vars_with(v): ...`)"
+            )
+        if not self._is_default and not self.variable_created_in_scope(colocate_with_variable):
+            # (TF's default strategy colocates with any variable: no check.)
             raise ValueError(
                 "colocate_vars_with must only be passed a variable created in this "
                 f"strategy.scope(), got {colocate_with_variable!r}"
@@ -361,13 +370,13 @@ class StrategyExtended:
 
         def merge_fn(strategy: ContainerStrategy, *per_replica: Any) -> Any:
             extended = strategy.extended
-            host = [_on_host(v) for v in per_replica] if self._host_leaves_stay() else []
+            host = [on_host(v) for v in per_replica] if self._host_leaves_stay() else []
             if not any(host):
                 return extended.batch_reduce_to(op, [(v, v) for v in per_replica], options)
             on_devices = [(v, v) for v, h in zip(per_replica, host, strict=True) if not h]
             reduced = iter(extended.batch_reduce_to(op, on_devices, options) if on_devices else [])
             return [
-                _host_all_reduce(op, v) if h else next(reduced)
+                host_all_reduce(op, v) if h else next(reduced)
                 for v, h in zip(per_replica, host, strict=True)
             ]
 
@@ -442,7 +451,7 @@ class StrategyExtended:
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
-        arrays, call = _leaf_call(leaves, structure, kind, argument, axis)
+        arrays, call = leaf_call(leaves, structure, kind, argument, axis)
         merged = self._merge_call_checked(replica_id, merge_fn, arrays, call)
         return nest.unflatten(structure, list(merged))
 
@@ -464,7 +473,7 @@ class StrategyExtended:
         leaves, structure = nest.flatten(value)
         if not leaves:
             return Done(value)
-        arrays, call = _leaf_call(leaves, structure, kind, argument, None)
+        arrays, call = leaf_call(leaves, structure, kind, argument, None)
         n = len(self._local_devices)
 
         def merge_fn(strategy: ContainerStrategy, *per_replica: Any) -> Any:
@@ -498,7 +507,7 @@ class StrategyExtended:
             # TF creates the values under the replica's device; ours may come from
             # anywhere, so each array is put on its replica's device (GPU replicas: a CUDA
             # tensor there; host devices keep host arrays as they are).
-            values.append(nest.map_structure(lambda x, d=device: _placed(x, d), value))
+            values.append(nest.map_structure(lambda x, d=device: placed(x, d), value))
         return regroup(values, PerReplica, True, self._local_devices)
 
     def _input_workers(self) -> tuple[int, int]:
@@ -548,53 +557,3 @@ def _check_pairs(pairs: Any) -> list[tuple[Any, Any]]:
             )
         checked.append(pair)
     return checked
-
-
-def as_reducible_leaf(x: Any) -> Any:
-    """A replica's leaf as an array of its own (Python numbers become new arrays)."""
-    if isinstance(x, Variable):
-        return x.read_value()
-    if isinstance(x, DistributedValues):
-        x = x._get()
-        if isinstance(x, Variable):
-            return x.read_value()
-        return x
-    return backend_for(x).asarray(x)
-
-
-def _placed(x: Any, device: str) -> Any:
-    """`x` on `device` when it is an array (anything else as it is)."""
-    return backend_for(x).to_device(x, device) if is_array(x) else x
-
-
-def _on_host(value: DistributedValues) -> bool:
-    """Every component is a host array (NumPy, or a torch CPU tensor)."""
-    for component in value.values:
-        if backend_for(component).device_of(component) is not None:
-            return False
-        device = getattr(component, "device", None)
-        if device is not None and getattr(device, "type", "cpu") != "cpu":
-            return False
-    return True
-
-
-def _host_all_reduce(op: ReduceOp, value: DistributedValues) -> Mirrored:
-    """`value`'s host components reduced in replica order on the host, one per replica.
-
-    The components are checked to agree first (one array library, dtype and shape), as
-    every cross-device op checks them.
-    """
-    arrays = inputs.component_arrays(value)
-    total = algorithms.reduce_to_one(arrays, local_host_device(), op)
-    if isinstance(total, np.generic):
-        total = np.asarray(total)
-    return Mirrored(hand_out_all(total, len(arrays)), devices=value._devices)
-
-
-def _leaf_call(
-    leaves: list[Any], structure: Any, kind: str, argument: str, axis: int | None
-) -> tuple[tuple[Any, ...], CallSignature]:
-    """A nest's leaves as arrays, and the call the replicas must agree on."""
-    arrays = tuple(as_reducible_leaf(x) for x in leaves)
-    sig = tuple((backend_for(x).shape(x), backend_for(x).dtype_name(x)) for x in arrays)
-    return arrays, CallSignature(kind, argument, structure, sig, axis)

@@ -45,6 +45,10 @@ class _OneDeviceExtended(SingleReplicaExtended):
             result = fn(var, *args, **kwargs)
         return result if group else self._local_results(result)
 
+    def _non_slot_devices(self, var_list: list[Any]) -> Any:
+        del var_list
+        return (self._device,)  # TF's OneDeviceStrategy
+
     def _create_variable(self, frame: context.Frame, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("device", self._device)
         variable = type.__call__(Variable, *args, **kwargs)

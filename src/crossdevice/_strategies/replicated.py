@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from crossdevice._arrays.handout import hand_out
+from crossdevice._arrays.handout import hand_out, is_shared
 from crossdevice._core import context, nest
 from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
@@ -148,9 +148,10 @@ class ReplicatedExtended(StrategyExtended):
         local_id = replica_id - self._replica_id_offset
         if type(value) is np.ndarray or isinstance(value, np.generic):
             # One NumPy leaf (a loss, a flat gradient buffer): no nest to walk.
-            return communicator._all_reduce_one(
+            result = communicator._all_reduce_one(
                 local_id, np.asarray(value), op, self._timeout(options)
             )
+            return hand_out(result, copy=True)  # one buffer for every replica
         leaves, structure = nest.flatten(value)
         if not leaves:
             return value
@@ -231,7 +232,7 @@ class ReplicatedExtended(StrategyExtended):
         plain = _regroup_numpy(results, self._devices)
         if plain is not None:
             return plain
-        return regroup(results, PerReplica, False, self._devices, collapse_arrays=False)
+        return regroup(results, PerReplica, False, self._devices)
 
     def _merge_timeout(self) -> float | None:
         """How long local replicas wait at a merge: the strategy's timeout_seconds."""
@@ -364,28 +365,78 @@ class ReplicatedExtended(StrategyExtended):
                 "extended.update expects a variable created in this strategy's scope, got "
                 f"{var!r}; create it inside `with strategy.scope():`"
             )
+        components = var.values
+        results = self._each_device(
+            range(len(components)),
+            lambda i: fn(components[i], *select_replica(i, args), **select_replica(i, kwargs)),
+        )
+        return self._regroup_update(results, var._devices, group)
+
+    def _non_slot_devices(self, var_list: list[Any]) -> Any:
+        del var_list
+        return self._devices  # TF's MirroredStrategy: every replica device
+
+    def _update_non_slot(
+        self,
+        colocate_with: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        indices = self._device_indices(colocate_with)
+        results = self._each_device(
+            indices, lambda i: fn(*select_replica(i, args), **select_replica(i, kwargs))
+        )
+        return self._regroup_update(results, tuple(self._devices[i] for i in indices), group)
+
+    def _device_indices(self, colocate_with: Any) -> list[int]:
+        """The replica index of each device of `colocate_with` (`non_slot_devices`'s tuple)."""
+        error = ArgumentAssertionError(
+            "update_non_slot: colocate_with must be what non_slot_devices() returned, a "
+            f"tuple of this strategy's devices {list(self._devices)}; got {colocate_with!r}"
+        )
+        if isinstance(colocate_with, str) or not isinstance(colocate_with, tuple | list):
+            raise error
+        names = [getattr(d, "name", d) for d in colocate_with]
+        if not all(isinstance(name, str) for name in names):
+            raise error
+        try:
+            canonical = [canonicalize(str(name)) for name in names]
+        except ValueError as err:
+            raise error from err
+        if not canonical or any(d not in self._devices for d in canonical):
+            raise error
+        return [self._devices.index(d) for d in canonical]
+
+    def _each_device(self, indices: Any, call: Callable[[int], Any]) -> list[Any]:
+        """`call(i)` for each replica index, in update context `i` on that replica's device."""
         strategy = self._container_strategy_ref
         results = []
-        for i, component in enumerate(var.values):
+        for i in indices:
             update = context.Frame(strategy, None, None, i)
-            with context.entered(update), device_scope(component.device):
-                results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
-        regrouped = regroup(results, Mirrored, False, var._devices)
+            with context.entered(update), device_scope(self._devices[i]):
+                results.append(call(i))
+        return results
+
+    def _regroup_update(self, results: list[Any], devices: Any, group: bool) -> Any:
+        """TF's `update_regroup`: Mirrored where devices differ; a tuple each without `group`."""
+        regrouped = regroup(results, Mirrored, False, devices)
         if group:
             return regrouped
         return nest.map_structure(self._local_results, regrouped)
 
 
 def _regroup_numpy(results: list[Any], devices: tuple[str, ...]) -> Any:
-    """`regroup(results, PerReplica, False, devices, collapse_arrays=False)` for NumPy results.
+    """`regroup(results, PerReplica, False, devices)` for NumPy results.
 
     The per-step case (a loss, a metric, a shared all-reduce result): NumPy arrays and
     scalars are leaves and never variables, so regroup's rule for them is short; its
     general walk (leaf tests, the variable metaclass's isinstance) took about 6 us of a
-    4-replica step on the dev VM. Arrays stay
-    per-replica even when every replica returns the same one (TF gives each replica its
-    own tensor); the same scalar object from every replica stays plain. None for
-    anything else (and for one replica, which regroup unwraps).
+    4-replica step on the dev VM. The same object from every replica stays plain (TF:
+    a captured constant, what one merge_fn returned), unless it is a collective's
+    result that every replica shares (`is_shared`: TF gives each replica its own
+    tensor). None for anything else (and for one replica, which regroup unwraps).
     """
     if len(results) < 2:
         return None
@@ -393,7 +444,7 @@ def _regroup_numpy(results: list[Any], devices: tuple[str, ...]) -> Any:
         if type(result) is not np.ndarray and not isinstance(result, np.generic):
             return None
     first = results[0]
-    if type(first) is not np.ndarray and all(r is first for r in results):
+    if all(r is first for r in results) and not is_shared(first):
         return first
     return PerReplica._from_parts(tuple(results), devices)
 

@@ -36,6 +36,7 @@ from crossdevice._values.distributed_variables import (
     DistributedVariable,
     MirroredVariable,
     SyncOnReadVariable,
+    split_sum,
 )
 from crossdevice._values.variables import Variable
 
@@ -189,17 +190,6 @@ def _validate_module(current: Mapping[str, Any], state: Any, name: str) -> None:
             )
 
 
-def _split_sum(value: Any, count: int) -> list[Any]:
-    """`count` parts that add up to `value`: TF's `value / count`, exact for integers."""
-    array = np.asarray(value.numpy() if is_torch(value) else value)
-    if np.issubdtype(array.dtype, np.integer):
-        base, extra = np.divmod(array, count)
-        parts = [base + (i < extra) for i in range(count)]
-    else:
-        parts = [array / count] * count
-    return [np.asarray(part, dtype=array.dtype) for part in parts]
-
-
 def apply(obj: Any, state: Any) -> None:
     """Load a validated `state` into `obj`."""
     if isinstance(obj, Variable):
@@ -208,7 +198,7 @@ def apply(obj: Any, state: Any) -> None:
             strategy = obj.distribute_strategy
             total = strategy.num_replicas_in_sync
             first = strategy.extended._replica_id_offset
-            parts = _split_sum(state, total)[first : first + len(obj.values)]
+            parts = split_sum(state, total)[first : first + len(obj.values)]
             for component, part in zip(obj.values, parts, strict=True):
                 component.assign(part, read_value=False)
         elif isinstance(obj, MirroredVariable | SyncOnReadVariable):

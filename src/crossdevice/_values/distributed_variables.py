@@ -26,7 +26,36 @@ __all__ = [
     "DistributedVariable",
     "MirroredVariable",
     "SyncOnReadVariable",
+    "split_sum",
 ]
+
+
+def split_sum(value: Any, count: int) -> list[np.ndarray]:
+    """`count` parts that add up to `value`: TF's `value / count`, exact for integers.
+
+    Integers give the first `value % count` parts one more (TF truncates `value / count`
+    and loses the remainder: 7 over 3 replicas reads back as 6).
+
+    Example:
+        >>> [int(p) for p in split_sum(7, 3)]
+        [3, 2, 2]
+    """
+    array = np.asarray(backend_for(value).to_numpy(value))
+    if np.issubdtype(array.dtype, np.integer):
+        base, extra = np.divmod(array, count)
+        parts = [base + (i < extra) for i in range(count)]
+    else:
+        parts = [array / count] * count
+    return [np.asarray(part, dtype=array.dtype) for part in parts]
+
+
+def _is_real_floating(x: Any) -> bool:
+    """TF's `dtype.is_floating`: float16/32/64 and bfloat16, not complex."""
+    return backend_for(x).dtype_name(x).startswith(("float", "bfloat"))
+
+
+def _is_integer(x: Any) -> bool:
+    return backend_for(x).dtype_name(x).startswith(("int", "uint"))
 
 
 def _mode(strategy: Any) -> tuple[str, int | None]:
@@ -50,6 +79,8 @@ class DistributedVariable(AssignMethods, ArrayOperators, DistributedValues):
 
     __slots__ = ("_aggregation", "_strategy", "_synchronization")
     _is_distributed_variable = True
+    #: TF refuses MEAN of a non-floating dtype when it creates this kind (values.py).
+    _mean_needs_floats = True
 
     def __init__(
         self,
@@ -58,6 +89,20 @@ class DistributedVariable(AssignMethods, ArrayOperators, DistributedValues):
         aggregation: VariableAggregation,
         synchronization: VariableSynchronization,
     ) -> None:
+        first = components[0]
+        if (
+            self._mean_needs_floats
+            and aggregation == VariableAggregation.MEAN
+            and not _is_real_floating(first._value)
+        ):
+            # TF's `DistributedVariable.__init__` (MirroredStrategy and
+            # MultiWorkerMirroredStrategy, ON_WRITE and ON_READ, any replica count).
+            raise ValueError(
+                "creating distributed Variable with aggregation=MEAN and a non-floating "
+                "dtype is not supported, please use a different aggregation or dtype: "
+                f"variable {first.name!r} has dtype {first.dtype}. Use aggregation SUM or "
+                "ONLY_FIRST_REPLICA, or a floating dtype (e.g. float32)"
+            )
         super().__init__(components, devices=[c.device for c in components])
         self._strategy = strategy
         self._aggregation = aggregation
@@ -182,17 +227,7 @@ class MirroredVariable(DistributedVariable):
                 first = value.values[0] if isinstance(value, PerReplica) else value
                 self._update_all(method, first)
                 return
-            if (
-                aggregation == VariableAggregation.MEAN
-                and not backend_for(self._primary._value).is_floating(self._primary._value)
-                and isinstance(value, PerReplica)
-            ):
-                raise ValueError(
-                    "Cannot update non-float variables with VariableAggregation.MEAN "
-                    f"aggregation in replica context; variable {self.name!r} has dtype "
-                    f"{self.dtype}. Use VariableAggregation.SUM or ONLY_FIRST_REPLICA, or "
-                    "update it in cross-replica context."
-                )
+            # (MEAN of a non-floating variable cannot happen: refused at creation, TF.)
             op = ReduceOp.from_variable_aggregation(aggregation)
             reduced = strategy.extended.reduce_to(op, value, destinations=self)
             self._update_all(method, reduced)
@@ -245,6 +280,20 @@ class SyncOnReadVariable(DistributedVariable):
             assert replica is not None
             getattr(self._values[replica], method)(value, read_value=False)
             return
+        if self._aggregation == VariableAggregation.NONE:
+            # TF 2.21 raises here for assign, assign_add and assign_sub alike, with any
+            # number of replicas ("Could not convert from `tf.VariableAggregation`
+            # VariableAggregationV2.NONE to `tf.distribute.ReduceOp` type"). The
+            # reference notes on TF's semantics (§9 "Values and variables": "otherwise
+            # `x`", "otherwise they apply per device") were wrong for NONE, and so were we.
+            raise ValueError(
+                f"Could not convert from VariableAggregation.NONE to a reduce op: `{method}` "
+                f"of SyncOnReadVariable {self.name!r} in cross-replica context needs an "
+                "aggregation (TF refuses it too). Update it inside strategy.run (each "
+                "replica its own component), set the components with "
+                "strategy.extended.update(v, fn), or create it with aggregation SUM, MEAN "
+                "or ONLY_FIRST_REPLICA"
+            )
         if self._aggregation == VariableAggregation.SUM:
             if method != "assign":
                 raise ValueError(
@@ -252,11 +301,38 @@ class SyncOnReadVariable(DistributedVariable):
                     "context when aggregation is set to VariableAggregation.SUM; assign "
                     "the new total with `assign` instead"
                 )
-            n = len(self._values)
-            array = backend_for(value).asarray(value)
-            value = backend_for(array).divide(array, n)
+            self._assign_total(value)
+            return
         for component in self._values:
             getattr(component, method)(value, read_value=False)
+
+    def _assign_total(self, value: Any) -> None:
+        """Cross-replica `assign` of a SUM variable: components that add up to `value`.
+
+        Each of the `num_replicas_in_sync` replicas (across every worker) gets its share,
+        so that a read (a SUM over every worker) gives `value` back. Where we differ from
+        TF (values_util.on_read_assign_cross_replica), deliberately:
+
+        * integers are split exactly, the first `value % N` replicas one more (7 over 3:
+          2/2/2... is TF's, which reads back as 6 and loses the remainder; 3/2/2 here,
+          as a restored checkpoint splits it too); with one replica nothing is divided
+          (TF: 7; here it raised a TypeError, the true division's float being refused);
+        * TF divides by this worker's replicas only, so with several workers the read
+          gives the value times the number of workers; here the share is of every
+          replica in sync.
+        """
+        strategy = self._strategy
+        total = strategy.num_replicas_in_sync
+        first = strategy.extended._replica_id_offset
+        if total == 1:
+            parts: list[Any] = [value]
+        elif _is_integer(self._primary._value):
+            parts = split_sum(value, total)[first : first + len(self._values)]
+        else:
+            array = backend_for(value).asarray(value)
+            parts = [backend_for(array).divide(array, total)] * len(self._values)
+        for component, part in zip(self._values, parts, strict=True):
+            component.assign(part, read_value=False)
 
 
 class AggregatingVariable(DistributedVariable):
@@ -268,6 +344,7 @@ class AggregatingVariable(DistributedVariable):
     """
 
     __slots__ = ()
+    _mean_needs_floats = False  # TF's AggregatingVariable is no DistributedVariable
 
     def _get(self) -> Any:
         return self._primary

@@ -1,7 +1,9 @@
 """`regroup` and `select_replica`: between per-replica structures and distributed values.
 
 TF's rules (`distribute_utils.regroup`): structures are walked together (lists, tuples,
-namedtuples, dicts); at each leaf, identical objects stay one plain object, components of
+namedtuples, dicts); at each leaf, identical objects stay one plain object (except a
+collective's result that every replica received only because we share its buffer, where
+TF gives each replica a tensor of its own: `hand_out`'s `is_shared`), components of
 one distributed variable become that variable, and anything else is wrapped in a
 `PerReplica` (or the given class). A structure mismatch raises `StructureMismatchError`
 naming both structures: an AssertionError, as in TF, and a ValueError.
@@ -14,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from crossdevice._arrays.handout import is_shared
 from crossdevice._core import nest
 from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import Variable
@@ -26,13 +29,12 @@ def _regroup_leaf(
     wrap_class: type[DistributedValues],
     always_wrap: bool,
     devices: Sequence[str] | None,
-    collapse_arrays: bool,
 ) -> Any:
     first = components[0]
     if (
         all(c is first for c in components)
         and (not always_wrap or isinstance(first, Variable | DistributedValues))
-        and (collapse_arrays or not _is_tensor(first))
+        and not is_shared(first)
     ):
         return first
     if isinstance(first, Variable) and not type(first)._is_distributed_variable:
@@ -46,14 +48,6 @@ def _regroup_leaf(
         # The strategy's own canonical device tuple: skip re-validating it every step.
         return wrap_class._from_parts(tuple(components), devices)
     return wrap_class(components, devices)
-
-
-def _is_tensor(x: Any) -> bool:
-    import numpy as np
-
-    from crossdevice._arrays import is_torch
-
-    return isinstance(x, np.ndarray) or is_torch(x)
 
 
 #: Types optree treats as nodes; anything else is a leaf (None is a leaf: `nest`).
@@ -78,7 +72,6 @@ def regroup(
     wrap_class: type[DistributedValues] = PerReplica,
     always_wrap: bool = False,
     devices: Sequence[str] | None = None,
-    collapse_arrays: bool = True,
 ) -> Any:
     """Turn one structure per replica into one structure of distributed values.
 
@@ -87,9 +80,6 @@ def regroup(
         wrap_class: the class for leaves that differ across replicas.
         always_wrap: wrap identical leaves too (variables are never wrapped).
         devices: the devices of the replicas (default: see `DistributedValues`).
-        collapse_arrays: False keeps an array that every replica returns as a per-replica
-            value. Replicas share one read-only buffer for an all-reduce result, where TF
-            gives each its own tensor; `run` results keep TF's shape this way.
 
     Returns:
         A structure whose leaves are plain objects, distributed variables or
@@ -100,7 +90,7 @@ def regroup(
         return per_replica[0]
     if all(_is_leaf(tree) for tree in per_replica):
         # The common case (None, an array, a number): no tree to walk.
-        return _regroup_leaf(per_replica, wrap_class, always_wrap, devices, collapse_arrays)
+        return _regroup_leaf(per_replica, wrap_class, always_wrap, devices)
     structure, columns = nest.flatten_columns(
         per_replica,
         lambda first, i, spec: (
@@ -108,10 +98,7 @@ def regroup(
             f"same structure. Replica 0: {first}, replica {i}: {spec}"
         ),
     )
-    regrouped = [
-        _regroup_leaf(column, wrap_class, always_wrap, devices, collapse_arrays)
-        for column in columns
-    ]
+    regrouped = [_regroup_leaf(column, wrap_class, always_wrap, devices) for column in columns]
     return nest.unflatten(structure, regrouped)
 
 

@@ -206,7 +206,7 @@ class Reduction:
         out = plain_sum(inputs, np.empty(plan.layouts[0].shapes[0], dtype=dtype))
         mean = self.op is ReduceOp.MEAN
         if mean and dtype.kind not in "fc":
-            # An integer mean is a float (NumPy's true_divide), for 0-d a NumPy scalar.
+            # An integer mean is a float (NumPy's true_divide), a 0-d array for 0-d.
             self.results[ONE_NUMPY] = [NUMPY.freeze(NUMPY.divide(out, self.n))]
             return
         if mean:
