@@ -207,3 +207,38 @@ def test_changing_the_one_gradient_on_every_replica_is_an_error(
 
         with pytest.raises(RuntimeError, match=r"gradient of '0\.weight' was changed in place"):
             strategy.run(halve)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shared", [False, True], ids=["copies", "shared"])
+def test_two_step_clipping_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str, shared: bool
+) -> None:
+    from tests.frameworks.helpers import assert_trains_like
+
+    torch.set_default_dtype(torch.float64)
+
+    def step(model: Any, optimizer: Any, x: Any, y: Any) -> None:
+        optimizer.zero_grad()
+        global_loss(torch, model, x, y).backward()
+        params = list(model.parameters())  # torch's two-step API: the norm, then the clip
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(params, 0.05, norm)
+        optimizer.step()
+
+    data = global_batches(torch, 4)
+    plain = mlp(torch)
+    start = [p.detach().clone() for p in plain.parameters()]
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for x, y in data:
+        step(plain, plain_optimizer, x, y)
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        with strategy.scope():
+            net = mlp(torch)
+            prepared = cdt.prepare(
+                net, torch.optim.SGD(net.parameters(), lr=0.5), share_storage=shared
+            )
+        for x, y in strategy.experimental_distribute_dataset(data):
+            strategy.run(step, args=(*prepared, x, y))
+    assert_trains_like(torch, plain, prepared[0], start)

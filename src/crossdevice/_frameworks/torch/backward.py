@@ -14,12 +14,16 @@ strategy (`GradientSync.begin_pass` / `end_pass`), so that:
   hooks on torch's device threads, which know nothing of the replica.
 
 It also gives the one-time warning for a DDP habit that is wrong under TF's SUM rule: a
-loss that is this replica's *mean* (`cross_entropy(...)`, `.mean()`), whose gradients
-the SUM then multiplies by the number of replicas.
+loss that is this replica's *mean* (`cross_entropy(...)`, `.mean()`, a sum divided by
+this replica's batch), whose gradients the SUM then multiplies by the number of
+replicas. The check looks through sums of terms, negation and constant factors
+(`loss / accumulation_steps`, `0.5 * loss`), and stays silent when those factors come
+to exactly 1/N: `local_mean / num_replicas_in_sync` is the correct TF idiom.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import weakref
@@ -43,6 +47,8 @@ _SYNCS: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[GradientSync], ...]] = 
 _SYNCS_LOCK: Final = threading.Lock()
 _MEAN_REDUCTION: Final = 1  # torch's Reduction::Mean, as saved on loss backward nodes
 _THROUGH: Final = ("AddBackward0", "SubBackward0")  # a sum of terms: look at each
+_SCALE: Final = {"MulBackward0": 1, "DivBackward0": -1}  # times/over a constant: its power
+_DEPTH: Final = 8  # nodes followed from the loss: a loss expression, not the model
 
 
 class _Pass(threading.local):
@@ -107,12 +113,18 @@ def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any) -> 
     if not pending:
         return
     roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
-    kind = next((k for t in roots if (k := _local_mean(getattr(t, "grad_fn", None)))), None)
+    n = strategy.num_replicas_in_sync
+    kind = None
+    for root in roots:
+        found = _local_mean(getattr(root, "grad_fn", None), 1.0)
+        # A local mean not scaled by exactly 1/N; silent where a factor is unreadable.
+        if found is not None and found[1] is not None and abs(abs(found[1]) * n - 1) > 1e-6:
+            kind = found[0]
+            break
     if kind is None:
         return
     for sync in pending:
         sync.warned_mean_loss = True
-    n = strategy.num_replicas_in_sync
     warnings.warn(
         f"the loss passed to backward is this replica's mean ({kind}), but a mirrored "
         f"module sums its gradients over the {n} replicas in sync (TF's rule, "
@@ -125,21 +137,57 @@ def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any) -> 
     )
 
 
-def _local_mean(node: Any, depth: int = 0) -> str | None:
-    """What makes `node`'s output a local mean (a mean-reduced loss or `.mean()`), if any."""
-    if node is None or depth > 4:
+def _local_mean(node: Any, factor: float | None, depth: int = 0) -> tuple[str, float | None] | None:
+    """What makes `node`'s output a local mean, and the constant factor applied to it.
+
+    A mean-reduced loss, `.mean()`, or a sum divided by the summed tensor's first size
+    or element count (`loss.sum() / len(x)`), seen through sums of terms, negation and
+    multiplication or division by a constant; the factor is None where a constant is
+    unreadable (on an accelerator: reading it would wait for the device).
+    """
+    if node is None or depth > _DEPTH:
         return None
     name = type(node).__name__
     if name.startswith("Mean"):
-        return "Tensor.mean"
+        return "Tensor.mean", factor
     if getattr(node, "_saved_reduction", None) == _MEAN_REDUCTION:
-        return f"{name.removesuffix('Backward0')} with reduction='mean'"
+        return f"{name.removesuffix('Backward0')} with reduction='mean'", factor
     if name in _THROUGH:
         for child, _ in node.next_functions:
-            found = _local_mean(child, depth + 1)
+            found = _local_mean(child, factor, depth + 1)
             if found:
                 return found
-    return None
+        return None
+    if name == "NegBackward0":
+        return _local_mean(node.next_functions[0][0], factor, depth + 1)
+    power = _SCALE.get(name)
+    if power is None:
+        return None
+    (left, _), (right, _) = node.next_functions
+    if right is None and left is not None:  # x * c, x / c
+        child, constant = left, _constant(node, "_saved_other")
+    elif left is None and right is not None and power == 1:  # c * x
+        child, constant = right, _constant(node, "_saved_self")
+    else:
+        return None  # both differentiable (a learned weight), or a constant over x
+    scaled = None if factor is None or constant is None else factor * constant**power
+    if power == -1 and constant is not None and type(child).__name__ == "SumBackward0":
+        sizes = tuple(getattr(child, "_saved_self_sym_sizes", ()))
+        if sizes and constant in (sizes[0], math.prod(sizes)):
+            return f"a sum divided by this replica's batch, {constant:g}", factor
+    return _local_mean(child, scaled, depth + 1)
+
+
+def _constant(node: Any, name: str) -> float | None:
+    """The constant operand `name` of a product or quotient, if a host scalar."""
+    try:
+        value = getattr(node, name)
+    except RuntimeError:  # freed by an earlier backward
+        return None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.device.type != "cpu":
+        return None
+    number = float(value)
+    return number if number else None
 
 
 torch_patches.register(torch_patches.Patch(lambda: torch.autograd, "backward", _wrap))

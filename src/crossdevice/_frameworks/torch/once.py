@@ -10,9 +10,11 @@ strategy with several replicas is in use (`torch_patches`):
 * `step()` of every `torch.optim.lr_scheduler.LRScheduler` (subclasses included, also
   those defined later) and of `ReduceLROnPlateau`;
 * `torch.optim.swa_utils.AveragedModel.update_parameters()`;
-* `torch.nn.utils.clip_grad_norm_` and `clip_grad_value_` over the parameters of
-  replicas that keep one reduced gradient (storage shared on the host): clipped once,
-  on replica 0's parameters, whose gradients every replica sees.
+* `torch.nn.utils.clip_grad_norm_`, `clip_grad_value_` and `clip_grads_with_norm_` (the
+  second half of torch's two-step clipping, after `get_total_norm`) over the parameters
+  of replicas that keep one reduced gradient (storage shared on the host): clipped once,
+  on replica 0's parameters, whose gradients every replica sees. These are torch.nn.utils'
+  helpers that change gradients in place; `get_total_norm` only reads them.
 
 Inside a replica, every replica must make the call (it is a rendezvous, like
 `merge_call`); it runs once, and every replica gets its result. Its arguments must agree
@@ -206,6 +208,8 @@ torch_patches.register(
         for owner in (lambda: torch.nn.utils, lambda: torch.nn.utils.clip_grad)
         for name in ("clip_grad_norm_", "clip_grad_value_")
     ),
+    # torch.nn.utils' name only: in clip_grad it is the private helper clip_grad_norm_ calls.
+    torch_patches.Patch(lambda: torch.nn.utils, "clip_grads_with_norm_", _clip_once),
     torch_patches.Patch(hook=lambda: _SchedulerSteps().install()),
     torch_patches.Patch(lambda: torch.optim.swa_utils.AveragedModel, "update_parameters", _once),
 )

@@ -14,6 +14,9 @@ refuses). The step never applies a gradient that was not reduced across replicas
 gradients set by hand (`torch.func`) are reduced at `step()`, and a gradient accumulated
 but never reduced is an error. A step closure's loss (LBFGS calls it several times) is
 reduced across replicas like the gradients, so every replica takes the same decisions.
+Every local replica's step meets the others (`step_check`): a replica that skips a step
+or a `zero_grad()` is an error, and state changed in cross-replica context reaches
+every replica.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from crossdevice._arrays import torch_guard
 from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
 from crossdevice._frameworks.torch.replicas import local_replica_index, local_replicas
+from crossdevice._frameworks.torch.step_check import StepCheck
 from crossdevice._frameworks.torch.threads import all_cores
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
@@ -44,8 +48,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     Inside `strategy.run`, `step()` and `zero_grad()` act on the running replica's copy;
     `param_groups` (what learning-rate schedulers change) are replica 0's, and every
-    replica takes their hyperparameters at each step. `state_dict()` is replica 0's and
-    `load_state_dict()` loads every copy.
+    replica takes their hyperparameters at each step. Outside `run`, `state` is replica
+    0's, and what is changed there (`state.clear()`, a moment zeroed in place) is copied
+    to every replica before the next `run`. `state_dict()` is replica 0's and
+    `load_state_dict()` loads every copy. Every replica must call `step()` and
+    `zero_grad()` alike: a replica that skips one is an error at the step.
 
     Args:
         optimizer: an optimizer built over parameters of `modules` (replica 0's copies,
@@ -103,6 +110,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             for i, replica_optimizer in enumerate(optimizers):
                 torch_guard.mark(replica_optimizer, strategy, i)
         self.__dict__["_optimizers"] = optimizers
+        self.__dict__["_check"] = StepCheck(strategy, optimizers, shared)
         self.defaults = optimizer.defaults
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:
@@ -179,7 +187,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:
-        """The running replica's state (replica 0's in cross-replica context)."""
+        """The running replica's state (replica 0's in cross-replica context).
+
+        What is changed in cross-replica context reaches every replica before the
+        replicas run again.
+        """
         return self._current().state
 
     @state.setter
@@ -208,11 +220,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: called outside `strategy.run` while several replicas are in sync
                 (their gradients are reduced only inside `run`), or a gradient was
-                accumulated but never reduced, or a reduced gradient was replaced.
+                accumulated but never reduced, or a reduced gradient was replaced, or
+                another local replica did not step too, or called `zero_grad()` a
+                different number of times.
         """
         index = self._index()
         optimizers = self.__dict__["_optimizers"]
         strategy: Strategy = self.__dict__["_strategy"]
+        meet = index is not None and local_replicas(strategy) > 1
         if index is None:
             if strategy.num_replicas_in_sync > 1:
                 raise RuntimeError(
@@ -222,7 +237,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 )
             index = 0
         optimizer = optimizers[index]
-        if index and not self.__dict__["_shared"]:
+        check: StepCheck = self.__dict__["_check"]
+        shared = self.__dict__["_shared"]
+        if meet and not shared:
+            # Before anything changes: a replica that skipped the step fails the round.
+            check.meet(strategy, index)
+        if index and not shared:
             # Schedulers change replica 0's groups; every replica follows them.
             for source, target in zip(
                 optimizers[0].param_groups, optimizer.param_groups, strict=True
@@ -236,16 +256,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 by_hand = sync.check_step(index, indices)
                 if by_hand:
                     sync.reduce_by_hand(index, by_hand)
-        if self.__dict__["_shared"] and local_replicas(strategy) > 1:
+        if shared and meet:
             if closure is not None:
                 raise RuntimeError(
                     "a step closure evaluates the model on each replica, and these replicas "
                     "store their parameters once (one step for all): prepare the model "
                     "with share_storage=False to step with a closure"
                 )
-            ctx = get_replica_context()
-            assert ctx is not None
-            result = ctx.merge_call(_step_once, args=(optimizer,))
+            result = check.meet(strategy, index, lambda: _step_once(optimizer))
         else:
             if closure is not None and strategy.num_replicas_in_sync > 1:
                 closure = _reduced_closure(closure, next(iter(groups)).op)
@@ -260,6 +278,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         optimizers = self.__dict__["_optimizers"]
         shared = self.__dict__["_shared"]
         groups = self._by_sync()
+        if index is not None:
+            self.__dict__["_check"].zeroed(index)
         for r in range(len(optimizers)) if index is None else [index]:
             optimizer = optimizers[r]
             if shared or _plain_zero_grad(optimizer):
@@ -286,6 +306,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             raise RuntimeError("load the optimizer's state outside strategy.run")
         for optimizer in dict.fromkeys(self.__dict__["_optimizers"]):  # once if shared
             optimizer.load_state_dict(copy.deepcopy(state_dict))
+        self.__dict__["_check"].loaded()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of the mirrored modules' parameters to every replica's optimizer.
@@ -304,6 +325,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             group["params"] = [self._replica(p, r) for p in params]
             optimizer.add_param_group(group)
         self.__dict__.pop("_groups", None)
+        self.__dict__["_check"].loaded()
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a MirroredOptimizer cannot be pickled; save its state_dict()")
@@ -343,12 +365,11 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
-def _step_once(strategy: Any, optimizer: torch.optim.Optimizer) -> Any:
+def _step_once(optimizer: torch.optim.Optimizer) -> Any:
     """The one optimizer step of replicas that store parameters once (in a merge_fn).
 
     The replicas wait meanwhile: torch may use every core (`threads.all_cores`).
     """
-    del strategy
     with all_cores():
         return optimizer.step()
 
