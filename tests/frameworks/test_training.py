@@ -405,13 +405,20 @@ def test_a_replica_can_trace_a_graph_that_draws_random_numbers(torch: Any, cdt: 
     # torch.compile's inductor traces its replacement patterns (torch.randperm among them)
     # with make_fx the first time a replica's compiled module runs: a draw traced there
     # must stay torch's own, never take the replica's generator (a graph cannot hold one).
+    import threading
+
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    # make_fx patches torch globally while it traces: one replica thread at a time (as
+    # torch.compile's own lock has it), or the threads undo each other's patches.
+    one_at_a_time = threading.Lock()
 
     def draws(x: Any) -> Any:
         return x + torch.rand(3) + torch.randperm(3) + torch.nn.functional.dropout(x)
 
     def step() -> Any:
-        graph = make_fx(draws)(torch.zeros(3))
+        with one_at_a_time:
+            graph = make_fx(draws)(torch.zeros(3))
         return sorted(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
 
     strategy = cd.MirroredStrategy(["CPU:0", "CPU:1"])
