@@ -22,7 +22,7 @@ from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 if TYPE_CHECKING:
     from crossdevice._strategies.base import Strategy
 
-__all__ = ["ReplicaContext", "all_reduce_async"]
+__all__ = ["ReplicaContext", "all_reduce_async", "in_section"]
 
 
 class ReplicaContext:
@@ -111,7 +111,7 @@ class ReplicaContext:
         self._check_current()
         extended = self._strategy.extended
         if extended._sections:
-            merge_fn = _in_section(merge_fn, extended._sections)
+            merge_fn = in_section(merge_fn, extended._sections)
         return extended._merge_call(
             self._replica_id, merge_fn, tuple(args), dict(kwargs or {}), always_wrap=False
         )
@@ -274,7 +274,7 @@ def _as_tensor(x: Any) -> Any:
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
 
 
-def _in_section(merge_fn: Callable[..., Any], sections: Any) -> Callable[..., Any]:
+def in_section(merge_fn: Callable[..., Any], sections: Any) -> Callable[..., Any]:
     """`merge_fn` as a cross-replica section (`sections`): listeners see it start and end."""
 
     def section(strategy: Any, *args: Any, **kwargs: Any) -> Any:

@@ -32,7 +32,7 @@ import torch
 
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
-from crossdevice._strategies.replica import _in_section
+from crossdevice._strategies.replica import in_section
 from crossdevice._sync.call import CallSignature
 from crossdevice._values.values import PerReplica
 
@@ -90,7 +90,7 @@ class StepCheck:
         if then is not None and extended._sections:
             # `then` changes replica 0's parameters: a cross-replica section, as in any
             # merge_fn (mirrored modules see the change; ReplicaContext.merge_call's rule).
-            merge_fn = _in_section(merge_fn, extended._sections)
+            merge_fn = in_section(merge_fn, extended._sections)
         return extended._merge_call_checked(
             ctx.replica_id_in_sync_group, merge_fn, (count,), _STEP_CALL
         )
