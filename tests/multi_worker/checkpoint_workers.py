@@ -89,3 +89,29 @@ def preempted_by_a_dead_peer(rank: int, world_size: int, directory: str) -> None
 def listing(directory: str) -> list[str]:
     """The checkpoint directory's entries (for the parent's checks)."""
     return sorted(p.name for p in Path(directory).iterdir())
+
+
+def restore_from_each_workers_directory(
+    rank: int, world_size: int, phases: list[list[str]]
+) -> list[Any]:
+    """For each phase, restore the latest checkpoint of `phase[rank]` (a directory).
+
+    Returns, per phase, the restored value of `w` and the path, or the error's message.
+    """
+    import crossdevice as cd
+
+    strategy = _strategy(1)
+    with strategy.scope():
+        w = cd.Variable(np.zeros(2, np.float32))
+    ckpt = cd.train.Checkpoint(w=w)
+    outcomes: list[Any] = []
+    for directories in phases:
+        w.assign(np.zeros(2, np.float32))
+        manager = cd.train.CheckpointManager(ckpt, directories[rank], max_to_keep=3)
+        try:
+            path = manager.restore_or_initialize()
+            outcomes.append((w.numpy().tolist(), path))
+        except (RuntimeError, ValueError) as err:
+            outcomes.append(f"{type(err).__name__}: {err}")
+        manager.close()
+    return outcomes

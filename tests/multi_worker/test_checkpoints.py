@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -10,7 +11,11 @@ import pytest
 
 import crossdevice as cd
 from crossdevice.experimental import RESTART_EXIT_CODE
-from tests.multi_worker.checkpoint_workers import preempted_by_a_dead_peer, train_save_train
+from tests.multi_worker.checkpoint_workers import (
+    preempted_by_a_dead_peer,
+    restore_from_each_workers_directory,
+    train_save_train,
+)
 from tests.multi_worker.harness import run_workers
 from tests.train.test_data_position import NUM_EXAMPLES, ShuffledBatches
 
@@ -56,3 +61,41 @@ def test_a_dead_worker_makes_the_survivor_exit_with_the_restart_code(tmp_path: P
     assert "exiting with code 42 so the launcher restarts" in results[0].output
     assert elapsed < 60
     assert Path(cd.train.latest_checkpoint(tmp_path)).name == "ckpt-1"
+
+
+def _save_one(directory: Path, value: list[float]) -> str:
+    ckpt = cd.train.Checkpoint(w=cd.Variable(np.asarray(value, np.float32)))
+    manager = cd.train.CheckpointManager(ckpt, directory, max_to_keep=1)
+    path = manager.save()
+    manager.close()
+    assert path is not None
+    return path
+
+
+def test_workers_that_would_restore_different_checkpoints_all_fail(tmp_path: Path) -> None:
+    # A checkpoint directory that is not on a shared file system: worker 1 sees another
+    # directory (empty, or another run's ckpt-1 of the same name and save counter).
+    shared, other, empty = tmp_path / "shared", tmp_path / "other", tmp_path / "empty"
+    path = _save_one(shared, [1.0, 2.0])
+    _save_one(other, [3.0, 4.0])
+    empty.mkdir()
+    damaged = tmp_path / "damaged"  # worker 0 cannot read its checkpoint: no one restores
+    shutil.copytree(shared, damaged)
+    data = next((damaged / "ckpt-1").glob("*.npz"))
+    data.write_bytes(data.read_bytes()[:-1])
+    phases = [[str(shared), str(empty)], [str(shared), str(shared)]]
+    phases += [[str(shared), str(other)], [str(empty), str(empty)], [str(damaged), str(shared)]]
+    results = run_workers(restore_from_each_workers_directory, 2, args=(phases,), timeout=60)
+    outcomes = [r.unwrap() for r in results]
+    for outcome in outcomes:
+        assert "different checkpoints" in outcome[0]
+        assert "worker 0: ckpt-1 (save_counter 1, save id " in outcome[0]
+        assert "worker 1: no checkpoint (None)" in outcome[0]
+        assert "shared file system" in outcome[0]
+        assert outcome[1] == ([1.0, 2.0], path)  # the same checkpoint: restored
+        assert "different checkpoints" in outcome[2]  # same name, another save
+        assert outcome[2].count("ckpt-1 (save_counter 1, save id ") == 2
+        assert outcome[3] == ([0.0, 0.0], None)
+    assert outcomes[0][4].startswith("ValueError: ")
+    assert "truncated" in outcomes[0][4]
+    assert outcomes[1][4].startswith("RuntimeError: worker(s) [0] could not restore")

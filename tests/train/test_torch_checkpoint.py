@@ -225,3 +225,67 @@ def test_a_mirrored_grad_scaler_round_trips_on_every_replica(
     for replica in model.replicas:
         for value, expected in zip(replica.parameters(), saved, strict=True):
             assert torch.equal(value, expected)
+
+
+def test_an_optimizer_restores_only_into_its_own_class(torch_module: Any, tmp_path: Path) -> None:
+    # torch's load_state_dict takes another class's state silently: Adam's into AdamW
+    # replaces its weight_decay 0.01 by 0, Adam's into SGD fails at the first step.
+    torch = torch_module
+    strategy = mirrored(2)
+    model, optimizer = _prepared(torch, strategy)
+    _train(torch, strategy, model, optimizer, _batches(torch, 1))
+    ckpt = cd.train.Checkpoint(model=model, optimizer=optimizer)
+    path = Path(ckpt.write(tmp_path / "c"))
+    ckpt.sync()
+    index = json.loads((path / "crossdevice.json").read_text())
+    assert index["objects"]["optimizer"]["optimizer_class"] == "torch.optim.adam.Adam"
+
+    def restore(make: Any) -> Any:
+        torch.manual_seed(1)
+        net = bn_dropout_model(torch)
+        before = [p.detach().clone() for p in net.parameters()]
+        opt = make(net.parameters())
+        ckpt = cd.train.Checkpoint(model=net, optimizer=opt)
+        try:
+            status = ckpt.read(path)
+        except ValueError:  # a refused restore loads nothing, not even the model
+            assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+            raise
+        return status, opt
+
+    for make, name in [
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "torch.optim.sgd.SGD"),
+        (lambda p: torch.optim.AdamW(p, lr=1e-2), "torch.optim.adamw.AdamW"),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=rf"cannot restore the optimizer 'optimizer': the checkpoint holds the state of "
+            rf"a torch.optim.adam.Adam, and the tracked optimizer is a {name}; .* Build the "
+            r"optimizer as it was when the checkpoint was written",
+        ):
+            restore(make)
+    status, adam = restore(lambda p: torch.optim.Adam(p, lr=1e-2))
+    status.assert_consumed()
+    assert adam.state_dict()["state"][0]["step"] == 1
+    assert "optimizer_class" not in adam.state_dict()
+
+    # Checkpoints of older versions name no class: the param groups' keys still must match.
+    del index["objects"]["optimizer"]["optimizer_class"]
+    (path / "crossdevice.json").write_text(json.dumps(index))
+    with pytest.raises(
+        ValueError,
+        match=r"the keys of its param group 0 differ from the checkpoint's; missing from the "
+        r"checkpoint: \['dampening', 'momentum', 'nesterov'\], in the checkpoint only: "
+        r"\['amsgrad', 'betas', ",
+    ):
+        restore(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    restore(lambda p: torch.optim.Adam(p, lr=1e-2))[0].assert_consumed()
+
+    def two_groups(params: Any) -> Any:
+        params = list(params)
+        return torch.optim.Adam([{"params": params[:1]}, {"params": params[1:]}])
+
+    with pytest.raises(
+        ValueError, match=r"the checkpoint holds 1 param groups, the optimizer has 2"
+    ):
+        restore(two_groups)

@@ -16,12 +16,20 @@ A restore reads the whole checkpoint, checks every value against its object (sha
 dtypes, module keys) before it loads anything, then loads. Values whose object is not
 tracked yet wait for it: assigning `ckpt.name = obj` later restores into `obj` then
 (TF's restore-on-create).
+
+In a job of several workers, every worker restores, and the workers agree first (one
+small collective) on what they restore: the same checkpoint (name, save counter and the
+id each save writes) or nothing. A worker that sees another checkpoint, or none (its
+directory is not on a file system every worker sees), is an error on every worker before
+anything is loaded, instead of workers training on from different states. TF does not
+check this.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
@@ -223,6 +231,8 @@ class Checkpoint:
             "objects": objects,
             "random": random_skeleton,
             "save_counter": int(self.save_counter.numpy()),
+            # Tells this save from another one of the same name (another run's ckpt-1).
+            "id": uuid.uuid4().hex,
             "job": {"workers": workers, "num_replicas_in_sync": strategy.num_replicas_in_sync},
         }
 
@@ -249,13 +259,19 @@ class Checkpoint:
             A `CheckpointLoadStatus` (`assert_consumed()` and friends); for None an
             `InitializationOnlyStatus`, whose assertions fail.
 
+        Every worker of a multi-worker job must call it (with None too), with the same
+        checkpoint: the workers check that they agree before anything is loaded.
+
         Raises:
             FileNotFoundError: no checkpoint at `save_path`.
             ValueError: the checkpoint is incomplete or truncated, or a value does not
                 fit its object (names the key, shapes and dtypes).
+            RuntimeError: the workers would restore different checkpoints (or some none),
+                or another worker could not restore (names each worker's checkpoint).
         """
         del options
         if save_path is None:
+            self._agree(None, None, None)
             return InitializationOnlyStatus()
         return self._restore(Path(os.fspath(save_path)))
 
@@ -266,16 +282,21 @@ class Checkpoint:
 
     def _restore(self, path: Path) -> CheckpointLoadStatus:
         self._writer.wait()
-        wait_for_path(str(path))
-        index = storage.read_index(path)
-        arrays = storage.read_arrays(path, index, index.get("arrays", {}))
-        saved = {
-            name: tree.decode(skeleton, arrays, _to_library)
-            for name, skeleton in index.get("objects", {}).items()
-        }
-        present = [name for name in self._objects if name in saved]
-        for name in present:
-            trackable.validate(self._objects[name], saved[name], name)
+        try:
+            wait_for_path(str(path))
+            index = storage.read_index(path)
+            arrays = storage.read_arrays(path, index, index.get("arrays", {}))
+            saved = {
+                name: tree.decode(skeleton, arrays, _to_library)
+                for name, skeleton in index.get("objects", {}).items()
+            }
+            present = [name for name in self._objects if name in saved]
+            for name in present:
+                trackable.validate(self._objects[name], saved[name], name)
+        except Exception as err:
+            self._agree(path, None, err)
+            raise
+        self._agree(path, index, None)
         for name in present:
             trackable.apply(self._objects[name], saved[name])
         self._restore_random(tree.decode(index.get("random", {}), arrays, _to_library), index)
@@ -284,6 +305,52 @@ class Checkpoint:
         self.__dict__["_matched"] = matched
         self.__dict__["_pending"] = {k: v for k, v in saved.items() if k not in matched}
         return CheckpointLoadStatus(str(path), lambda: set(self._objects), set(saved), matched)
+
+    def _agree(
+        self, path: Path | None, index: dict[str, Any] | None, error: BaseException | None
+    ) -> None:
+        """With several workers: raise unless every worker restores what this one does.
+
+        One collective, on every worker alike (also when this one failed, so that no peer
+        waits for it); none in a one-worker job.
+        """
+        strategy = self._strategy()
+        workers, worker = job.worker_position(strategy)
+        if workers == 1:
+            return
+        frame = context.current_frame()
+        if frame is not None and frame.replica_context is not None:
+            raise RuntimeError(
+                "a checkpoint is restored between steps: call restore() outside strategy.run"
+            )
+        if error is not None:
+            what = "failed"
+        elif path is None or index is None:
+            what = "no checkpoint (None)"
+        else:
+            saved_id = f", save id {index['id']}" if "id" in index else ""  # older: no id
+            what = f"{path.name} (save_counter {index.get('save_counter')!r}{saved_id})"
+        rows = [row.partition("\n") for row in job.gather_texts(strategy, f"{what}\n{path or ''}")]
+        if error is not None:
+            return  # the caller raises this worker's own error
+        failed = [w for w, (key, _, _) in enumerate(rows) if key == "failed"]
+        if failed:
+            raise RuntimeError(
+                f"worker(s) {failed} could not restore the checkpoint (their errors say why), "
+                f"so worker {worker} restored nothing either: the workers must restore the "
+                "same state"
+            )
+        if len({key for key, _, _ in rows}) > 1:
+            seen = "; ".join(
+                f"worker {w}: {key}" + (f" at {where!r}" if where else "")
+                for w, (key, _, where) in enumerate(rows)
+            )
+            raise RuntimeError(
+                "the workers would restore different checkpoints and train on from different "
+                f"states ({seen}); nothing was restored. Every worker must restore the same "
+                "checkpoint: keep the checkpoint directory on a file system every worker sees "
+                "(a shared file system), and pass every worker the same path"
+            )
 
     def _restore_random(self, randoms: dict[str, Any], index: dict[str, Any]) -> None:
         if not randoms:

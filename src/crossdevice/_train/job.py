@@ -22,12 +22,15 @@ __all__ = [
     "any_worker",
     "barrier",
     "gather_states",
+    "gather_texts",
     "sum_over_workers",
     "torch_world_size",
     "worker_position",
 ]
 
 _HEADER: Final = struct.Struct("<q")
+#: UTF-8 bytes of each worker's row in `gather_texts`: a checkpoint's name and path fit.
+_TEXT_WIDTH: Final = 512
 
 
 def worker_position(strategy: Any) -> tuple[int, int]:
@@ -98,3 +101,15 @@ def gather_states(strategy: Any, state: Mapping[str, np.ndarray]) -> list[dict[s
     rows[index, : packed.size] = packed
     rows = sum_over_workers(strategy, rows)
     return [_unpack(rows[w, : sizes[w]]) for w in range(workers)]
+
+
+def gather_texts(strategy: Any, text: str) -> list[str]:
+    """Every worker's `text` (cut to 512 UTF-8 bytes), in worker order, in one collective."""
+    workers, index = worker_position(strategy)
+    if workers == 1:
+        return [text]
+    raw = text.encode()[:_TEXT_WIDTH]
+    rows = np.zeros((workers, _TEXT_WIDTH), np.int32)
+    rows[index, : len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = sum_over_workers(strategy, rows)
+    return [bytes(row.astype(np.uint8)).rstrip(b"\0").decode(errors="replace") for row in rows]

@@ -251,10 +251,15 @@ class CheckpointManager:
 
     # --- restoring ------------------------------------------------------------------------
     def restore_or_initialize(self) -> str | None:
-        """Restore the latest checkpoint and return its path, or call `init_fn` and return None."""
+        """Restore the latest checkpoint and return its path, or call `init_fn` and return None.
+
+        In a multi-worker job every worker calls it, and the workers check that they
+        restore the same checkpoint, or all none (see `Checkpoint.restore`).
+        """
         latest = self.latest_checkpoint
+        # With None too: every worker takes part in the check that they agree.
+        self._checkpoint.restore(latest)
         if latest is not None:
-            self._checkpoint.restore(latest)
             if self._interval is not None:
                 self._last_step = int(self._step_counter)
             return latest

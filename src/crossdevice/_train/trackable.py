@@ -20,6 +20,13 @@ A `Checkpoint` tracks:
 checks a saved state against the object before anything is loaded, so that a model of
 another shape is an error naming the key and both shapes, with nothing changed;
 `apply` loads it.
+
+A torch optimizer's state also names its class (`optimizer_class`, the qualified name):
+torch's `load_state_dict` takes another class's state without a word, and then steps
+with its hyperparameters (Adam's into AdamW: weight_decay 0) or fails at the first step
+(Adam's into SGD: `KeyError: 'momentum'`). `validate` refuses another class and param
+groups whose keys differ. Checkpoints without the class name (older ones) get the key
+check only.
 """
 
 from __future__ import annotations
@@ -52,6 +59,23 @@ _ACCEPTED = (
 def _is_generator(obj: Any) -> bool:
     torch: Any = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Generator)
+
+
+#: The key of a torch optimizer's class name in its saved state (not torch's own key).
+_OPTIMIZER_CLASS = "optimizer_class"
+
+
+def _is_optimizer(obj: Any) -> bool:
+    torch: Any = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.optim.Optimizer)
+
+
+def _optimizer_class(optimizer: Any) -> str:
+    """The qualified class name of `optimizer` (of its replicas' for a mirrored one)."""
+    if isinstance(getattr(type(optimizer), "replicas", None), property):
+        optimizer = optimizer.replicas[0]
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -112,6 +136,8 @@ def capture(obj: Any) -> Any:
         return obj.get_state(legacy=False)
     if _is_generator(obj):
         return obj.get_state()
+    if _is_optimizer(obj):
+        return {**obj.state_dict(), _OPTIMIZER_CLASS: _optimizer_class(obj)}
     if _is_stateful(obj):
         return obj.state_dict()
     if isinstance(obj, list | tuple):
@@ -165,18 +191,65 @@ def validate(obj: Any, state: Any, name: str) -> None:
     torch: Any = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
         _validate_module(obj.state_dict(), state, name)
+    if _is_optimizer(obj):
+        _validate_optimizer(obj, state, name)
+
+
+def _validate_optimizer(optimizer: Any, state: Any, name: str) -> None:
+    todo = "Build the optimizer as it was when the checkpoint was written (its class and options)"
+    if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list):
+        raise ValueError(
+            f"cannot restore the optimizer {name!r}: the checkpoint holds no optimizer state "
+            f"there (a {type(state).__name__}). {todo}"
+        )
+    saved_class, have_class = state.get(_OPTIMIZER_CLASS), _optimizer_class(optimizer)
+    if saved_class is not None and saved_class != have_class:
+        raise ValueError(
+            f"cannot restore the optimizer {name!r}: the checkpoint holds the state of a "
+            f"{saved_class}, and the tracked optimizer is a {have_class}; its moments and "
+            f"hyperparameters mean something else there. {todo}, or restore the other "
+            "objects without it (track it under another name)"
+        )
+    saved_groups, have_groups = state["param_groups"], optimizer.state_dict()["param_groups"]
+    if len(saved_groups) != len(have_groups):
+        raise ValueError(
+            f"cannot restore the optimizer {name!r}: the checkpoint holds {len(saved_groups)} "
+            f"param groups, the optimizer has {len(have_groups)}. {todo}"
+        )
+    for i, (saved, have) in enumerate(zip(saved_groups, have_groups, strict=True)):
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"cannot restore the optimizer {name!r}: param group {i} is damaged")
+        differ = _key_difference(have, saved)
+        if differ:
+            raise ValueError(
+                f"cannot restore the optimizer {name!r}: the keys of its param group {i} "
+                f"differ from the checkpoint's; {differ} (the checkpoint holds "
+                f"{saved_class or 'an optimizer of a class not recorded'}). {todo}"
+            )
+        count, params = len(saved.get("params", ())), len(have.get("params", ()))
+        if count != params:
+            raise ValueError(
+                f"cannot restore the optimizer {name!r}: its param group {i} holds {count} "
+                f"parameters in the checkpoint and {params} in the optimizer. {todo}"
+            )
+
+
+def _key_difference(have: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
+    """What keys `saved` lacks and has beyond `have`, in words; "" when they match."""
+    missing, unexpected = sorted(set(have) - set(saved)), sorted(set(saved) - set(have))
+    if not (missing or unexpected):
+        return ""
+    return f"missing from the checkpoint: {missing!r}, in the checkpoint only: {unexpected!r}"
 
 
 def _validate_module(current: Mapping[str, Any], state: Any, name: str) -> None:
     if not isinstance(state, Mapping):
         raise ValueError(f"cannot restore {name!r}: the checkpoint holds {type(state).__name__}")
-    missing = sorted(set(current) - set(state))
-    unexpected = sorted(set(state) - set(current))
-    if missing or unexpected:
+    differ = _key_difference(current, state)
+    if differ:
         raise ValueError(
             f"cannot restore the module {name!r}: its state_dict keys differ from the "
-            f"checkpoint's; missing from the checkpoint: {missing!r}, in the checkpoint "
-            f"only: {unexpected!r}. Build the model as it was when the checkpoint was written"
+            f"checkpoint's; {differ}. Build the model as it was when the checkpoint was written"
         )
     for key, value in current.items():
         if not (is_torch(value) or isinstance(value, np.ndarray)):
@@ -212,6 +285,8 @@ def apply(obj: Any, state: Any) -> None:
         obj.bit_generator.state = state
     elif isinstance(obj, np.random.RandomState) or _is_generator(obj):
         obj.set_state(state)
+    elif _is_optimizer(obj):
+        obj.load_state_dict({k: v for k, v in state.items() if k != _OPTIMIZER_CLASS})
     elif _is_stateful(obj):
         obj.load_state_dict(state)
     elif isinstance(obj, list | tuple):
