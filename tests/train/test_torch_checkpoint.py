@@ -269,17 +269,22 @@ def test_an_optimizer_restores_only_into_its_own_class(torch_module: Any, tmp_pa
     assert adam.state_dict()["state"][0]["step"] == 1
     assert "optimizer_class" not in adam.state_dict()
 
-    # Checkpoints of older versions name no class: the param groups' keys still must match.
+    # Checkpoints of older versions name no class: a key the optimizer needs and the
+    # checkpoint lacks tells another class. Keys only the checkpoint has are no mismatch
+    # (a scheduler's initial_lr, restored before the scheduler is made).
     del index["objects"]["optimizer"]["optimizer_class"]
+    index["objects"]["optimizer"]["param_groups"][0]["initial_lr"] = 1e-2
     (path / "crossdevice.json").write_text(json.dumps(index))
     with pytest.raises(
         ValueError,
-        match=r"the keys of its param group 0 differ from the checkpoint's; missing from the "
-        r"checkpoint: \['dampening', 'momentum', 'nesterov'\], in the checkpoint only: "
+        match=r"its param group 0 needs \['dampening', 'momentum', 'nesterov'\], which the "
+        r"checkpoint's lacks \(it holds an optimizer of a class not recorded, with "
         r"\['amsgrad', 'betas', ",
     ):
         restore(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    restore(lambda p: torch.optim.Adam(p, lr=1e-2))[0].assert_consumed()
+    status, adam = restore(lambda p: torch.optim.Adam(p, lr=1e-2))
+    status.assert_consumed()
+    assert adam.param_groups[0]["initial_lr"] == 1e-2
 
     def two_groups(params: Any) -> Any:
         params = list(params)

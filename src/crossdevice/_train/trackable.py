@@ -219,12 +219,16 @@ def _validate_optimizer(optimizer: Any, state: Any, name: str) -> None:
     for i, (saved, have) in enumerate(zip(saved_groups, have_groups, strict=True)):
         if not isinstance(saved, Mapping):
             raise ValueError(f"cannot restore the optimizer {name!r}: param group {i} is damaged")
-        differ = _key_difference(have, saved)
-        if differ:
+        # Without a recorded class (a checkpoint from before it was), keys the optimizer
+        # needs and the checkpoint lacks tell another class (Adam's state into SGD lacks
+        # 'momentum'). Keys only the checkpoint has are torch's to carry: a scheduler's
+        # 'initial_lr', restored before the scheduler is made, is no mismatch.
+        missing = sorted(set(have) - set(saved)) if saved_class is None else []
+        if missing:
             raise ValueError(
-                f"cannot restore the optimizer {name!r}: the keys of its param group {i} "
-                f"differ from the checkpoint's; {differ} (the checkpoint holds "
-                f"{saved_class or 'an optimizer of a class not recorded'}). {todo}"
+                f"cannot restore the optimizer {name!r}: its param group {i} needs "
+                f"{missing!r}, which the checkpoint's lacks (it holds an optimizer of a "
+                f"class not recorded, with {sorted(saved)!r}). {todo}"
             )
         count, params = len(saved.get("params", ())), len(have.get("params", ()))
         if count != params:
