@@ -66,3 +66,24 @@ def test_a_local_mean_in_any_form_warns(torch: Any, cdt: Any, name: str) -> None
 @pytest.mark.parametrize("name", sorted(RIGHT))
 def test_a_loss_right_under_the_sum_rule_does_not_warn(torch: Any, cdt: Any, name: str) -> None:
     assert _backward(torch, cdt, RIGHT[name]) == [], name
+
+
+def test_replica_threads_that_find_it_at_once_warn_once(
+    torch: Any, cdt: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every replica thread looks at its own loss; a slow look keeps them all looking at
+    # once, so marking the model warned must be one step with checking it.
+    import time
+
+    from crossdevice._frameworks.torch import backward
+    from tests.strategies.conftest import replica_execution
+
+    look = backward._local_mean
+
+    def slow_look(*args: Any) -> Any:
+        time.sleep(0.02)
+        return look(*args)
+
+    monkeypatch.setattr(backward, "_local_mean", slow_look)
+    with replica_execution("threads"):
+        assert len(_backward(torch, cdt, WRONG["cross_entropy"])) == 1

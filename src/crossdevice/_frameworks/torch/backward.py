@@ -108,6 +108,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     return backward
 
 
+#: Taken to mark a model warned: "once per model" with several replica threads.
+_WARNED_LOCK: Final = threading.Lock()
+
+
 def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any) -> None:
     pending = [s for s in syncs if s.op is ReduceOp.SUM and not s.warned_mean_loss]
     if not pending:
@@ -123,8 +127,12 @@ def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any) -> 
             break
     if kind is None:
         return
-    for sync in pending:
-        sync.warned_mean_loss = True
+    with _WARNED_LOCK:  # replica threads find it at once: one of them warns
+        pending = [s for s in pending if not s.warned_mean_loss]
+        for sync in pending:
+            sync.warned_mean_loss = True
+    if not pending:
+        return
     warnings.warn(
         f"the loss passed to backward is this replica's mean ({kind}), but a mirrored "
         f"module sums its gradients over the {n} replicas in sync (TF's rule, "
