@@ -25,7 +25,7 @@ import torch
 
 from crossdevice._frameworks.torch.buffers import BufferSync
 from crossdevice._frameworks.torch.hooks import HookMirror
-from crossdevice._frameworks.torch.storage import ParameterCheck
+from crossdevice._frameworks.torch.storage import ParameterCheck, realias
 
 __all__ = [
     "ReplicaMirror",
@@ -109,8 +109,7 @@ def alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
     counter tells an in-place write through it from one through `param` (`ReplicaMirror`).
     """
     made = torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), False)
-    with torch.no_grad():
-        made.set_(param.untyped_storage(), param.storage_offset(), param.size(), param.stride())
+    realias(made, param)
     made.requires_grad_(param.requires_grad)
     made.__dict__.update(param.__dict__)  # attributes a library set on the parameter
     return made

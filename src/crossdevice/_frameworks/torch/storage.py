@@ -31,8 +31,12 @@ import torch
 __all__ = ["ParameterCheck", "realias"]
 
 
-def realias(param: torch.nn.Parameter, source: torch.Tensor) -> None:
-    """Make `param` view `source`'s memory again (its own object, version counter, `.grad`)."""
+def realias(param: torch.Tensor, source: torch.Tensor) -> None:
+    """Make `param` view `source`'s memory (its own object, version counter, `.grad`).
+
+    `mirroring.alias` makes a replica's parameter this way at prepare; `ParameterCheck`
+    points it back after a cast or `param.data = ...` gave it memory of its own.
+    """
     with torch.no_grad():
         if param.dtype != source.dtype:  # set_ reads the memory as `param`'s dtype
             param.data = torch.empty(0, dtype=source.dtype, device=source.device)
