@@ -214,7 +214,7 @@ def test_killed_store_host_fails_the_others_within_timeout() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "implementation"), [(1, "AUTO"), (2, "RING")])
+@pytest.mark.parametrize(("world", "implementation"), [(1, "AUTO"), (2, "RING"), (2, "AUTO")])
 def test_cuda_tensors(torch_module: Any, world: int, implementation: str) -> None:
     if not torch_module.cuda.is_available():
         pytest.skip("needs CUDA")

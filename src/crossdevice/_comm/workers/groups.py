@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import logging
+import socket
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +24,11 @@ import torch.distributed as dist
 
 from crossdevice._core.options import CommunicationImplementation
 
-__all__ = ["FAILED", "Groups"]
+__all__ = ["FAILED", "Groups", "shared_devices"]
+
+_LOG = logging.getLogger("crossdevice")
+#: Not empty once this process has warned that its workers share CUDA devices.
+_WARNED: list[bool] = []
 
 #: Process groups (and work) of failed communicators, never freed (see the module doc).
 FAILED: list[Any] = []
@@ -36,6 +43,10 @@ class Groups:
     """The host (Gloo) group and, with CUDA and NCCL, the CUDA (NCCL) group of a communicator.
 
     Every worker creates the same groups in the same order (`new_group`'s contract).
+    Workers that share a CUDA device (more workers than GPUs on a host) get no NCCL
+    group, because NCCL refuses two ranks on one device: every worker learns every
+    worker's device in one Gloo gather, so all of them decide the same, and CUDA values
+    then travel through Gloo on the host (one warning per process).
 
     Args:
         timeout: the groups' own timeout (a backstop behind the communicator's waits).
@@ -52,7 +63,20 @@ class Groups:
             and dist.is_nccl_available()
             and implementation != CommunicationImplementation.RING
         ):
-            self.cuda = dist.new_group(backend="nccl", timeout=delta)
+            identities: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(identities, _device_identity(), group=self.host)
+            shared = shared_devices(identities)
+            if not shared:
+                self.cuda = dist.new_group(backend="nccl", timeout=delta)
+            elif not _WARNED:
+                _WARNED.append(True)  # once per process: every communicator finds the same
+                _LOG.warning(
+                    "workers share CUDA devices (ranks %s) and NCCL refuses two ranks on "
+                    "one device, so CUDA values travel through Gloo on the host. For "
+                    "NCCL, run one worker per GPU (torchrun --nproc-per-node at most the "
+                    "GPU count, or CUDA_VISIBLE_DEVICES per worker).",
+                    "; ".join(", ".join(map(str, ranks)) for ranks in shared),
+                )
         self.name = str(self.host.group_name)
 
     def group_for(self, tensor: torch.Tensor) -> Any:
@@ -94,3 +118,21 @@ class Groups:
                     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
                 with contextlib.suppress(Exception):  # best effort: it may be gone already
                     dist.destroy_process_group(group)
+
+
+def _device_identity() -> tuple[str, str]:
+    """This worker's host and current CUDA device (its UUID: the same card under any index)."""
+    index = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return socket.gethostname(), str(uuid if uuid is not None else index)
+
+
+def shared_devices(identities: Sequence[tuple[str, str]]) -> list[list[int]]:
+    """The ranks that share a (host, CUDA device), in groups of two or more; [] when none.
+
+    `identities[rank]` is the worker's `(host, device)`.
+    """
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for rank, identity in enumerate(identities):
+        ranks.setdefault((identity[0], identity[1]), []).append(rank)
+    return [group for group in ranks.values() if len(group) > 1]

@@ -165,7 +165,13 @@ def start_default_group(
 
 
 def start_cluster_group(cluster: Cluster, init_timeout: float) -> None:
-    """The default group for `cluster`: Gloo, plus NCCL on this process's GPU when CUDA is up."""
+    """The default group for `cluster`: Gloo, plus NCCL on this process's GPU when CUDA is up.
+
+    NCCL joins only when every worker on this host has a GPU of its own: it refuses two
+    ranks on one device, and binding them eagerly fails the start. With more workers than
+    GPUs the default group is Gloo only (our communicators then carry CUDA values through
+    Gloo on the host; `Groups` says so).
+    """
     import torch
 
     cuda = torch.cuda.is_available() and dist.is_nccl_available()
@@ -173,8 +179,11 @@ def start_cluster_group(cluster: Cluster, init_timeout: float) -> None:
     if cuda:
         # One GPU per process (torchrun's LOCAL_RANK): NCCL then binds each rank to its
         # own device instead of every rank to GPU 0.
-        device = torch.device("cuda", cluster.local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        device = torch.device("cuda", cluster.local_rank % count)
         torch.cuda.set_device(device)
+        if cluster.local_world_size > count:
+            cuda, device = False, None
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     start_default_group(cluster, backend, init_timeout, device_id=device)
 
