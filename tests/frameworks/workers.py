@@ -261,3 +261,88 @@ def resized_bucket(rank: int, world_size: int) -> dict[str, Any]:
             }
         )
     return {"steps": results}
+
+
+def _strategy(replicas: int) -> Any:
+    import crossdevice
+
+    if replicas == 1:
+        return crossdevice.MultiWorkerMirroredStrategy()
+    crossdevice.config.set_logical_cpu_devices(replicas)
+    return crossdevice.MultiWorkerMirroredStrategy(devices=[f"CPU:{i}" for i in range(replicas)])
+
+
+def _failure(fn: Any) -> dict[str, Any] | None:
+    try:
+        fn()
+    except Exception as e:  # what the test compares: the type and the text
+        return {"type": type(e).__name__, "message": str(e)}
+    return None
+
+
+def skipped_step(rank: int, world_size: int, skipper: int, replicas: int) -> dict[str, Any]:
+    """Worker `skipper` skips `optimizer.step()` at step 1; where each worker fails."""
+    del world_size
+    import torch
+
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import mlp
+
+    strategy = _strategy(replicas)
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.full((4, 6), float(rank + 1))
+
+    def step(k: int) -> None:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        if k != 1 or rank != skipper:  # e.g. `if torch.isfinite(local_loss): opt.step()`
+            optimizer.step()
+
+    for k in range(4):
+        failure = _failure(lambda k=k: strategy.run(step, args=(k,)))
+        if failure is not None:
+            return {"step": k, **failure}
+    return {"step": None}
+
+
+def different_setups(rank: int, world_size: int, what: str) -> dict[str, Any] | None:
+    """Worker 1 builds another model or optimizer (`what`); what `prepare` raises."""
+    del world_size
+    import torch
+
+    import crossdevice.torch as cdt
+
+    strategy = _strategy(1)
+    odd = rank == 1
+    torch.manual_seed(0)
+    with strategy.scope():
+        width = 9 if odd and what == "shape" else 8
+        net = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Linear(width, 3))
+        if what == "buffer" and odd:
+            net.append(torch.nn.BatchNorm1d(3))
+        elif what == "buffer":
+            net.append(torch.nn.LayerNorm(3))
+        lr = 0.2 if odd and what == "lr" else 0.1
+        kind = torch.optim.AdamW if odd and what == "class" else torch.optim.Adam
+        optimizer = kind(net.parameters(), lr=lr)
+        return _failure(lambda: cdt.prepare(net, optimizer))
+
+
+def batch_sizes(rank: int, world_size: int, sizes: list[int]) -> dict[str, Any]:
+    """Worker `rank` reads 10 examples in global batches of `sizes[rank]`; how it ends."""
+    del world_size
+    import numpy as np
+
+    strategy = _strategy(1)
+    data = np.arange(10.0)
+    size = sizes[rank]
+    batches = [data[i : i + size] for i in range(0, 10, size)]
+    seen: list[float] = []
+
+    def epoch() -> None:
+        for x in strategy.experimental_distribute_dataset(batches):
+            seen.append(float(np.sum(strategy.run(lambda v: v, args=(x,)))))
+
+    return {"failure": _failure(epoch), "steps": len(seen)}

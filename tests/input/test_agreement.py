@@ -15,10 +15,12 @@ class _Workers:
     def __init__(self, count: int | None) -> None:
         self.count = count  # what every worker answers for the length
         self.sent: list[Any] = []
+        self.sizes: list[int | None] = []  # the global batch size given with each agreement
         self.collective_since = False  # a step's own collective ran since the last agreement
 
-    def agree(self, has_data: bool, steps: int | None) -> tuple[bool, Any]:
+    def agree(self, has_data: bool, steps: int | None, size: int | None = None) -> tuple[bool, Any]:
         self.sent.append(("agree", has_data, steps))
+        self.sizes.append(size)
         self.collective_since = False
         return has_data, None if steps is None else (lambda: self.count)
 
@@ -64,6 +66,14 @@ def test_an_agreed_length_spares_the_later_agreements() -> None:
     agreement = PassAgreement(workers, 3)
     assert _run(agreement, workers, [True, True, True, False]) == [True, True, True, False]
     assert workers.sent == [("agree", True, 3), ("skip",), ("skip",), ("skip",)]
+
+
+def test_only_the_first_agreement_of_a_pass_carries_the_batch_size() -> None:
+    workers = _Workers(count=None)
+    agreement = PassAgreement(workers, None)
+    for has_data, size in [(True, 8), (True, 8), (True, 3), (False, None)]:
+        agreement.goes_on(has_data, size)
+    assert workers.sizes == [8, None, None, None]
 
 
 def test_lengths_that_differ_agree_every_step() -> None:

@@ -8,36 +8,47 @@ what each worker was doing. Code that makes one wraps it in `purpose(...)`; the 
 communicator takes the text for the collective started inside (its label, which every
 error about it shows, and the detail a mismatch shows for each worker).
 
-The text is per thread: the collective runs on the thread that asked for it.
+`purpose(text, tag=n)` also adds `n` to the call site the workers compare
+(`site_tag`): calls from the same line that stand for different things (the gradients
+after another number of optimizer steps) then differ between workers.
+
+Both are per thread, and per cooperative replica (context variables: each greenlet has
+its own), since the collective runs on the thread that asked for it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
+from contextvars import ContextVar
 
-__all__ = ["current", "purpose"]
+__all__ = ["current", "purpose", "site_tag"]
 
-
-class _Local(threading.local):
-    text = ""
-
-
-_LOCAL = _Local()
+_TEXT: ContextVar[str] = ContextVar("crossdevice_purpose", default="")
+_TAG: ContextVar[int] = ContextVar("crossdevice_site_tag", default=0)
 
 
 @contextlib.contextmanager
-def purpose(text: str) -> Iterator[None]:
-    """Collectives started in this block on this thread are described by `text`."""
-    outer = _LOCAL.text
-    _LOCAL.text = text
+def purpose(text: str, tag: int | None = None) -> Iterator[None]:
+    """Collectives started in this block on this thread are described by `text`.
+
+    `tag`: also compared across workers with their call sites (None: the outer block's).
+    """
+    token = _TEXT.set(text)
+    tagged = None if tag is None else _TAG.set(tag)
     try:
         yield
     finally:
-        _LOCAL.text = outer
+        if tagged is not None:
+            _TAG.reset(tagged)
+        _TEXT.reset(token)
 
 
 def current() -> str:
     """The innermost `purpose` text of this thread ("" outside any)."""
-    return _LOCAL.text
+    return _TEXT.get()
+
+
+def site_tag() -> int:
+    """The innermost `purpose` tag of this thread (0 outside any)."""
+    return _TAG.get()

@@ -21,8 +21,9 @@ import numpy as np
 
 __all__ = ["MAX_ROUTES", "FlatRoute", "FlatRoutes", "numpy_dtype", "total_numel"]
 
-#: Routes kept (a model has a handful of buckets); the table is emptied when full.
-MAX_ROUTES: Final = 64
+#: Routes kept (a model has a handful of buckets, each up to 4 routes: the optimizer step
+#: count modulo 4 is part of its call site); the table is emptied when full.
+MAX_ROUTES: Final = 256
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

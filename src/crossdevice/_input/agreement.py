@@ -32,12 +32,17 @@ __all__ = ["Agreed", "PassAgreement", "StepSync", "exact_length"]
 class StepSync(Protocol):
     """The workers' agreement whether a step goes on (a multi-worker strategy's)."""
 
-    def agree(self, has_data: bool, steps: int | None) -> tuple[bool, Agreed | None]:
+    def agree(
+        self, has_data: bool, steps: int | None, size: int | None = None
+    ) -> tuple[bool, Agreed | None]:
         """One has-data collective: (whether any worker has data, `agreed`).
 
         `steps`: this worker's exact count of steps left (the first step of a pass over
         a dataset of exact length), else None; `agreed()` (None without `steps`) then
-        gives the count every worker gave, or None where they differ.
+        gives the count every worker gave, or None where they differ. `size`: this
+        worker's global batch size (the first step of a pass), compared with the other
+        workers' that have data: a difference is a `CollectiveMismatchError` where the
+        agreement completes.
         """
 
     def skip(self) -> bool:
@@ -88,12 +93,18 @@ class PassAgreement:
         self._agreed: Agreed | None = None
         self._count: int | None = None
 
-    def goes_on(self, has_data: bool) -> bool:
+    def goes_on(self, has_data: bool, size: int | None = None) -> bool:
         """Whether this step runs (on some worker there is data), given this worker's flag.
+
+        `size`: this worker's global batch size (None: no data). At a pass's first step
+        the workers compare it in the same collective: each worker slices its own global
+        batch, so batches of different sizes would train on others' slices.
 
         Raises:
             RuntimeError: the workers agreed on the dataset's length and this worker's
                 pipeline yielded another number of batches.
+            CollectiveMismatchError: the workers' first global batches differ in size
+                (here, or where the agreement left in flight completes).
         """
         taken, self._taken = self._taken, self._taken + 1
         if self._sync is None:
@@ -113,5 +124,7 @@ class PassAgreement:
             if self._sync.skip():
                 return has_data
             return self._sync.agree(has_data, None)[0]
-        any_data, self._agreed = self._sync.agree(has_data, self._steps if taken == 0 else None)
+        if taken:
+            return self._sync.agree(has_data, None)[0]
+        any_data, self._agreed = self._sync.agree(has_data, self._steps, size)
         return any_data

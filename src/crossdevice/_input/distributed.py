@@ -379,6 +379,7 @@ class DistributedDataset:
         source: list[Any] = []
         agreement: list[PassAgreement] = []
         last: list[Any] = [_END]
+        where = (layout.num_global, layout.replica_ids)
 
         def skip(batches: Any, saved: Any) -> Any:
             return skip_examples(batches, saved, layout.num_global)
@@ -392,16 +393,16 @@ class DistributedDataset:
                 agreement.append(PassAgreement(self._step_sync, steps))
             batches = source[0]
             batch = _END if batches is None else next(batches, _END)
-            if not agreement[0].goes_on(batch is not _END):
+            ended = batch is _END
+            split = None if ended else split_batch_leaves(batch, *where)
+            if not agreement[0].goes_on(not ended, None if split is None else split[2]):
                 tracker.end()
                 raise StopIteration
-            ended = batch is _END
-            if ended:
+            if split is None:
                 batch = _empty_step(last[0])
+                split = split_batch_leaves(batch, *where)
             last[0] = batch
-            structure, sliced, size = split_batch_leaves(
-                batch, layout.num_global, layout.replica_ids
-            )
+            structure, sliced, size = split
             if not ended:
                 tracker.advance(size)
             return layout.regroup_leaves(structure, sliced)

@@ -26,7 +26,7 @@ from crossdevice._core.errors import (
     WorkerFailedError,
 )
 from crossdevice._core.options import CommunicationOptions
-from crossdevice._core.purpose import purpose
+from crossdevice._core.purpose import purpose, site_tag
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
 from crossdevice._input.agreement import Agreed
@@ -139,7 +139,9 @@ class _MultiWorkerExtended(ReplicatedExtended):
 
         `crossdevice.torch`'s gradient buckets (`CollectiveAllReduce.reduce_flat_async`).
         Only with one replica per worker, where nothing local is merged: None elsewhere
-        (the caller then takes `ReplicaContext.all_reduce`'s path).
+        (the caller then takes `ReplicaContext.all_reduce`'s path). The call site holds
+        the caller's `purpose` tag (the optimizer step count modulo 4: a bucket has at
+        most 4 cached routes).
         """
         del replica_id  # the only local replica
         ops = self._cross_device_ops
@@ -149,7 +151,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
             or not isinstance(ops, CollectiveAllReduce)
         ):
             return None
-        site = (call_site(), _FLAT_STRUCTURE)
+        site = (call_site(), _FLAT_STRUCTURE, site_tag())
         return ops.reduce_flat_async(op, parts, self._options, site, leaves, wire_dtype)
 
     def _issue_all_reduce(
@@ -168,9 +170,9 @@ class _MultiWorkerExtended(ReplicatedExtended):
         merged = self._options if options is None else self._options.merge(options)
         if type(value) is np.ndarray and len(self._devices) == 1:
             # One host array and one replica (the per-step case): nothing to merge.
-            site = (call_site(), _LEAF_STRUCTURE)
+            site = (call_site(), _LEAF_STRUCTURE, site_tag())
             return ops.reduce_one_async(op, value, merged, site, overlap)
-        site = (call_site(), nest.structure_repr(value))
+        site = (call_site(), nest.structure_repr(value), site_tag())
 
         def issue_fn(strategy: Any, *per_replica: Any) -> Pending:
             del strategy
@@ -418,10 +420,12 @@ class _StepSync:
         #: the communicator's sequence number after the last agreement (made or skipped).
         self._mark = -1
 
-    def agree(self, has_data: bool, steps: int | None) -> tuple[bool, Agreed | None]:
+    def agree(
+        self, has_data: bool, steps: int | None, size: int | None = None
+    ) -> tuple[bool, Agreed | None]:
         communicator = self._communicator
         with purpose(_NEXT_BATCH):
-            pending = communicator.any_has_data_async(has_data, steps=steps)
+            pending = communicator.any_has_data_async(has_data, steps=steps, size=size)
         self._mark = communicator.sequence_number
         if not has_data:  # the answer is needed now
             answer = pending.wait()

@@ -437,19 +437,26 @@ class ProcessGroupCommunicator:
         return bool(self.any_has_data_async(has_data, timeout=timeout).wait())
 
     def any_has_data_async(
-        self, has_data: bool, *, steps: int | None = None, timeout: float | None = None
+        self,
+        has_data: bool,
+        *,
+        steps: int | None = None,
+        size: int | None = None,
+        timeout: float | None = None,
     ) -> Pending:
         """`any_has_data` issued now; `wait()` (or the next collective) completes it.
 
         With `steps` (this worker's exact count of steps left), `wait()` gives `(any worker
-        has data, the count if every worker gave the same one, else None)`, from the header.
+        has data, the count if every worker gave the same one, else None)`, from the header;
+        the `size`s (global batch sizes) given must be equal (`fp.has_data_answer`).
         """
         with self._collective("has_data", timeout) as call:
             local = self._standing.local_count()
-            arg = fp.has_data_arg(has_data, steps)
-            mine = fp.Fingerprint(call.seq, "has_data", local_replicas=local, arg=arg)
+            arg, shape = fp.has_data_arg(has_data, steps), fp.has_data_size(size)
+            mine = fp.Fingerprint(call.seq, "has_data", local_replicas=local, arg=arg, shape=shape)
             finish = self._guard(call, lambda: self._integrity.agree_later(call, mine))
-        pending = Pending(self._sequencer, call, finish, fp.has_data_answer(steps is not None))
+        answer = fp.has_data_answer(steps is not None, call.label)
+        pending = Pending(self._sequencer, call, finish, answer)
         self._sequencer.pending = pending
         return pending
 

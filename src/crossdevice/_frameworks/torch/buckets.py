@@ -23,12 +23,14 @@ gives bitwise what `ReplicaContext.all_reduce` of the gradients gives.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from crossdevice._comm.protocol import Done, Pending, Then
+from crossdevice._core.purpose import purpose
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.replica import ReplicaContext, all_reduce_async
 
@@ -48,6 +50,7 @@ def issue_flat(
     wire_dtype: torch.dtype | None,
     plan: FlatPlan | None = None,
     parts: list[torch.Tensor] | None = None,
+    steps: int = 0,
 ) -> Pending | None:
     """Issue a bucket's all-reduce as one flat buffer reduced where it lies (`Reduced`).
 
@@ -60,6 +63,8 @@ def issue_flat(
         wire_dtype: the dtype gradients travel in between workers (None: their own).
         plan: `FlatPlan(params)`, kept from step to step by the caller (None: made now).
         parts: `plan.parts(grads, params)` where the caller has them (`checked_parts`).
+        steps: the optimizer steps taken on these parameters so far, compared across
+            workers: a worker that skipped a step fails here, not drifts away.
 
     Returns:
         The pending all-reduce, or None where the strategy has no such path (nothing
@@ -71,7 +76,8 @@ def issue_flat(
     replica = ctx.replica_id_in_sync_group
     if parts is None:
         parts = plan.parts(grads, params)
-    pending = reduce_flat(replica, op, parts, plan.leaves, wire_dtype)
+    with _stepped(ctx, steps):
+        pending = reduce_flat(replica, op, parts, plan.leaves, wire_dtype)
     if pending is None:
         return None
     return Then([pending], plan.views)
@@ -83,6 +89,7 @@ def issue(
     grads: Sequence[torch.Tensor | None],
     params: Sequence[torch.nn.Parameter],
     shared: bool,
+    steps: int = 0,
 ) -> Pending:
     """Issue a bucket's all-reduce as `ReplicaContext.all_reduce` does; `wait()`: `Reduced`.
 
@@ -94,10 +101,24 @@ def issue(
     if shared:
         extended = ctx.strategy.extended
         replica = ctx.replica_id_in_sync_group
-        reduced, one_buffer = extended._replica_all_reduce_shared(replica, op, [*local, used])
+        with _stepped(ctx, steps):
+            reduced, one_buffer = extended._replica_all_reduce_shared(replica, op, [*local, used])
         return Done((reduced[:-1], reduced[-1], one_buffer))
-    pending = all_reduce_async(ctx, op, [*local, used])
+    with _stepped(ctx, steps):
+        pending = all_reduce_async(ctx, op, [*local, used])
     return Then([pending], lambda reduced: (reduced[:-1], reduced[-1], False))
+
+
+def _stepped(ctx: ReplicaContext, steps: int) -> Any:
+    """The gradients' `purpose`: the step count, in errors and (modulo 4) in the call site.
+
+    Workers compare it with the call: one that skipped or repeated `optimizer.step()`
+    differs from its peers by 1 or 2 at its next backward, and every worker fails there.
+    (Replicas of one process meet in `MirroredOptimizer.step()` itself: nothing to add.)
+    """
+    if getattr(ctx.strategy.extended, "_worker_communicator", None) is None:
+        return contextlib.nullcontext()
+    return purpose(f"gradients after {steps} optimizer.step() calls", steps & 3)
 
 
 def flat_reducible(

@@ -55,6 +55,7 @@ from crossdevice._comm.protocol import Pending
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._frameworks.torch import buckets
 from crossdevice._frameworks.torch.buckets import FlatPlan
+from crossdevice._frameworks.torch.storage import own_view
 from crossdevice._strategies.context import get_replica_context
 from crossdevice._sync import waiting as cooperative
 
@@ -171,6 +172,8 @@ class GradientSync:
         self._layouts: dict[tuple[bool, ...], _Layout] = {}
         self._states = [_ReplicaState(len(self._params[0])) for _ in self._params]
         self._no_sync = [0] * len(self._params)
+        #: Optimizer steps each replica took on these parameters (compared across workers).
+        self.steps = [0] * len(self._params)
         # Hooks per replica and parameter; torch refuses one on a frozen parameter, so a
         # parameter gets its hook when a pass first finds it trainable.
         self._handles: list[list[Any]] = [[None] * len(p) for p in self._params]
@@ -394,12 +397,11 @@ class GradientSync:
                     parts = plan.parts(grads, like)
             if parts is not None:
                 assert plan is not None
-                pending = buckets.issue_flat(
-                    ctx, self._op, grads, like, self.gradient_dtype, plan, parts
-                )
+                wire, steps = self.gradient_dtype, self.steps[replica]
+                pending = buckets.issue_flat(ctx, self._op, grads, like, wire, plan, parts, steps)
                 self._flat = pending is not None  # the strategy's layout does not change
         if pending is None:
-            pending = buckets.issue(ctx, self._op, grads, like, self.shared)
+            pending = buckets.issue(ctx, self._op, grads, like, self.shared, self.steps[replica])
         if not state.pending and pending.done():
             # Complete already (replicas of one process): `.grad` now, so the local
             # gradients go as the bucket does (shared storage's memory bound).
@@ -449,7 +451,7 @@ class GradientSync:
                 state.synced[index] = base is not None
                 continue
             if base is None:
-                grad = _own_tensor(reduced[k]) if one_buffer else reduced[k]
+                grad = own_view(reduced[k]) if one_buffer else reduced[k]
             else:
                 bases[index] = None
                 with torch.no_grad():
@@ -560,13 +562,6 @@ def canonical(params: Sequence[Any]) -> list[torch.nn.Parameter] | None:
         assert entry is not None
         found.append(sync.params(0)[entry[1]])
     return found if found else None
-
-
-def _own_tensor(shared: torch.Tensor) -> torch.Tensor:
-    """A tensor of its own over `shared`'s memory: one buffer, a version counter each."""
-    own = torch.empty(0, dtype=shared.dtype, device=shared.device)
-    own.set_(shared.untyped_storage(), shared.storage_offset(), shared.size(), shared.stride())
-    return own
 
 
 class _NoSync:

@@ -29,6 +29,7 @@ from typing import Any, Final
 import torch
 
 from crossdevice._arrays import torch_guard
+from crossdevice._frameworks.torch.agreement import check_workers_agree, describe_optimizer
 from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
 from crossdevice._frameworks.torch.replicas import local_replica_index, local_replicas
@@ -112,6 +113,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self.__dict__["_optimizers"] = optimizers
         self.__dict__["_check"] = StepCheck(strategy, optimizers, shared)
         self.defaults = optimizer.defaults
+        names = {
+            id(p): f"{k}:{n}"
+            for k, m in enumerate(modules)
+            for n, p in m.replicas[0].named_parameters()
+        }
+        described = describe_optimizer(optimizer, lambda p: names.get(id(p), "?"))
+        check_workers_agree(strategy, "optimizers", described)
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:
         where = self.__dict__["_where"]
@@ -270,6 +278,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             result = optimizer.step(closure)
         for sync, indices in groups.items():
             sync.new_step(index, indices)
+            sync.steps[index] += 1
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

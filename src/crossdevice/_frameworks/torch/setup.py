@@ -16,6 +16,7 @@ import torch
 
 from crossdevice._arrays import torch_guard
 from crossdevice._arrays.packing import plan
+from crossdevice._frameworks.torch.agreement import check_workers_agree, describe_module
 from crossdevice._strategies.base import Strategy
 
 __all__ = ["broadcast_from_chief", "check_mirrorable", "sharing", "unwrap_compiled"]
@@ -85,10 +86,13 @@ def check_mirrorable(module: Any) -> None:
 def broadcast_from_chief(strategy: Strategy, replicas: list[torch.nn.Module]) -> None:
     """Give every replica of every worker the chief's parameters and buffers.
 
-    Local replicas are deep copies already; across workers, one broadcast per dtype.
+    Local replicas are deep copies already; across workers, one broadcast per dtype, after
+    the workers checked that their models have the same parameters and buffers.
     """
     communicator = getattr(strategy.extended, "_worker_communicator", None)
     tensors = [*replicas[0].parameters(), *replicas[0].buffers()]
+    if communicator is not None:  # the same names, shapes and dtypes, or a clear error
+        check_workers_agree(strategy, "models", describe_module(replicas[0]))
     if communicator is not None and tensors:
         packs = plan(
             [t.dtype for t in tensors],

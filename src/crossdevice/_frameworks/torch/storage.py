@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ParameterCheck", "realias"]
+__all__ = ["ParameterCheck", "own_view", "realias"]
 
 
 def realias(param: torch.Tensor, source: torch.Tensor) -> None:
@@ -43,6 +43,13 @@ def realias(param: torch.Tensor, source: torch.Tensor) -> None:
         param.set_(
             source.untyped_storage(), source.storage_offset(), source.size(), source.stride()
         )
+
+
+def own_view(source: torch.Tensor) -> torch.Tensor:
+    """A tensor of its own over `source`'s memory: one buffer, a version counter each."""
+    own = torch.empty(0, dtype=source.dtype, device=source.device)
+    realias(own, source)
+    return own
 
 
 class ParameterCheck:

@@ -1,0 +1,83 @@
+"""Workers that train different things fail with an error naming the difference.
+
+Every worker builds its own model and optimizer, and steps when its own code says so: a
+model of another shape, another optimizer or learning rate, or a worker that skips
+`optimizer.step()` once would otherwise train on, its parameters apart from its peers'.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from tests.frameworks.workers import batch_sizes, different_setups, skipped_step
+from tests.multi_worker.harness import run_workers
+
+pytestmark = [pytest.mark.multiprocess]
+
+EXPECTED = {
+    "shape": "has 'parameter 0.weight: float32[9, 6]' where the chief has "
+    "'parameter 0.weight: float32[8, 6]'",
+    "buffer": "has 'buffer 2.running_mean: float32[3]' where the chief has nothing more",
+    "lr": "has 'group 0 lr: 0.2' where the chief has 'group 0 lr: 0.1'",
+    "class": "has 'optimizer torch.optim.adamw.AdamW' where the chief has "
+    "'optimizer torch.optim.adam.Adam'",
+}
+
+
+@pytest.mark.parametrize("what", sorted(EXPECTED))
+def test_workers_that_prepare_different_things_fail_naming_it(torch_module: Any, what: str) -> None:
+    del torch_module
+    outs = [r.unwrap() for r in run_workers(different_setups, 2, args=(what,))]
+    for out in outs:
+        assert out is not None
+        assert out["type"] == "ValueError", out
+        assert "the workers prepared different" in out["message"]
+        assert f"worker 1: {EXPECTED[what]}" in out["message"], out["message"]
+        assert "worker 0:" not in out["message"]
+
+
+def test_workers_that_prepare_the_same_things_pass(torch_module: Any) -> None:
+    del torch_module
+    assert [r.unwrap() for r in run_workers(different_setups, 2, args=("none",))] == [None, None]
+
+
+@pytest.mark.parametrize("skipper", [0, 1])
+def test_a_worker_that_skips_a_step_fails_at_its_next_backward(
+    torch_module: Any, skipper: int
+) -> None:
+    del torch_module
+    outs = [r.unwrap() for r in run_workers(skipped_step, 2, args=(skipper, 1))]
+    for rank, out in enumerate(outs):  # both workers fail alike
+        assert out["step"] == 2, out
+        assert out["type"] == "CollectiveMismatchError", out
+        # Each worker's own count, in rank order: the skipper took one step fewer.
+        for r in range(2):
+            count = 1 if r == skipper else 2
+            line = rf"rank {r}: all_reduce .*\n\s+gradients after {count} optimizer.step\(\) calls"
+            assert re.search(line, out["message"]), (rank, out["message"])
+
+
+def test_workers_with_several_replicas_that_skip_a_step_fail_too(torch_module: Any) -> None:
+    """Two replicas per worker take the replica-context path (no flat buckets)."""
+    del torch_module
+    outs = [r.unwrap() for r in run_workers(skipped_step, 2, args=(1, 2))]
+    for out in outs:
+        assert out["step"] == 2, out
+        assert out["type"] == "CollectiveMismatchError", out
+
+
+def test_workers_whose_global_batches_differ_in_size_fail_at_the_first_step() -> None:
+    outs = [r.unwrap() for r in run_workers(batch_sizes, 2, args=([4, 5],))]
+    for out in outs:
+        assert out["steps"] == 0, out
+        assert out["failure"]["type"] == "CollectiveMismatchError", out
+        assert "(worker 0: 4, worker 1: 5)" in out["failure"]["message"], out
+
+
+def test_a_smaller_last_batch_is_no_difference() -> None:
+    """10 examples in batches of 4: 4, 4, 2 on every worker (only the first is compared)."""
+    outs = [r.unwrap() for r in run_workers(batch_sizes, 2, args=([4, 4],))]
+    assert outs == [{"failure": None, "steps": 3}] * 2
