@@ -67,6 +67,9 @@ def test_workers_with_several_replicas_that_skip_a_step_fail_too(torch_module: A
     for out in outs:
         assert out["step"] == 2, out
         assert out["type"] == "CollectiveMismatchError", out
+        for r, count in ((0, 2), (1, 1)):
+            line = rf"rank {r}: all_reduce .*\n\s+gradients after {count} optimizer.step\(\) calls"
+            assert re.search(line, out["message"]), out["message"]
 
 
 def test_workers_whose_global_batches_differ_in_size_fail_at_the_first_step() -> None:

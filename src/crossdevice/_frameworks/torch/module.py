@@ -399,6 +399,8 @@ class MirroredModule(torch.nn.Module):
         for r in range(len(replicas)) if index is None else [index]:
             replicas[r].zero_grad(set_to_none)
             sync.new_step(r, range(len(sync.params(r))))
+        for check in self.__dict__.get("_step_checks", ()) if index is not None else ():
+            check.zeroed(index)  # counted as its optimizers' own (`step_check.py`)
 
     def requires_grad_(self, requires_grad: bool = True) -> MirroredModule:
         """Set `requires_grad` on the running replica's copy (every copy outside `run`).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -111,7 +112,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
             for i, replica_optimizer in enumerate(optimizers):
                 torch_guard.mark(replica_optimizer, strategy, i)
         self.__dict__["_optimizers"] = optimizers
-        self.__dict__["_check"] = StepCheck(strategy, optimizers, shared)
+        self.__dict__["_check"] = check = StepCheck(strategy, optimizers, shared)
+        for module in modules:  # `model.zero_grad()` counts as this optimizer's too
+            module.__dict__.setdefault("_step_checks", weakref.WeakSet()).add(check)
         self.defaults = optimizer.defaults
         names = {
             id(p): f"{k}:{n}"

@@ -12,8 +12,8 @@ more on cooperative replicas (medians of interleaved blocks of 200 runs). What i
 * a replica that skipped the step leaves the others waiting in `MirroredOptimizer.step()`:
   the rendezvous' usual error, naming the replica that returned or called something else;
 * each replica brings how many times it called `zero_grad()` since its last step (or the
-  last cross-replica section: the run's start, a `merge_fn`): counts that differ are an
-  error naming each replica's;
+  last cross-replica section: the run's start, a `merge_fn`), the optimizer's or that of
+  a prepared module it updates: counts that differ are an error naming each replica's;
 * optimizer state that the user changed in cross-replica context (`opt.state.clear()`,
   `st["exp_avg"].zero_()` between runs or in a `merge_fn`, where `opt.state` is replica
   0's) is copied from replica 0 to every other replica before the replicas run again.
