@@ -604,6 +604,46 @@ def test_a_prepared_scaler_is_the_users_object_and_refuses_misuse(torch: Any, cd
     assert [float(s) for s in strategy.experimental_local_results(scales)] == [4.0, 4.0]
 
 
+SCALER_SKIPS = {
+    "step": r"scaler.update\(\) was called on replica 1 with no scaler.step\(optimizer\)",
+    "update": r"scaler.step\(\) was called on replica 1 a second time since its last",
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shared", [False, True], ids=["copies", "shared"])
+@pytest.mark.parametrize("skipped", sorted(SCALER_SKIPS))
+def test_a_scaler_call_skipped_by_one_replica_is_an_error_naming_it(
+    torch: Any, cdt: Any, mode: str, shared: bool, skipped: str
+) -> None:
+    """torch's own words ('No inf checks were recorded prior to update') named nobody."""
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(
+                net, torch.optim.SGD(net.parameters(), lr=0.1), scaler=scaler, share_storage=shared
+            )
+
+        def step(k: int) -> None:
+            skips = k == 1 and cd.get_replica_context().replica_id_in_sync_group == 1
+            optimizer.zero_grad()
+            scaler.scale(model(torch.ones(4, 6)).sum()).backward()
+            if skipped != "step" or not skips:
+                scaler.step(optimizer)
+            if skipped != "update" or not skips:
+                scaler.update()
+
+        def two_steps() -> None:
+            strategy.run(step, args=(1,))  # found at once, or
+            strategy.run(step, args=(2,))  # at the next step
+
+        strategy.run(step, args=(0,))  # (float64 by default: the shared flag is float32)
+        with pytest.raises(RuntimeError, match=SCALER_SKIPS[skipped]):
+            two_steps()
+
+
 def test_a_wrapper_around_a_prepared_model_is_refused_for_its_own_layers(
     torch: Any, cdt: Any
 ) -> None:

@@ -100,7 +100,8 @@ class MirroredGradScaler(torch.amp.GradScaler):
         if ctx.num_replicas_in_sync > len(self.__dict__["_crossdevice_replicas"]):
             found = float(ctx.all_reduce("sum", torch.tensor(found, dtype=torch.float64)))
         device = torch.device("cpu")
-        state["found_inf_per_device"] = {device: torch.full((), float(found > 0))}
+        flag = torch.full((), float(found > 0), dtype=torch.float32)  # torch asserts float32
+        state["found_inf_per_device"] = {device: flag}
         state["stage"] = OptState.UNSCALED
 
     def _unscale_replica_zero(self, optimizer: Any) -> float:
@@ -123,7 +124,12 @@ class MirroredGradScaler(torch.amp.GradScaler):
         replica_optimizer = self._replica_optimizer(optimizer)
         state = inner._per_optimizer_states[id(replica_optimizer)]
         if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise RuntimeError(
+                f"scaler.step() was called on {self._where()} a second time since its last "
+                "scaler.update() (torch: 'step() has already been called since the last "
+                "update()'): every replica must call scaler.step(optimizer) and then "
+                "scaler.update() at every step; one that skipped update() is a step behind"
+            )
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         result = None
@@ -134,7 +140,25 @@ class MirroredGradScaler(torch.amp.GradScaler):
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """The running replica's `update` (the same on every replica: the infs agree)."""
-        self._inner().update(new_scale)
+        inner = self._inner()
+        states = inner._per_optimizer_states.values()
+        if (
+            new_scale is None
+            and inner.is_enabled()
+            and not any(st["found_inf_per_device"] for st in states)
+        ):  # what torch asserts, named
+            raise RuntimeError(
+                f"scaler.update() was called on {self._where()} with no scaler.step(optimizer) "
+                "since the last update (torch: 'No inf checks were recorded prior to "
+                "update'): every replica must call scaler.step(optimizer) and then "
+                "scaler.update() at every step. To skip a step on a condition, decide it on a "
+                "value every replica agrees on (all-reduce the flag first)"
+            )
+        inner.update(new_scale)
+
+    def _where(self) -> str:
+        index = local_replica_index(self.__dict__["_crossdevice_strategy"])
+        return "the scaler outside strategy.run" if index is None else f"replica {index}"
 
     def get_scale(self) -> float:
         """The current scale (replica 0's outside `run`)."""
