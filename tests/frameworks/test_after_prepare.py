@@ -391,3 +391,38 @@ def test_an_undeclared_buffer_error_explains_every_choice(torch: Any, cdt: Any) 
 
     with pytest.raises(RuntimeError, match=message):  # found when the run ends
         strategy.run(direct, args=(dist,))
+
+
+# --- parameters written in place inside run, per-replica copies ---------------------------
+def _max_norm_step(which: str) -> Any:
+    """The step, then each weight row scaled to norm <= 1 in place (a max-norm constraint)
+    by every replica (`which="all"`) or by replica 0 only."""
+
+    def step(torch: Any, model: Any, optimizer: Any, x: Any, y: Any, n: int) -> None:
+        _step(torch, model, optimizer, x, y, n)
+        ctx = cd.get_replica_context()
+        if which == "all" or ctx is None or ctx.replica_id_in_sync_group == 0:
+            with torch.no_grad():
+                weight = getattr(model, "module", model)[0].weight  # prepared, or plain
+                weight.div_(weight.norm(dim=1, keepdim=True).clamp(min=1.0))
+
+    return step
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_written_alike_by_every_replica_trains_like_torch(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    model, plain = _compare(
+        torch, cdt, _mlp(torch), shared=False, mode=mode, step=_max_norm_step("all")
+    )
+    _assert_like(torch, model, plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_written_by_some_replicas_only_is_an_error_naming_it(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    """Copies that differ from then on were silent: each replica trained its own model."""
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight'.*replica 0: 2, replica 1: 1"):
+        _compare(torch, cdt, _mlp(torch), shared=False, mode=mode, step=_max_norm_step("one"))

@@ -11,6 +11,8 @@
   every replica what replica 0 has (`sections`): changed parameter and buffer values
   (found by torch's version counters, so writes through `.data` go unseen),
   `requires_grad` flags and submodules' training flags. Replicas never run meanwhile.
+  Inside `run`, a replica may write its parameters in place only as every replica does
+  (with one copy each: the same number of writes; with shared storage: none).
 * `compiled_context` / `compile_replicas`: `torch.compile` applied to each replica's
   module, never to the mirrored module's own dispatch code.
 """
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -35,6 +38,8 @@ __all__ = [
     "make_replicas",
     "recompile_copy",
 ]
+
+_VERSION = operator.attrgetter("_version")
 
 
 def compiled_context(compiled_call: Callable[..., Any]) -> Any:
@@ -190,15 +195,37 @@ class ReplicaMirror:
             return
         if self._in_run:  # a run (or the code before a merge_fn) has just ended
             self._in_run = False
-            if self._shared and self._running:
-                self._check_unchanged()
+            if self._running:
+                self._check_unchanged() if self._shared else self._check_alike()
             self.storage.follow_first(in_run=True)
             self._buffers.settle()
         self._hooks.enter_cross_replica()
         self._record = self._state()
 
     def _versions(self) -> list[list[int]]:
-        return [[p._version for p in params] for params in self._params]
+        return [list(map(_VERSION, params)) for params in self._params]
+
+    def _check_alike(self) -> None:
+        """With a copy per replica, each parameter was written as often on every replica.
+
+        A write on some replicas only (`if replica == 0: p.mul_(0.9)`) would leave the
+        copies apart for good. Writes through `.data` go unseen (torch counts none).
+        Reading the counters and comparing took about 0.1 ms for 200 parameters on 4
+        replicas (2-core host, loaded), once at each end of a run's replica code.
+        """
+        now, before = self._versions(), self._running
+        writes = [list(map(operator.sub, a, b)) for a, b in zip(now, before, strict=True)]
+        if all(w == writes[0] for w in writes[1:]):
+            return
+        self._running = []
+        k = next(k for k in range(len(self._names)) if len({w[k] for w in writes}) > 1)
+        each = ", ".join(f"replica {r}: {w[k]}" for r, w in enumerate(writes))
+        raise RuntimeError(
+            f"parameter {self._names[k]!r} of a mirrored module was changed in place inside "
+            f"strategy.run by some replicas only (in-place writes: {each}), so their copies "
+            "now differ. Change parameters alike on every replica, or outside strategy.run "
+            "(every replica then follows replica 0), or once with crossdevice.torch.call_once"
+        )
 
     def _check_unchanged(self) -> None:
         now = self._versions()
@@ -226,8 +253,7 @@ class ReplicaMirror:
             self._hooks.leave_cross_replica()
         finally:
             self._in_run = True
-            if self._shared:
-                self._running = self._versions()
+            self._running = self._versions()
 
     def sync_now(self) -> None:
         """Bring every replica to replica 0's state now (cross-replica code)."""
