@@ -28,9 +28,12 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("what", sorted(EXPECTED))
-def test_workers_that_prepare_different_things_fail_naming_it(torch_module: Any, what: str) -> None:
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_workers_that_prepare_different_things_fail_naming_it(
+    torch_module: Any, what: str, replicas: int
+) -> None:
     del torch_module
-    outs = [r.unwrap() for r in run_workers(different_setups, 2, args=(what,))]
+    outs = [r.unwrap() for r in run_workers(different_setups, 2, args=(what, replicas))]
     for out in outs:
         assert out is not None
         assert out["type"] == "ValueError", out

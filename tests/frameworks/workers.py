@@ -307,14 +307,16 @@ def skipped_step(rank: int, world_size: int, skipper: int, replicas: int) -> dic
     return {"step": None}
 
 
-def different_setups(rank: int, world_size: int, what: str) -> dict[str, Any] | None:
+def different_setups(
+    rank: int, world_size: int, what: str, replicas: int = 1
+) -> dict[str, Any] | None:
     """Worker 1 builds another model or optimizer (`what`); what `prepare` raises."""
     del world_size
     import torch
 
     import crossdevice.torch as cdt
 
-    strategy = _strategy(1)
+    strategy = _strategy(replicas)
     odd = rank == 1
     torch.manual_seed(0)
     with strategy.scope():
