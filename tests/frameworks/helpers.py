@@ -147,3 +147,27 @@ def fp16_run(
         )
         scales.append(strategy.experimental_local_results(strategy.run(step, args=(*dist, i))))
     return model, scaler, scales
+
+
+def max_norm_net(torch: Any) -> Any:
+    """A seeded model whose `max_norm` embedding rescales every row it looks up."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(12, 4, max_norm=0.7), torch.nn.Flatten(), torch.nn.Linear(8, 1)
+    )
+
+
+def max_norm_data(torch: Any, steps: int = 3) -> list[Any]:
+    """Global batches of 8 (index pairs, targets) for `max_norm_net`."""
+    generator = torch.Generator().manual_seed(2)
+    return [
+        (torch.randint(0, 12, (8, 2), generator=generator), torch.randn(8, 1, generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def max_norm_step(model: Any, optimizer: Any, x: Any, y: Any) -> None:
+    """A step of `max_norm_net` whose loss is this slice's share of the global batch of 8."""
+    optimizer.zero_grad()
+    ((model(x) - y) ** 2).sum().div(8).backward()
+    optimizer.step()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import crossdevice as cd
-from tests.frameworks.helpers import mirrored
+from tests.frameworks.helpers import max_norm_data, max_norm_net, max_norm_step, mirrored
 from tests.strategies.conftest import replica_execution
 
 MODES = ["threads", "cooperative"]
@@ -426,3 +426,47 @@ def test_a_parameter_written_by_some_replicas_only_is_an_error_naming_it(
     """Copies that differ from then on were silent: each replica trained its own model."""
     with pytest.raises(RuntimeError, match=r"parameter '0.weight'.*replica 0: 2, replica 1: 1"):
         _compare(torch, cdt, _mlp(torch), shared=False, mode=mode, step=_max_norm_step("one"))
+
+
+# --- max_norm embeddings: every row of the global batch rescaled on every replica ------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shared", [False, True], ids=["copies", "shared"])
+def test_a_max_norm_embedding_trains_like_torch(
+    torch: Any, cdt: Any, mode: str, shared: bool
+) -> None:
+    """Each replica rescaled the rows of its own slice only: with copies they drifted apart
+    silently, with shared storage it was an error."""
+    net = max_norm_net(torch)
+    plain = copy.deepcopy(net)
+    assert float(net[0].weight.detach().norm(dim=1).min()) > 0.7  # every row looked up rescales
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        with strategy.scope():
+            model, optimizer = cdt.prepare(
+                net, torch.optim.SGD(net.parameters(), lr=0.1), share_storage=shared
+            )
+        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+        for x, y in max_norm_data(torch):
+            dist = strategy.experimental_distribute_values_from_function(
+                lambda ctx, x=x, y=y: (
+                    x[ctx.replica_id_in_sync_group :: 2],
+                    y[ctx.replica_id_in_sync_group :: 2],
+                )
+            )
+            strategy.run(lambda a, b: max_norm_step(model, optimizer, a, b), args=dist)
+            max_norm_step(plain, plain_optimizer, x, y)
+    _assert_like(torch, model, plain)
+
+
+@pytest.mark.multiprocess
+def test_a_max_norm_embedding_trains_like_torch_across_workers(torch: Any) -> None:
+    from tests.frameworks.workers import max_norm_embedding
+    from tests.multi_worker.harness import run_workers
+
+    plain = max_norm_net(torch)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for x, y in max_norm_data(torch):
+        max_norm_step(plain, optimizer, x, y)
+    for params in (r.unwrap() for r in run_workers(max_norm_embedding, 2)):
+        for got, want in zip(params, plain.parameters(), strict=True):
+            assert abs(got - want.detach().numpy()).max() <= 1e-12

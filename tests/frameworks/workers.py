@@ -348,3 +348,21 @@ def batch_sizes(rank: int, world_size: int, sizes: list[int]) -> dict[str, Any]:
             seen.append(float(np.sum(strategy.run(lambda v: v, args=(x,)))))
 
     return {"failure": _failure(epoch), "steps": len(seen)}
+
+
+def max_norm_embedding(rank: int, world_size: int) -> list[Any]:
+    """A `max_norm` embedding trained 3 steps on global batches of 8 (float64)."""
+    del rank, world_size
+    import torch
+
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import max_norm_data, max_norm_net, max_norm_step
+
+    torch.set_default_dtype(torch.float64)
+    strategy = _strategy(1)
+    with strategy.scope():
+        net = max_norm_net(torch)
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for batch in strategy.experimental_distribute_dataset(max_norm_data(torch)):
+        strategy.run(lambda b: max_norm_step(model, optimizer, *b), args=(batch,))
+    return [p.detach().numpy() for p in model.parameters()]

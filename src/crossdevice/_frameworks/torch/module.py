@@ -25,7 +25,7 @@ import torch
 
 from crossdevice._arrays import torch_guard, torch_patches
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
-from crossdevice._frameworks.torch import backward, once  # noqa: F401 - torch patches
+from crossdevice._frameworks.torch import backward, embedding, once  # noqa: F401 - patches
 from crossdevice._frameworks.torch.buffers import BufferSync, resolve_aggregations
 from crossdevice._frameworks.torch.gradients import (
     DEFAULT_BUCKET_CAP_BYTES,
