@@ -13,8 +13,9 @@ that, and this module is the only place that does it:
   (gradient buckets are reduced when the outermost backward pass ends), LR schedulers'
   `step`, `AveragedModel.update_parameters` and the gradient clipping functions, which
   run once per step, the `max_norm` rescaling of embeddings (the rows of every
-  replica's batch, on every replica: `embedding.py`), and torch's intra-op thread count (lowered while replicas compute in
-  parallel, put back on removal unless the user changed it since).
+  replica's batch, on every replica: `embedding.py`), and torch's intra-op thread
+  count (lowered while replicas compute in parallel, put back on removal unless the
+  user changed it since).
 
 Each replacement calls torch's function unchanged outside `strategy.run`, inside a
 strategy with one replica per process, and while `torch.compile` traces (the
