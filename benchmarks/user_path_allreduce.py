@@ -23,6 +23,14 @@ per-round ratio to raw and of its per-round difference from raw. The targets (is
 #26) are checked at the end: `gloo` at most 1.10x raw from 4 MiB up and at most 0.3 ms
 above raw at 1 MiB; `shm` at most 1.0x raw from 4 MiB up.
 
+`--against NAME=VALUE ...` adds `tuned`: the `gloo` strategy again, with those tuning
+thresholds in force during its calls only (both workers switch together: the turns are
+the same on every worker), reported as its ratio to raw and to `gloo` round by round.
+Two tunings timed in the same processes, taking turns, tell apart a few percent that
+separate launches (`--tuning`) cannot: the launch-to-launch spread is larger. Both
+strategy variants switch the thresholds around each call (`gloo` to the launch's own),
+so they pay the same for it.
+
 `raw2` is the raw call again, on a buffer of its own, timed in the same turns: its ratio
 to raw is the run's own noise floor. On the 2-core host the raw call against itself
 took 0.88-1.15x at 1 MiB (15 runs of 101-1001 rounds) and 0.98-1.18x at 4 MiB (17 runs),
@@ -50,12 +58,23 @@ from unittest import mock
 
 import numpy as np
 
-from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
+from benchmarks._launch import knob, launch_or_work, set_tunings, take_turns, tuning_option
 from benchmarks._launch import size as parse_size
 
 __all__ = ["main"]
 
 _IMPLS = ("raw", "raw2", "gloo", "shm")
+
+
+def _under(changes: dict[str, Any], call: Callable[[], Any]) -> Callable[[], Any]:
+    """`call` with the tuning thresholds `changes` in force while it runs."""
+    from crossdevice._core import tuning
+
+    def tuned() -> Any:
+        with tuning.overridden(**changes):
+            return call()
+
+    return tuned
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -66,6 +85,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     set_tunings(args.tuning)
+    against = dict(knob(item) for item in args.against)
+    impls = (*_IMPLS, "tuned") if against else _IMPLS
     with mock.patch.dict(os.environ, {"CROSSDEVICE_SHARED_MEMORY": "0"}):
         gloo = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
     shm = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
@@ -91,26 +112,33 @@ def _worker(args: argparse.Namespace) -> None:
             "gloo": lambda mine=mine: gloo.run(step, args=(mine,)),
             "shm": lambda mine=mine: shm.run(step, args=(mine,)),
         }
-        for name in ("gloo", "shm"):  # right before timing, and once more at the end
+        if against:  # both pay the switch: `gloo` to the launch's own thresholds
+            calls["tuned"] = _under(against, calls["gloo"])
+            calls["gloo"] = _under({}, calls["gloo"])
+        checked = [name for name in ("gloo", "shm", "tuned") if name in calls]
+        for name in checked:  # right before timing, and once more at the end
             if not np.array_equal(np.asarray(calls[name]()), expected):
                 raise SystemExit(f"{name}: wrong all-reduce result at {size} bytes")
         times = take_turns(
-            {name: calls[name] for name in _IMPLS},
+            {name: calls[name] for name in impls},
             args.rounds,
             args.warmup,
             lambda: dist.barrier(group=barrier_group),
             repeat=args.agg,
         )
-        for name in ("gloo", "shm"):
+        for name in checked:
             if not np.array_equal(np.asarray(calls[name]()), expected):
                 raise SystemExit(f"{name}: wrong all-reduce result at {size} bytes")
         row: dict[str, Any] = {"size": size, "transport": transport}
-        for name in _IMPLS:
+        for name in impls:
             row[f"{name}_ms"] = statistics.median(times[name]) * 1e3
-        for name in ("raw2", "gloo", "shm"):
+        for name in impls[1:]:
             pairs = list(zip(times[name], times["raw"], strict=True))
             row[f"{name}_ratio"] = statistics.median(t / r for t, r in pairs)
             row[f"{name}_above_ms"] = statistics.median(t - r for t, r in pairs) * 1e3
+        if against:
+            pairs = list(zip(times["tuned"], times["gloo"], strict=True))
+            row["tuned_vs_gloo"] = statistics.median(t / g for t, g in pairs)
         rows.append(row)
         if rank == 0:
             print(
@@ -120,11 +148,19 @@ def _worker(args: argparse.Namespace) -> None:
                 f" | raw2 {row['raw2_ratio']:5.2f}x {row['raw2_above_ms']:+7.3f} ms",
                 flush=True,
             )
+            if against:
+                print(
+                    f"{'':>12}  tuned {row['tuned_ms']:8.3f} ms {row['tuned_ratio']:5.2f}x raw "
+                    f"{row['tuned_above_ms']:+7.3f} ms, {row['tuned_vs_gloo']:5.3f}x gloo "
+                    f"({' '.join(args.against)})",
+                    flush=True,
+                )
     if rank == 0:
         _verdict(rows)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"rounds": args.rounds, "agg": args.agg, "rows": rows}, f, indent=1)
+                record = {"rounds": args.rounds, "agg": args.agg, "against": args.against}
+                json.dump({**record, "rows": rows}, f, indent=1)
     gloo.extended._close()
     shm.extended._close()
 
@@ -158,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agg", type=int, default=1, help="calls back to back per sample (1)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON (rank 0)")
     tuning_option(parser, "ring_min_bytes=1G direct_max_workers=1 to keep every size off the ring")
+    parser.add_argument(
+        "--against",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also time `tuned`: gloo with these thresholds, taking turns with gloo itself",
+    )
     return launch_or_work("benchmarks.user_path_allreduce", parser, argv, _worker, 1800.0)
 
 

@@ -87,3 +87,16 @@ def test_take_turns_puts_each_right_after_each_other_equally_often(n: int) -> No
     expected = {(a, b) for a in names for b in names if a != b}
     assert set(follows) == expected
     assert len(set(follows.values())) <= 1  # the same count for every ordered pair
+
+
+@pytest.mark.slow
+def test_user_path_times_a_tuning_against_the_launchs_own_in_the_same_processes() -> None:
+    # Two workers on this host; `tuned` runs the gloo strategy under other thresholds (the
+    # exchange in pieces), its results checked like the others', before and after timing.
+    command = ["-m", "benchmarks.user_path_allreduce", "--sizes", "64K", "1M"]
+    done = _run(*command, "--rounds", "2", "--warmup", "0", "--against", "ring_piece_bytes=256K")
+    assert done.returncode == 0, done.stderr[-3000:]
+    tuned = [line for line in done.stdout.splitlines() if " tuned " in line]
+    assert len(tuned) == 2, done.stdout
+    assert all("x gloo (ring_piece_bytes=256K)" in line for line in tuned)
+    assert "# target gloo 1 MiB <= raw + 0.3 ms" in done.stdout
