@@ -458,6 +458,61 @@ def test_a_max_norm_embedding_trains_like_torch(
     _assert_like(torch, model, plain)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_max_norm_embeddings_declared_replica_copies_stay_copies(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    """Copies a user made per replica and declared (`mark_replica_copy`) are copies of one
+    model: each rescales every replica's rows, as the one model would on one device with
+    the global batch, so they stay equal (each rescaling its own slice's rows would part
+    them for good, silently)."""
+    torch.manual_seed(3)
+    one = torch.nn.Embedding(12, 4, max_norm=0.7)
+    plain = copy.deepcopy(one)
+    x = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])  # replica 0: rows 0-3, replica 1: 4-7
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        copies = [one, copy.deepcopy(one)]
+        for r, c in enumerate(copies):
+            cdt.mark_replica_copy(c, r, strategy=strategy)
+
+        def lookup() -> None:
+            r = cd.get_replica_context().replica_id_in_sync_group
+            copies[r](x[r::2])
+
+        strategy.run(lookup)
+    plain(x)
+    assert (
+        float(plain.weight.detach()[4:8].norm(dim=1).max()) <= 0.7 + 1e-6
+    )  # the other slice's rows
+    for r in range(2):
+        assert torch.equal(copies[r].weight, plain.weight), f"replica {r}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_max_norm_embedding_every_replica_shares_rescales_the_global_batchs_rows_once(
+    torch: Any, mode: str
+) -> None:
+    """One embedding that no replica owns, shared in eval mode under no_grad (allowed: it
+    trains nothing), still rescales rows in place: every slice's rows, each once, as
+    one device would with the global batch, not two replicas writing it at once."""
+    torch.manual_seed(3)
+    one = torch.nn.Embedding(12, 4, max_norm=0.7).eval()
+    plain = copy.deepcopy(one)
+    x = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+
+    def lookup() -> Any:
+        with torch.no_grad():
+            return one(x[cd.get_replica_context().replica_id_in_sync_group :: 2])
+
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        strategy.run(lookup)
+    with torch.no_grad():
+        plain(x)
+    assert torch.equal(one.weight, plain.weight)
+
+
 @pytest.mark.multiprocess
 def test_a_max_norm_embedding_trains_like_torch_across_workers(torch: Any) -> None:
     from tests.frameworks.workers import max_norm_embedding

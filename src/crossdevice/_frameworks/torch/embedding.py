@@ -12,8 +12,12 @@ So inside `strategy.run`, with several replicas in sync, the rescaling is one
 `merge_call`: every replica's rows are gathered (across workers too), and the rows of all
 of them are rescaled on every replica's weight (once where the replicas share it). Each
 row is rescaled by itself, from its own values, so this is bitwise what one device does
-with the global batch. Outside `run`, with one replica, and while `torch.compile` traces,
-torch's function runs as it is.
+with the global batch. The same holds for copies a user made and declared
+(`mark_replica_copy`: copies of one model) and for one embedding that every replica
+shares (allowed in eval mode under `no_grad`, where `max_norm` still writes): rescaled
+once. Per-replica modules that are neither are refused before they run
+(`_arrays/torch_guard.py`). Outside `run`, with one replica, and while `torch.compile`
+traces, torch's function runs as it is.
 """
 
 from __future__ import annotations
