@@ -100,3 +100,42 @@ def test_user_path_times_a_tuning_against_the_launchs_own_in_the_same_processes(
     assert len(tuned) == 2, done.stdout
     assert all("x gloo (ring_piece_bytes=256K)" in line for line in tuned)
     assert "# target gloo 1 MiB <= raw + 0.3 ms" in done.stdout
+
+
+def _tuning_check(log: Path, against: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "TUNING_CHECK_SIZES": "64K",
+        "TUNING_CHECK_ROUNDS": "2",
+        "TUNING_CHECK_AGAINST": against,
+        "TUNING_CHECK_EPOCH": "0",
+    }
+    script = str(ROOT / "scripts" / "tuning_check.sh")
+    return subprocess.run(
+        ["bash", script, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_the_tuning_check_times_each_candidate_against_the_defaults(tmp_path: Path) -> None:
+    done = _tuning_check(tmp_path / "t.log", "ring_piece_bytes=256K direct_max_bytes=32K")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith(f"crossdevice tuning check: log {tmp_path / 't.log'}\n")
+    for candidate in ("ring_piece_bytes=256K", "direct_max_bytes=32K"):
+        assert f"x gloo ({candidate})" in done.stdout, done.stdout
+    assert done.stdout.endswith("crossdevice tuning check: done\n")
+    assert "x gloo (direct_max_bytes=32K)" in (tmp_path / "t.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_tuning_check_fails_when_a_run_fails(tmp_path: Path) -> None:
+    done = _tuning_check(tmp_path / "t.log", "no_such_threshold=1")
+    assert done.returncode == 1, done.stdout
+    assert "FAILED: user path with no_such_threshold=1" in done.stdout
+    assert "no such tuning threshold" in (tmp_path / "t.log").read_text()
