@@ -19,6 +19,11 @@ changes from round to round, each right after each other equally often
   of every other ratio).
 * `local`: the same steps with no communication at all (each worker trains alone on its
   slice): the compute floor.
+* `split` (with `--bucket-cap BYTES`): `gloo` again, a second model prepared with
+  `bucket_cap_bytes=BYTES`, so its gradients go in several buckets, the first issued
+  while backward still computes the rest (this CNN's fit one bucket by default); its
+  parameters are checked against DDP's as `gloo`'s are. Against it, `ddp_split`: DDP
+  with `bucket_cap_mb` of the same bytes (every bucket, the first too, that small).
 * `comm`: only the epoch's gradient all-reduces, through the `gloo` strategy (one
   bucket per step, shaped as the gradients, issued and waited on as `crossdevice.torch`
   does it: one flat buffer reduced where it lies): the communication alone.
@@ -49,6 +54,7 @@ from typing import Any
 from unittest import mock
 
 from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
+from benchmarks._launch import size as parse_size
 from benchmarks.train_step import (
     EXAMPLES,
     IMAGE_SIZE,
@@ -60,10 +66,12 @@ from benchmarks.train_step import (
 
 __all__ = ["main"]
 
-_VARIANTS = ("gloo", "shm", "ddp", "ddp2", "local", "comm")
+_VARIANTS = ("gloo", "shm", "ddp", "ddp2", "local", "comm", "split", "ddp_split")
 
 
-def _strategy_epoch(strategy: Any) -> tuple[Callable[[list[Any], int], None], Any]:
+def _strategy_epoch(
+    strategy: Any, bucket_cap: int | None = None
+) -> tuple[Callable[[list[Any], int], None], Any]:
     """(one epoch over global batches of a size on `strategy`, the mirrored model)."""
     import torch
 
@@ -72,7 +80,9 @@ def _strategy_epoch(strategy: Any) -> tuple[Callable[[list[Any], int], None], An
     with strategy.scope():
         model = _model(torch)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
-        model, optimizer = cdt.prepare(model, optimizer, threads_per_replica=0)
+        model, optimizer = cdt.prepare(
+            model, optimizer, threads_per_replica=0, bucket_cap_bytes=bucket_cap
+        )
 
     def epoch(batches: list[Any], size: int) -> None:
         step = tutorial_step(model, optimizer, size)
@@ -85,7 +95,7 @@ def _strategy_epoch(strategy: Any) -> tuple[Callable[[list[Any], int], None], An
 class _Turns:
     """Every variant's state in this worker, and one epoch of each (see the module doc)."""
 
-    def __init__(self, variants: list[str]) -> None:
+    def __init__(self, variants: list[str], bucket_cap: int | None = None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -100,6 +110,17 @@ class _Turns:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.gloo_epoch, self.gloo_model = _strategy_epoch(self.gloo)
         self.shm_epoch = None if self.shm is None else _strategy_epoch(self.shm)[0]
+        self.split_epoch, self.split_model = None, None
+        if "split" in variants:
+            if bucket_cap is None:
+                raise SystemExit("the split variant needs --bucket-cap BYTES")
+            self.split_epoch, self.split_model = _strategy_epoch(self.gloo, bucket_cap)
+            self.ddp_split = torch.nn.parallel.DistributedDataParallel(
+                _model(torch), bucket_cap_mb=bucket_cap / 2**20
+            )
+            self.ddp_split_optimizer = torch.optim.Adam(
+                self.ddp_split.parameters(), lr=1e-3, eps=1e-7
+            )
         self.ddp = torch.nn.parallel.DistributedDataParallel(_model(torch))
         self.ddp_optimizer = torch.optim.Adam(self.ddp.parameters(), lr=1e-3, eps=1e-7)
         self.ddp2: Any = None
@@ -130,6 +151,10 @@ class _Turns:
         shm_epoch = self.shm_epoch
         if shm_epoch is not None:
             epochs["shm"] = lambda: shm_epoch(batches, size)
+        split_epoch = self.split_epoch
+        if split_epoch is not None:
+            epochs["split"] = lambda: split_epoch(batches, size)
+            epochs["ddp_split"] = lambda: _alone(self.ddp_split, self.ddp_split_optimizer, slices)
         return len(batches), epochs
 
     def _communicate(self, steps: int) -> None:
@@ -149,9 +174,9 @@ class _Turns:
         for _ in range(steps):
             self.gloo.run(reduce_grads)
 
-    def difference(self) -> float:
-        """The largest difference between the `gloo` and `ddp` models' parameters."""
-        pairs = zip(self.gloo_model.parameters(), self.ddp.module.parameters(), strict=True)
+    def difference(self, model: Any) -> float:
+        """The largest difference between `model`'s and the `ddp` model's parameters."""
+        pairs = zip(model.parameters(), self.ddp.module.parameters(), strict=True)
         return max(float((a.detach() - b.detach()).abs().max()) for a, b in pairs)
 
     def close(self) -> None:
@@ -177,7 +202,9 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     set_tunings(args.tuning)
-    turns = _Turns(args.variants)
+    if args.bucket_cap is not None:
+        args.variants += [v for v in ("split", "ddp_split") if v not in args.variants]
+    turns = _Turns(args.variants, args.bucket_cap)
     barrier_group = dist.new_group(backend="gloo")  # nobody else's threads kept awake
     if turns.rank == 0:
         print(
@@ -204,12 +231,13 @@ def _worker(args: argparse.Namespace) -> None:
             _report(per_worker, steps, times)
             line = ", ".join(f"{name} {statistics.median(n):.0f}" for name, n in faults.items())
             print(f"  page faults per epoch (rank 0, median): {line}", flush=True)
-    if turns.rank == 0 and {"gloo", "ddp"} <= set(args.variants):
-        print(
-            f"# parameters, gloo vs ddp (the same batches throughout): max |difference| "
-            f"{turns.difference():.3g}",
-            flush=True,
-        )
+    for name, model in (("gloo", turns.gloo_model), ("split", turns.split_model)):
+        if turns.rank == 0 and {name, "ddp"} <= set(args.variants):
+            print(
+                f"# parameters, {name} vs ddp (the same batches throughout): max |difference| "
+                f"{turns.difference(model):.3g}",
+                flush=True,
+            )
     turns.close()
 
 
@@ -243,7 +271,7 @@ def _report(per_worker: int, steps: int, times: dict[str, list[float]]) -> None:
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     line = ", ".join(f"{name} {ms:.1f} ms" for name, ms in med.items())
     print(f"batch {per_worker}/worker ({steps} steps/epoch): {line}", flush=True)
-    for name in ("gloo", "shm", "ddp2"):
+    for name in ("gloo", "shm", "split", "ddp2"):
         if name in times and "ddp" in times:
             ratios = [a / b for a, b in zip(times[name], times["ddp"], strict=True)]
             floor = " (the same code twice: the noise floor)" if name == "ddp2" else ""
@@ -252,6 +280,14 @@ def _report(per_worker: int, steps: int, times: dict[str, list[float]]) -> None:
                 f"{max(ratios):.3f}){floor}",
                 flush=True,
             )
+    for a, b, what in (
+        ("split", "gloo", "several buckets against one"),
+        ("ddp_split", "ddp", "DDP: several buckets against one"),
+        ("split", "ddp_split", "several buckets each"),
+    ):
+        if {a, b} <= set(times):
+            ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+            print(f"  {a}/{b} {statistics.median(ratios):.3f} ({what})", flush=True)
     if {"gloo", "local", "comm"} <= set(times):
         hidden = (med["local"] + med["comm"] - med["gloo"]) / med["comm"]
         print(
@@ -275,9 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=list(_VARIANTS),
+        default=[v for v in _VARIANTS if "split" not in v],
         choices=_VARIANTS,
-        help="what takes turns (default: all)",
+        help="what takes turns (default: all but split and ddp_split)",
+    )
+    parser.add_argument(
+        "--bucket-cap",
+        type=parse_size,
+        default=None,
+        metavar="BYTES",
+        help="the bucket cap of split and ddp_split (e.g. 64K), which it adds to the variants",
     )
     tuning_option(parser, "direct_max_workers=1 to send the gradients as before the exchange")
     return launch_or_work("benchmarks.multi_worker_epoch", parser, argv, _worker, 3600.0)

@@ -139,3 +139,20 @@ def test_the_tuning_check_fails_when_a_run_fails(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout
     assert "FAILED: user path with no_such_threshold=1" in done.stdout
     assert "no such tuning threshold" in (tmp_path / "t.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_epoch_with_several_buckets_trains_ddps_model() -> None:
+    # Two workers on this host, a few steps of 256 examples each: the model whose gradients
+    # go in several buckets (`split`) ends where DDP's does, as the one-bucket model does.
+    command = ["-m", "benchmarks.multi_worker_epoch", "--per-worker", "256", "--rounds", "1"]
+    done = _run(*command, "--warmup", "0", "--variants", "gloo", "ddp", "--bucket-cap", "64K")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "split/ddp " in done.stdout, done.stdout
+    assert "split/gloo " in done.stdout, done.stdout
+    assert "split/ddp_split " in done.stdout, done.stdout
+    for name in ("gloo", "split"):
+        assert (
+            f"# parameters, {name} vs ddp (the same batches throughout): max |difference| 0\n"
+            in (done.stdout)
+        ), done.stdout
