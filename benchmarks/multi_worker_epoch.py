@@ -111,9 +111,9 @@ class _Turns:
         self.gloo_epoch, self.gloo_model = _strategy_epoch(self.gloo)
         self.shm_epoch = None if self.shm is None else _strategy_epoch(self.shm)[0]
         self.split_epoch, self.split_model = None, None
-        if "split" in variants:
+        if {"split", "ddp_split"} & set(variants):
             if bucket_cap is None:
-                raise SystemExit("the split variant needs --bucket-cap BYTES")
+                raise SystemExit("the split and ddp_split variants need --bucket-cap BYTES")
             self.split_epoch, self.split_model = _strategy_epoch(self.gloo, bucket_cap)
             self.ddp_split = torch.nn.parallel.DistributedDataParallel(
                 _model(torch), bucket_cap_mb=bucket_cap / 2**20
