@@ -156,3 +156,13 @@ def test_the_epoch_with_several_buckets_trains_ddps_model() -> None:
             f"# parameters, {name} vs ddp (the same batches throughout): max |difference| 0\n"
             in (done.stdout)
         ), done.stdout
+
+
+@pytest.mark.slow
+def test_the_mlp_with_large_gradients_trains_ddps_model_at_every_bucket_cap() -> None:
+    command = ["-m", "benchmarks.multi_worker_mlp", "--width", "256", "--layers", "2"]
+    done = _run(*command, "--steps", "2", "--rounds", "1", "--bucket-cap", "64K", "1G")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("bucket cap ")]
+    assert [line.split(" B:")[0] for line in lines] == ["bucket cap 65536", "bucket cap 1073741824"]
+    assert all(line.endswith("parameters max |difference| 0") for line in lines), done.stdout
