@@ -17,8 +17,10 @@ on the same global batches, after a barrier on a group of their own
 
 `--bucket-cap` sets both the strategy's `bucket_cap_bytes` and DDP's `bucket_cap_mb`
 (default 25 MiB: both libraries' default). Reported: each variant's median time per step
-and the median per-round ratio `gloo/ddp`, then the largest difference between the two
-models' parameters (both start alike and see the same batches: 0 expected).
+and the median per-round ratio `gloo/ddp`, the largest difference between the two
+models' parameters (both start alike and see the same batches: 0 expected), and the CPU
+time rank 0's process spent per step in each (all its threads: on a host whose cores the
+workers share, the wall time follows it).
 
     python -m benchmarks.multi_worker_mlp --width 2048 --layers 4 --bucket-cap 25M 1G
 """
@@ -32,7 +34,7 @@ import sys
 from typing import Any
 from unittest import mock
 
-from benchmarks._launch import launch_or_work, take_turns
+from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
 from benchmarks._launch import size as parse_size
 from benchmarks.train_step import tutorial_step
 
@@ -55,6 +57,7 @@ def _worker(args: argparse.Namespace) -> None:
     import crossdevice.torch as cdt
 
     torch.set_num_threads(1)
+    set_tunings(args.tuning)
     with mock.patch.dict(os.environ, {"CROSSDEVICE_SHARED_MEMORY": "0"}):
         strategy = crossdevice.MultiWorkerMirroredStrategy(devices=["CPU:0"])
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -104,8 +107,13 @@ def _worker(args: argparse.Namespace) -> None:
                 loss.backward()
                 ddp_optimizer.step()
 
+        cpu: dict[str, list[float]] = {"gloo": [], "ddp": []}
+        faults: dict[str, list[int]] = {"gloo": [], "ddp": []}
         times = take_turns(
-            {"gloo": strategy_steps, "ddp": ddp_steps},
+            {
+                "gloo": _cpu_counted(strategy_steps, cpu["gloo"], faults["gloo"]),
+                "ddp": _cpu_counted(ddp_steps, cpu["ddp"], faults["ddp"]),
+            },
             args.rounds,
             args.warmup,
             lambda: dist.barrier(group=barrier_group),
@@ -122,7 +130,32 @@ def _worker(args: argparse.Namespace) -> None:
                 f"{max(ratios):.3f}); parameters max |difference| {differs:.3g}",
                 flush=True,
             )
+            per_step = {name: statistics.median(c) * 1e3 / args.steps for name, c in cpu.items()}
+            flt = {name: statistics.median(f) / args.steps for name, f in faults.items()}
+            print(
+                f"  rank 0's process per step (all threads): CPU gloo {per_step['gloo']:.1f} "
+                f"ms, ddp {per_step['ddp']:.1f} ms; page faults gloo {flt['gloo']:.0f}, "
+                f"ddp {flt['ddp']:.0f}",
+                flush=True,
+            )
     strategy.extended._close()
+
+
+def _cpu_counted(call: Any, seconds: list[float], faults: list[int]) -> Any:
+    """`call`, appending the CPU time this process (all its threads) spent in it.
+
+    And the page faults it took (fresh memory, zero-filled a 4 KiB page at a time).
+    """
+    import resource
+
+    def counted() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        call()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        seconds.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        faults.append(after.ru_minflt - before.ru_minflt)
+
+    return counted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="BYTES",
         help="bucket caps, each timed in turn (default 25M: both libraries' default)",
     )
+    tuning_option(parser, "queue_min_bytes=0 to issue every bucket on the queue's thread")
     return launch_or_work("benchmarks.multi_worker_mlp", parser, argv, _worker, 3600.0)
 
 

@@ -2,7 +2,7 @@
 # Issue #26's open measurements, for a host whose cores the two workers do not share (the
 # device machine has 16): the 2-core CI host is CPU-bound, so there the exchange's pieces
 # cannot overlap their sums with the transfers, and what a threshold is worth elsewhere
-# cannot be seen. In one command, within about 6 minutes:
+# cannot be seen. In one command, within about 8 minutes:
 #   1. the user's all-reduce through Gloo (`CROSSDEVICE_SHARED_MEMORY=0` inside the
 #      benchmark's `gloo` variant) against raw `torch.distributed.all_reduce`, with each
 #      candidate threshold timed against the defaults in the same processes, taking turns
@@ -10,7 +10,9 @@
 #      itself: the comparison's own resolution;
 #   2. the training epoch against DDP (`benchmarks/multi_worker_epoch.py`), also cut into
 #      3 gradient buckets against DDP cut alike (`--bucket-cap 128K`): with one all-reduce
-#      in flight at a time, the 2-core host's strategy paid 13-44% for them, DDP 2-8%.
+#      in flight at a time, the 2-core host's strategy paid 13-44% for them, DDP 2-8%;
+#   3. an MLP with 64 MiB of gradients against DDP (`benchmarks/multi_worker_mlp.py`), its
+#      buckets issued by the backward hook and then on the communicator's queue thread.
 #
 #   bash scripts/tuning_check.sh [LOG]
 #
@@ -18,7 +20,7 @@
 # TUNING_CHECK_SIZES (default "4M 16M"), TUNING_CHECK_ROUNDS (101),
 # TUNING_CHECK_AGAINST (the candidates, space-separated NAME=VALUE; default the default
 # piece size, 2 MiB and 1 MiB pieces, and the ring from 4 MiB), TUNING_CHECK_EPOCH (1: run
-# step 2; 0: skip it). Runs the tree as checked out (PYTHONPATH=src), installs nothing.
+# step 2; 0: skip it), TUNING_CHECK_MLP (1: run step 3; 0: skip it). Runs the tree as checked out (PYTHONPATH=src), installs nothing.
 # Exit status: 0 every run completed (whatever it measured), 1 a run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +58,18 @@ if [[ "${TUNING_CHECK_EPOCH:-1}" != 0 ]]; then
             --rounds 9 --variants $variants 2>&1 | tee -a "$LOG" \
             | grep -E "^batch|/|overlap|target|parameters"; then
             say "FAILED: the epoch with --variants $variants (see the log)"
+            status=1
+        fi
+    done
+fi
+if [[ "${TUNING_CHECK_MLP:-1}" != 0 ]]; then
+    # 64 MiB of gradients in 4 buckets: issued by the backward hook (the default), then
+    # on the communicator's queue thread (`queue_min_bytes=0`), each against DDP.
+    for queue in "" "queue_min_bytes=0"; do
+        say "--- MLP with 64 MiB of gradients against DDP${queue:+, --tuning $queue}"
+        if ! timeout 300 "$PY" -m benchmarks.multi_worker_mlp --bucket-cap 25M 1G \
+            ${queue:+--tuning "$queue"} 2>&1 | tee -a "$LOG" | grep -E "bucket cap|rank 0"; then
+            say "FAILED: the MLP${queue:+ with $queue} (see the log)"
             status=1
         fi
     done

@@ -110,6 +110,7 @@ def _tuning_check(log: Path, against: str) -> subprocess.CompletedProcess[str]:
         "TUNING_CHECK_ROUNDS": "2",
         "TUNING_CHECK_AGAINST": against,
         "TUNING_CHECK_EPOCH": "0",
+        "TUNING_CHECK_MLP": "0",
     }
     script = str(ROOT / "scripts" / "tuning_check.sh")
     return subprocess.run(

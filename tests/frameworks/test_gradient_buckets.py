@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.comm.peers import TUNING_ENV
+from tests.comm.peers import TUNING_ENV, assert_failing_peer_named
 from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
 from tests.frameworks.workers import (
     bucket_reuse,
@@ -19,6 +19,7 @@ from tests.frameworks.workers import (
     bucket_views,
     compressed_gradients,
     compressed_gradients_of_mixed_rules,
+    queued_failure,
     resized_bucket,
 )
 from tests.multi_worker.harness import run_workers
@@ -61,6 +62,38 @@ def test_buckets_reduced_where_they_lie_train_like_plain_torch_and_as_before(
     assert worst <= 1e-12
     start = [p.detach().numpy() for p in mlp(torch).double().parameters()]
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(reference, start, strict=True)) > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
+def test_buckets_issued_on_the_queue_thread_train_bitwise_as_from_the_hook(
+    torch: Any, shared_memory: str
+) -> None:
+    """`queue_min_bytes=0`: every bucket packed, sent and completed on the communicator's
+    queue thread while backward goes on (`_comm/workers/callqueue.py`); the same three
+    buckets, micro-batches under no_sync and gradients cleared both ways."""
+    env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
+    args = ("sum", True, STEPS)
+    queued = [
+        r.unwrap() for r in run_workers(bucket_training, 2, args=(*args, True), timeout=90, env=env)
+    ]
+    hooked = [r.unwrap() for r in run_workers(bucket_training, 2, args=args, timeout=90, env=env)]
+    for a, b, c in zip(queued[0], queued[1], hooked[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    reference = _plain(torch)
+    assert (
+        max(float(np.max(np.abs(a - b))) for a, b in zip(queued[0], reference, strict=True))
+        <= 1e-12
+    )
+
+
+@pytest.mark.multiprocess
+def test_a_backward_that_raises_with_buckets_queued_names_the_worker_on_its_peer() -> None:
+    """Rank 1's backward raises after its later buckets were queued: rank 1 gets its own
+    error, rank 0 (whose queue waits for rank 1's remaining buckets) a WorkerFailedError
+    naming rank 1 within seconds, not a timeout or a hang."""
+    assert_failing_peer_named([r.unwrap() for r in run_workers(queued_failure, 2, timeout=60)])
 
 
 @pytest.mark.multiprocess

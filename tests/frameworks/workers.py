@@ -34,23 +34,32 @@ def fp16_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     }
 
 
-def bucket_training(rank: int, world_size: int, op: str, flat: bool, steps: int) -> list[Any]:
+def bucket_training(
+    rank: int, world_size: int, op: str, flat: bool, steps: int, queued: bool = False
+) -> list[Any]:
     """One replica per worker trains `mlp` in float64, three gradient buckets
     ([b2, W2], [b1], [W1]).
 
     Each step accumulates two micro-batches (the first inside `no_sync`) and clears the
     gradients in place on odd steps (`zero_grad(set_to_none=False)`), so reduced parts
     are taken out and added back. `flat=False` takes `ReplicaContext.all_reduce`'s path
-    (what every bucket took before buckets were reduced where they lie). Returns the
-    final parameters.
+    (what every bucket took before buckets were reduced where they lie). `queued`: every
+    bucket issued on the communicator's queue thread (`queue_min_bytes=0`), checked to
+    have been. Returns the final parameters.
     """
     del rank, world_size
     import torch
 
     import crossdevice
     import crossdevice.torch as cdt
+    from tests.comm.peers import apply_tuning
     from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
 
+    apply_tuning()
+    if queued:
+        from crossdevice._core import tuning
+
+        tuning.set_tuning(queue_min_bytes=0)
     torch.set_default_dtype(torch.float64)
     strategy = crossdevice.MultiWorkerMirroredStrategy()
     with strategy.scope():
@@ -78,6 +87,8 @@ def bucket_training(rank: int, world_size: int, op: str, flat: bool, steps: int)
         strategy.experimental_distribute_dataset(global_batches(torch, steps))
     ):
         strategy.run(step, args=(x, y, i))
+    used = strategy.extended._worker_communicator._sequencer.queue is not None
+    assert used == queued, f"the queue thread was {'' if used else 'not '}used"
     return [p.detach().numpy() for p in model.module.parameters()]
 
 
@@ -366,3 +377,43 @@ def max_norm_embedding(rank: int, world_size: int) -> list[Any]:
     for batch in strategy.experimental_distribute_dataset(max_norm_data(torch)):
         strategy.run(lambda b: max_norm_step(model, optimizer, *b), args=(batch,))
     return [p.detach().numpy() for p in model.parameters()]
+
+
+def queued_failure(rank: int, world_size: int) -> dict[str, Any]:
+    """Every bucket queued (`queue_min_bytes=0`, 4 buckets); at the third step rank 1's
+    backward raises in the first layer, after the later layers' buckets were queued.
+    Each worker's outcome of that step and how long it took (`timed_outcome`)."""
+    del world_size
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from crossdevice._core import tuning
+    from tests.comm.peers import timed_outcome
+    from tests.frameworks.helpers import mlp
+
+    tuning.set_tuning(queue_min_bytes=0)
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(
+            net, torch.optim.SGD(net.parameters(), lr=0.1), bucket_cap_bytes=64
+        )
+    x = torch.full((4, 6), float(rank + 1))
+
+    def step(fails: bool) -> None:
+        optimizer.zero_grad()
+        layers = model.module
+        hidden = layers[0](x)
+        if fails:
+
+            def fail(grad: Any) -> Any:
+                raise ValueError("bad batch")
+
+            hidden.register_hook(fail)
+        layers[2](layers[1](hidden)).sum().backward()
+        optimizer.step()
+
+    for _ in range(2):  # the buckets' layouts are learnt first
+        strategy.run(step, args=(False,))
+    return timed_outcome(lambda: strategy.run(step, args=(rank == 1,)))

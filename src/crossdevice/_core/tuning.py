@@ -177,6 +177,17 @@ class Tuning:
         "python -m benchmarks.user_path_allreduce --sizes 256K 512K 1M "
         "--tuning header_fold_max_bytes=1",
     )
+    queue_min_bytes: int = _knob(
+        1 << 62,
+        "Gradient buckets (`crossdevice.torch`, one replica per worker) this large are "
+        "issued on the communicator's queue thread (`_comm/workers/callqueue.py`), so "
+        "packing and sending them, and completing the bucket before, leave backward "
+        "running; smaller ones are issued by the backward hook itself. Off: on the 2-core "
+        "host (both workers CPU-bound), an MLP with 64 MiB of gradients in 4 buckets took "
+        "1.09-1.10x DDP's step queued against 1.11-1.18x from the hook (2 launches each), "
+        "within that host's noise; to be measured where workers do not share cores.",
+        "python -m benchmarks.multi_worker_mlp --tuning queue_min_bytes=0",
+    )
     header_apart_min_bytes: int = _knob(
         8 * MiB,
         "A first buffer this large carries no inline header behind it: the header travels "

@@ -377,7 +377,9 @@ class CollectiveAllReduce(CrossDeviceOps):
         depend on how values are laid out in buffers), so results are bitwise equal.
         `leaves` describes those values ((shape, dtype) each), compared across workers
         with `site` as `reduce_values_async` compares its values. Issued now, left in
-        flight (`ReduceOptions.overlap`): `wait()` gives the reduced buffer.
+        flight (`ReduceOptions.overlap`): `wait()` gives the reduced buffer. From
+        `TUNING.queue_min_bytes` it is packed and issued on the communicator's queue
+        thread instead (`ProcessGroupCommunicator.submit`), after the buckets before it.
 
         `wire_dtype` (a torch dtype narrower than `flat`'s, e.g. `torch.bfloat16`, or a
         half-precision `flat`'s own): each
@@ -387,26 +389,43 @@ class CollectiveAllReduce(CrossDeviceOps):
         and none per addition (DDP's bf16 hook adds in bf16). That path gathers
         synchronously: it completes before this returns.
         """
-        import torch
-
         comm = self._communicator
         assert comm is not None  # the strategy offers this path only across workers
         if type(parts) is not list and type(parts) is not tuple:
             parts = list(parts)
         first = parts[0]
         route = self._flat_routes.route(reduce_op, options, site, leaves, wire_dtype, first)
-        room_dtype = route.room_dtype
-        if room_dtype is not None:
-            room = comm.pack_buffer(room_dtype, total_numel(parts))
-            flat = torch.cat(parts, out=torch.from_numpy(room))
-        else:
-            flat = torch.cat(parts)
+        numel = total_numel(parts)
+        if (
+            route.reduce is not None
+            and numel * first.element_size() >= tuning.TUNING.queue_min_bytes
+        ):
+            # Packed, sent and waited for on the queue's thread (`callqueue.py`).
+            queued = comm.submit(functools.partial(self._issue_flat, route, parts, numel))
+            return Then([queued], route.deliver)
         if route.reduce is None:
+            flat = self._pack_flat(route, parts, numel)
             summed = self._compressed_sum(flat, wire_dtype, route.merged, route.signature)
-            pending: Pending = Done([summed])
-        else:
-            pending = comm.all_reduce_async([flat], route.reduce, donate=True)
-        return Then([pending], route.deliver)
+            return Then([Done([summed])], route.deliver)
+        return Then([self._issue_flat(route, parts, numel)], route.deliver)
+
+    def _pack_flat(self, route: FlatRoute, parts: list[Any] | tuple[Any, ...], numel: int) -> Any:
+        """`parts` end to end in one flat buffer (a recycled host room where NumPy can)."""
+        import torch
+
+        if route.room_dtype is None:
+            return torch.cat(parts)
+        assert self._communicator is not None
+        room = self._communicator.pack_buffer(route.room_dtype, numel)
+        return torch.cat(parts, out=torch.from_numpy(room))
+
+    def _issue_flat(
+        self, route: FlatRoute, parts: list[Any] | tuple[Any, ...], numel: int
+    ) -> Pending:
+        """Pack `parts` and issue their all-reduce, left in flight where it lies."""
+        assert self._communicator is not None
+        flat = self._pack_flat(route, parts, numel)
+        return self._communicator.all_reduce_async([flat], route.reduce, donate=True)
 
     def _flat_route(
         self,

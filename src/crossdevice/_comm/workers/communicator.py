@@ -41,13 +41,7 @@ except ImportError:  # pragma: no cover - exercised only without torch
         "`pip install torch==2.13.0` (CPU build) then `pip install crossdevice[torch]`"
     ) from None
 
-from crossdevice._comm.protocol import (
-    BroadcastOptions,
-    Done,
-    GatherOptions,
-    ReduceOptions,
-    Then,
-)
+from crossdevice._comm.protocol import BroadcastOptions, Done, GatherOptions, ReduceOptions, Then
 from crossdevice._comm.workers import fingerprint as fp
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
 from crossdevice._comm.workers.copies import broadcast, gather, value_print
@@ -327,6 +321,13 @@ class ProcessGroupCommunicator:
         self._sequencer.pending = pending
         return pending
 
+    def submit(self, call: Callable[[], Any]) -> Any:
+        """Queue `call` (it issues a collective here) after the calls queued before it.
+
+        Other threads' collectives wait for them (`callqueue.py`); gives a pending one.
+        """
+        return self._sequencer.submit(call, self.timeout + tuning.TUNING.backstop_slack_seconds)
+
     def pack_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
         """A recycled flat host buffer to fill and then `all_reduce(..., donate=True)`.
 
@@ -519,7 +520,7 @@ class ProcessGroupCommunicator:
         if self._shm is not None:
             self._shm.poison()  # peers waiting in (or reaching) a shared round raise
         groups = self._groups
-        if groups is not None and groups.alive and sequencer.lock.acquire(blocking=False):
+        if groups is not None and groups.alive and sequencer.hold("abort", blocking=False):
             try:
                 sequencer.seq += 1
                 self._integrity.abandon(sequencer.seq, type(error).__name__)
@@ -534,9 +535,8 @@ class ProcessGroupCommunicator:
 
         Idempotent. Every worker should close; collectives afterwards raise RuntimeError.
         """
-        if self._sequencer.closed:
+        if not self._sequencer.close():
             return
-        self._sequencer.closed = True
         self._health.stop()
         if self._shm is not None:
             self._shm.close()

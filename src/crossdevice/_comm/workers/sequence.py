@@ -3,8 +3,9 @@
 Every worker must run the same collectives in the same order; the sequencer numbers them
 (the number is in every fingerprint), holds the communicator for one at a time (a second
 thread gets an error, not an interleaving), lets at most one all-reduce be in flight
-(`Pending`: any collective issued before its `wait` completes it first), and turns what
-ends a collective badly into the error its caller gets (`guard`):
+(`Pending`: any collective issued before its `wait` completes it first), runs the calls
+queued on it (`submit`: `callqueue.py`) before any other thread's collective, and turns
+what ends a collective badly into the error its caller gets (`guard`):
 
 * a failed wait (timeout, failed peers, a broken link): an error naming the ranks at
   fault, and the communicator is broken;
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from crossdevice._comm.workers.callqueue import CallQueue, Queued
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
 from crossdevice._comm.workers.flight import sequencer_group
 from crossdevice._comm.workers.groups import Groups
@@ -74,6 +76,8 @@ class Sequencer:
         self.closed = False
         self.lock = threading.Lock()
         self.pending: Pending | None = None
+        #: The calls queued on this communicator (`submit`), made on first use.
+        self.queue: CallQueue | None = None
         self._standing = standing
         self._health = health
         self._groups = groups
@@ -114,13 +118,46 @@ class Sequencer:
             raise
         return _Held(self.lock, call)
 
-    def hold(self, name: str) -> None:
-        """Take the communicator's lock, or say why another thread holds it."""
+    def submit(self, call: Callable[[], Any], bound: float) -> Queued:
+        """Queue `call` (it issues a collective) to run after the calls queued before it.
+
+        Any collective from another thread first waits for the queue (`hold`), so the
+        collectives keep the caller's order. `bound`: the seconds `call` may take.
+        """
+        if self.closed:
+            raise RuntimeError(f"this {self._name} is closed: nothing can be queued on it")
+        if self.queue is None:
+            self.queue = CallQueue()
+        return self.queue.submit(call, bound)
+
+    def close(self) -> bool:
+        """Refuse collectives from now on and end the queue's thread; False if closed."""
+        if self.closed:
+            return False
+        self.closed = True
+        if self.queue is not None:
+            self.queue.stop()
+        return True
+
+    def hold(self, name: str, blocking: bool = True) -> bool:
+        """Take the communicator's lock, or say why another thread holds it.
+
+        The calls queued by this thread run first (`submit`). With `blocking=False`, a
+        lock another thread holds is not waited for: False (`abort`, best effort).
+        """
+        queue = self.queue
+        if queue is not None and not queue.idle and not queue.on_thread():
+            if not blocking:
+                return False
+            queue.drain()
+        if not blocking:
+            return bool(self.lock.acquire(blocking=False))
         if not self.lock.acquire(blocking=False):
             raise RuntimeError(
                 f"{name}: another thread is running a collective on this communicator; "
                 "collectives must be issued one at a time, in the same order on every worker"
             )
+        return True
 
     def settle(self, pending: Pending | None = None) -> None:
         """Complete the all-reduce in flight (the lock is held), if it is `pending` or any."""
