@@ -184,7 +184,7 @@ class Tuning:
         "packing and sending them, and completing the bucket before, leave backward "
         "running; smaller ones are issued by the backward hook itself. Off: on the 2-core "
         "host (both workers CPU-bound), an MLP with 64 MiB of gradients in 4 buckets took "
-        "1.09-1.10x DDP's step queued against 1.11-1.18x from the hook (2 launches each), "
+        "1.09-1.11x DDP's step queued against 1.11-1.18x from the hook (4 launches each), "
         "within that host's noise; to be measured where workers do not share cores.",
         "python -m benchmarks.multi_worker_mlp --tuning queue_min_bytes=0",
     )
