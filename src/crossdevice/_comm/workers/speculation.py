@@ -57,6 +57,7 @@ __all__ = [
     "INLINE_SLOTS",
     "MAX_ENTRIES",
     "MAX_INLINE_WORKERS",
+    "ROOMS_PER_SIZE",
     "Filler",
     "Op",
     "Predictor",
@@ -281,6 +282,16 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
         return None
 
 
+#: Recycled buffers kept per size (within `TUNING.buffer_pool_max_bytes`): a step's
+#: buckets of one size are all alive at its end (their outputs are the gradients), each
+#: beside its pack while in flight. With 2, an MLP's 4 buckets of 64 MiB took fresh
+#: memory for most outputs every step, which the kernel zero-filled as Gloo received
+#: into it: Gloo's I/O thread spent 172-182 ms of system CPU a step against 80-82 with 8
+#: (2 runs each; `python -m benchmarks.multi_worker_mlp --width 4096`). 16 leaves room
+#: for models with more buckets of one size.
+ROOMS_PER_SIZE: Final = 16
+
+
 class RoomPool:
     """Recycled flat host buffers with room for the inline header behind their data.
 
@@ -289,7 +300,7 @@ class RoomPool:
     """
 
     def __init__(self) -> None:
-        self._pool = BufferPool()
+        self._pool = BufferPool(per_key=ROOMS_PER_SIZE)
         self._rooms: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 
     def take(self, dtype: np.dtype, numel: int) -> np.ndarray:
