@@ -66,6 +66,15 @@ def mlp(torch: Any) -> Any:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
+def identical_mlp(torch: Any) -> Any:
+    """A seeded MLP whose three hidden layers are alike (6 -> 8 -> 8 -> 8 -> 8 -> 3)."""
+    torch.manual_seed(0)
+    layers: list[Any] = [torch.nn.Linear(6, 8), torch.nn.Tanh()]
+    for _ in range(3):
+        layers += [torch.nn.Linear(8, 8), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(8, 3))
+
+
 def global_loss(torch: Any, model: Any, x: Any, y: Any) -> Any:
     """Cross entropy summed over `x` divided by the global batch: the replica's share of
     the global mean under the SUM rule, and the global mean itself on one device."""

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from tests.comm.peers import TUNING_ENV, assert_failing_peer_named
-from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
+from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, identical_mlp, mlp
 from tests.frameworks.workers import (
     bucket_reuse,
     bucket_training,
     bucket_views,
     compressed_gradients,
     compressed_gradients_of_mixed_rules,
+    identical_layers,
     queued_failure,
     resized_bucket,
 )
@@ -86,6 +87,40 @@ def test_buckets_issued_on_the_queue_thread_train_bitwise_as_from_the_hook(
         max(float(np.max(np.abs(a - b))) for a, b in zip(queued[0], reference, strict=True))
         <= 1e-12
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
+def test_buckets_alike_in_a_row_are_predicted_every_step(torch: Any, shared_memory: str) -> None:
+    """Three hidden layers alike, one bucket each: the same collective three times in a
+    row. A bucket's call site holds the step count modulo 4, so a step's collectives are
+    first predicted in the fifth step; from there on every bucket's layout is predicted
+    right (a wrong guess sends a bucket of zeros first), and the model is plain torch's."""
+    steps = 9
+    env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
+    outs = [
+        r.unwrap() for r in run_workers(identical_layers, 2, args=(steps,), env=env, timeout=90)
+    ]
+    assert outs[0]["buckets"] == [[3, 2, 2, 2, 1]]  # [b5 W5 b4] [W4 b3] [W3 b2] [W2 b1] [W1]
+    for out in outs:
+        assert out["misses"][-1] == out["misses"][4], out["misses"]
+        assert out["guesses"][-1] - out["guesses"][4] == 5 * (steps - 5), out["guesses"]
+    for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = identical_mlp(torch)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.5)
+        for x, y in global_batches(torch, steps):
+            sgd.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(x), y, reduction="sum") / GLOBAL_BATCH
+            loss.backward()
+            sgd.step()
+    finally:
+        torch.set_default_dtype(dtype)
+    for a, b in zip(outs[0]["params"], net.parameters(), strict=True):
+        assert float(np.max(np.abs(a - b.detach().numpy()))) <= 1e-12
 
 
 @pytest.mark.multiprocess

@@ -92,6 +92,46 @@ def bucket_training(
     return [p.detach().numpy() for p in model.module.parameters()]
 
 
+def identical_layers(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+    """One replica per worker trains, in float64, a net whose three hidden layers are
+    alike (8 -> 8), one gradient bucket each: buckets of one layout and signature, in a
+    row. Returns the final parameters, and the predictor's misses and guesses so far
+    after each step."""
+    del rank, world_size
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, identical_mlp
+
+    torch.set_default_dtype(torch.float64)
+    strategy = crossdevice.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        net = identical_mlp(torch)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.5)
+        model, optimizer = cdt.prepare(net, sgd, bucket_cap_bytes=8 * 72)
+    predictor = strategy.extended._worker_communicator._integrity.predictor
+    misses, guesses = [], []
+
+    def step(x: Any, y: Any) -> None:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum") / GLOBAL_BATCH
+        loss.backward()
+        optimizer.step()
+
+    for x, y in strategy.experimental_distribute_dataset(global_batches(torch, steps)):
+        strategy.run(step, args=(x, y))
+        misses.append(predictor.misses)
+        guesses.append(predictor.guesses)
+    sizes = [layout.sizes for layout in model.__dict__["_gradients"]._layouts.values()]
+    return {
+        "params": [p.detach().numpy() for p in model.module.parameters()],
+        "misses": misses,
+        "guesses": guesses,
+        "buckets": sizes,
+    }
+
+
 def compressed_gradients_of_mixed_rules(rank: int, world_size: int) -> None:
     """Worker 0 SUMs, worker 1 averages (`gradient_reduction`), with bf16 gradients."""
     del world_size

@@ -65,6 +65,66 @@ def test_predictor_learns_what_follows_each_agreed_collective() -> None:
     assert p.predict() is None
 
 
+def _replay(p: Predictor, cycle: list[tuple[int, Any]], cycles: int) -> list[bool]:
+    """Learn `cycle` (header seeds and layouts) `cycles` times; per call, whether the
+    layout predicted just before it was its own (calls with no layout predicted: None)."""
+    right = []
+    for _ in range(cycles):
+        for seed, layout in cycle:
+            right.append(p.predict() == layout)
+            p.learn([_header(seed)] * 2, layout)
+    return right
+
+
+def test_a_run_of_identical_collectives_is_predicted_at_every_position() -> None:
+    # A step whose buckets share one layout and signature (identical layers): K K K.
+    small, large = ((torch.float32, 6),), ((torch.float32, 9),)
+    cycle = [(1, None), (2, small), (2, small), (2, small), (3, large)]
+    p = Predictor()
+    right = _replay(p, cycle, 4)
+    assert all(right[2 * len(cycle) :])  # from the third step on, every guess is right
+    guesses, misses = p.guesses, p.misses
+    assert _replay(p, cycle, 3) == [True] * 3 * len(cycle)
+    assert p.misses == misses  # `counted` is the caller's: the replay counts nothing
+    assert p.guesses == guesses
+
+
+def test_what_follows_a_collective_is_told_apart_by_the_one_before() -> None:
+    # a b a c a b a c ...: after a comes b or c, depending on what came before a.
+    lb, lc = ((torch.float32, 4),), ((torch.float64, 5),)
+    cycle = [(1, None), (2, lb), (1, None), (3, lc)]
+    assert all(_replay(Predictor(), cycle, 5)[2 * len(cycle) :])
+
+
+def test_a_run_longer_than_max_run_is_predicted_from_its_last_position() -> None:
+    from crossdevice._comm.workers.speculation import MAX_RUN
+
+    layout, other = ((torch.float32, 6),), ((torch.float32, 7),)
+    cycle = [(1, None)] + [(2, layout)] * (MAX_RUN + 5) + [(3, other)]
+    right = _replay(Predictor(), cycle, 3)[2 * len(cycle) :]
+    # Past MAX_RUN every position has one context, whose layout is what followed it
+    # last: the first K past it is predicted `other` (the run's end a step before), and
+    # the run's end is predicted K. Every other position is right.
+    assert right.count(False) == 2
+
+
+def test_a_run_longer_than_any_before_is_predicted_from_what_followed_its_collective() -> None:
+    # Contexts never seen fall back to what followed the last collective (first order),
+    # so a loop of one all-reduce is predicted from its third call on, however long.
+    layout = ((torch.float32, 6),)
+    p = Predictor()
+    p.learn([_header(1)] * 2, None)
+    right = _replay(p, [(2, layout)], 10)
+    assert right == [False, False] + [True] * 8
+
+
+def test_guesses_and_misses_are_counted() -> None:
+    p = Predictor()
+    p.counted(((torch.float32, 6),), ((torch.float32, 6),))
+    p.counted(((torch.float32, 6),), None)
+    assert (p.guesses, p.misses) == (2, 1)
+
+
 def test_zeros_have_room_and_are_zero_again() -> None:
     p = Predictor()
     layout = ((torch.float32, 5), (torch.int64, 3))
