@@ -12,7 +12,8 @@
 #      3 gradient buckets against DDP cut alike (`--bucket-cap 128K`): with one all-reduce
 #      in flight at a time, the 2-core host's strategy paid 13-44% for them, DDP 2-8%;
 #   3. an MLP with 64 MiB of gradients against DDP (`benchmarks/multi_worker_mlp.py`), its
-#      buckets issued by the backward hook and then on the communicator's queue thread.
+#      buckets issued on the communicator's queue thread (the default), then by the
+#      backward hook; and the epoch (one bucket) both ways.
 #
 #   bash scripts/tuning_check.sh [LOG]
 #
@@ -50,8 +51,10 @@ for candidate in $AGAINST; do
 done
 if [[ "${TUNING_CHECK_EPOCH:-1}" != 0 ]]; then
     # One bucket first, as earlier sessions measured it; then 3 buckets in a launch of
-    # their own (a second model on the strategy, and DDP cut alike).
-    for variants in "gloo ddp ddp2 local comm" "gloo ddp --bucket-cap 128K"; do
+    # their own (a second model on the strategy, and DDP cut alike); then the one bucket
+    # issued by the backward hook instead of the queue thread.
+    for variants in "gloo ddp ddp2 local comm" "gloo ddp --bucket-cap 128K" \
+        "gloo ddp --tuning queue_min_bytes=4611686018427387904"; do
         say "--- training epoch against DDP: --variants $variants"
         # shellcheck disable=SC2086  # variants is a list of arguments
         if ! timeout 300 "$PY" -m benchmarks.multi_worker_epoch --per-worker 8 32 128 \
@@ -63,9 +66,9 @@ if [[ "${TUNING_CHECK_EPOCH:-1}" != 0 ]]; then
     done
 fi
 if [[ "${TUNING_CHECK_MLP:-1}" != 0 ]]; then
-    # 64 MiB of gradients in 4 buckets: issued by the backward hook (the default), then
-    # on the communicator's queue thread (`queue_min_bytes=0`), each against DDP.
-    for queue in "" "queue_min_bytes=0"; do
+    # 64 MiB of gradients in 4 buckets: issued on the communicator's queue thread (the
+    # default), then by the backward hook (`queue_min_bytes` 2^62), each against DDP.
+    for queue in "" "queue_min_bytes=4611686018427387904"; do
         say "--- MLP with 64 MiB of gradients against DDP${queue:+, --tuning $queue}"
         if ! timeout 300 "$PY" -m benchmarks.multi_worker_mlp --bucket-cap 25M 1G \
             ${queue:+--tuning "$queue"} 2>&1 | tee -a "$LOG" | grep -E "bucket cap|rank 0"; then

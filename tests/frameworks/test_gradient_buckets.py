@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.comm.peers import TUNING_ENV, assert_failing_peer_named
+from tests.comm.peers import GLOO, TUNING_ENV, assert_failing_peer_named
 from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, identical_mlp, mlp
 from tests.frameworks.workers import (
     bucket_reuse,
@@ -70,9 +70,11 @@ def test_buckets_reduced_where_they_lie_train_like_plain_torch_and_as_before(
 def test_buckets_issued_on_the_queue_thread_train_bitwise_as_from_the_hook(
     torch: Any, shared_memory: str
 ) -> None:
-    """`queue_min_bytes=0`: every bucket packed, sent and completed on the communicator's
-    queue thread while backward goes on (`_comm/workers/callqueue.py`); the same three
-    buckets, micro-batches under no_sync and gradients cleared both ways."""
+    """`queue_min_bytes=0` (the default): every bucket that travels through Gloo packed,
+    sent and completed on the communicator's queue thread while backward goes on
+    (`_comm/workers/callqueue.py`); the same three buckets, micro-batches under no_sync
+    and gradients cleared both ways. Through shared memory the hook issues them all the
+    same (the worker checks which thread did)."""
     env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
     args = ("sum", True, STEPS)
     queued = [
@@ -128,7 +130,8 @@ def test_a_backward_that_raises_with_buckets_queued_names_the_worker_on_its_peer
     """Rank 1's backward raises after its later buckets were queued: rank 1 gets its own
     error, rank 0 (whose queue waits for rank 1's remaining buckets) a WorkerFailedError
     naming rank 1 within seconds, not a timeout or a hang."""
-    assert_failing_peer_named([r.unwrap() for r in run_workers(queued_failure, 2, timeout=60)])
+    outs = run_workers(queued_failure, 2, timeout=60, env=GLOO)
+    assert_failing_peer_named([r.unwrap() for r in outs])
 
 
 @pytest.mark.multiprocess

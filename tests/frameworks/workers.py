@@ -44,22 +44,21 @@ def bucket_training(
     gradients in place on odd steps (`zero_grad(set_to_none=False)`), so reduced parts
     are taken out and added back. `flat=False` takes `ReplicaContext.all_reduce`'s path
     (what every bucket took before buckets were reduced where they lie). `queued`: every
-    bucket issued on the communicator's queue thread (`queue_min_bytes=0`), checked to
-    have been. Returns the final parameters.
+    bucket issued on the communicator's queue thread (`queue_min_bytes=0`), else every
+    one from the hook; checked to have been (through shared memory: the hook either
+    way). Returns the final parameters.
     """
     del rank, world_size
     import torch
 
     import crossdevice
     import crossdevice.torch as cdt
+    from crossdevice._core import tuning
     from tests.comm.peers import apply_tuning
     from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, mlp
 
     apply_tuning()
-    if queued:
-        from crossdevice._core import tuning
-
-        tuning.set_tuning(queue_min_bytes=0)
+    tuning.set_tuning(queue_min_bytes=0 if queued else 1 << 62)
     torch.set_default_dtype(torch.float64)
     strategy = crossdevice.MultiWorkerMirroredStrategy()
     with strategy.scope():
@@ -87,8 +86,11 @@ def bucket_training(
         strategy.experimental_distribute_dataset(global_batches(torch, steps))
     ):
         strategy.run(step, args=(x, y, i))
-    used = strategy.extended._worker_communicator._sequencer.queue is not None
-    assert used == queued, f"the queue thread was {'' if used else 'not '}used"
+    communicator = strategy.extended._worker_communicator
+    used = communicator._sequencer.queue is not None
+    # Buckets that travel through shared memory are issued by the hook all the same.
+    expected = queued and communicator.shared_memory is None
+    assert used == expected, f"the queue thread was {'' if used else 'not '}used"
     return [p.detach().numpy() for p in model.module.parameters()]
 
 
@@ -456,4 +458,5 @@ def queued_failure(rank: int, world_size: int) -> dict[str, Any]:
 
     for _ in range(2):  # the buckets' layouts are learnt first
         strategy.run(step, args=(False,))
+    assert strategy.extended._worker_communicator._sequencer.queue is not None, "not queued"
     return timed_outcome(lambda: strategy.run(step, args=(rank == 1,)))

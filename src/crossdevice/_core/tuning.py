@@ -178,15 +178,21 @@ class Tuning:
         "--tuning header_fold_max_bytes=1",
     )
     queue_min_bytes: int = _knob(
-        1 << 62,
-        "Gradient buckets (`crossdevice.torch`, one replica per worker) this large are "
-        "issued on the communicator's queue thread (`_comm/workers/callqueue.py`), so "
-        "packing and sending them, and completing the bucket before, leave backward "
-        "running; smaller ones are issued by the backward hook itself. Off: on the 2-core "
-        "host (both workers CPU-bound), an MLP with 64 MiB of gradients in 4 buckets took "
-        "1.09-1.11x DDP's step queued against 1.11-1.18x from the hook (4 launches each), "
-        "within that host's noise; to be measured where workers do not share cores.",
-        "python -m benchmarks.multi_worker_mlp --tuning queue_min_bytes=0",
+        0,
+        "Gradient buckets (`crossdevice.torch`, one replica per worker) this large that "
+        "travel through Gloo are issued on the communicator's queue thread "
+        "(`_comm/workers/callqueue.py`), so packing and sending them, and completing the "
+        "bucket before, leave backward running; smaller ones, and any that travel through "
+        "shared memory, are issued by the backward hook itself. Every size: on the 2-core "
+        "host the tutorial CNN's epoch (one 476 KiB bucket) took 0.89-0.92x DDP's time "
+        "at 8 examples per worker queued against 1.04-1.11x from the hook (5 launches "
+        "each), 0.96-1.06x against 1.01-1.07x at 32 and 128; an MLP with 256 MiB of "
+        "gradients in 4 buckets 0.98-1.11x against 1.05-1.17x (4), 64 MiB 1.02-1.04x "
+        "against 1.03-1.05x (3), one 8 MiB bucket alike (3). Through shared memory the "
+        "hook was faster: the CNN at 8 per worker 0.66-0.67x DDP against 0.70-0.73x queued "
+        "(2 launches each).",
+        "python -m benchmarks.multi_worker_epoch --variants gloo ddp "
+        "--tuning queue_min_bytes=4611686018427387904",
     )
     header_apart_min_bytes: int = _knob(
         8 * MiB,

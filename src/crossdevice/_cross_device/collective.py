@@ -378,8 +378,10 @@ class CollectiveAllReduce(CrossDeviceOps):
         `leaves` describes those values ((shape, dtype) each), compared across workers
         with `site` as `reduce_values_async` compares its values. Issued now, left in
         flight (`ReduceOptions.overlap`): `wait()` gives the reduced buffer. From
-        `TUNING.queue_min_bytes` it is packed and issued on the communicator's queue
-        thread instead (`ProcessGroupCommunicator.submit`), after the buckets before it.
+        `TUNING.queue_min_bytes` (every size by default) a bucket that travels through
+        Gloo is packed and issued on the communicator's queue thread instead
+        (`ProcessGroupCommunicator.submit`), after the buckets before it; one that
+        travels through shared memory is issued here (see the tuning's reason).
 
         `wire_dtype` (a torch dtype narrower than `flat`'s, e.g. `torch.bfloat16`, or a
         half-precision `flat`'s own): each
@@ -396,9 +398,11 @@ class CollectiveAllReduce(CrossDeviceOps):
         first = parts[0]
         route = self._flat_routes.route(reduce_op, options, site, leaves, wire_dtype, first)
         numel = total_numel(parts)
+        shared = comm.shared_memory
         if (
             route.reduce is not None
             and numel * first.element_size() >= tuning.TUNING.queue_min_bytes
+            and (shared is None or not shared.carries(first.dtype, numel))
         ):
             # Packed, sent and waited for on the queue's thread (`callqueue.py`).
             queued = comm.submit(functools.partial(self._issue_flat, route, parts, numel))

@@ -242,6 +242,10 @@ class SharedSlots:
 
     # -- data path -----------------------------------------------------------------------
 
+    def carries(self, dtype: torch.dtype, numel: int) -> bool:
+        """Whether an all-reduce of one buffer of `numel` `dtype` goes through these slots."""
+        return uses_shared_memory(((dtype, numel),), self.min_bytes)
+
     def next_round(self) -> tuple[int, int]:
         """The next round's number (from 1, mod 2**32) and parity; every worker counts alike."""
         self._round += 1
