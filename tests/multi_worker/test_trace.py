@@ -13,7 +13,7 @@ import pytest
 from crossdevice._trace.merge import merge
 from crossdevice._trace.recorder import WORKER_LANE
 from tests.multi_worker.harness import run_workers
-from tests.multi_worker.trace_workers import stall_or_mismatch, traced_steps
+from tests.multi_worker.trace_workers import stall_or_mismatch, traced_guesses, traced_steps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -47,6 +47,24 @@ def test_a_2x2_trace_has_every_replica_and_merges(tmp_path: Path) -> None:
         if e["ph"] == "X" and e["tid"] == WORKER_LANE and e["args"]["seq"] == done["aligned_at"]
     }
     assert ends[0] == pytest.approx(ends[1], abs=1.0)
+
+
+@pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
+def test_a_trace_says_which_collectives_layout_was_guessed_wrong(
+    tmp_path: Path, shared_memory: str
+) -> None:
+    """A repeated all-reduce is predicted ("right"); the first of another size is
+    guessed as the one before ("wrong": zeros of the guess went first); the next is
+    not predicted (a context never seen), the third is again."""
+    env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
+    path = str(tmp_path / "guess.json")
+    results = run_workers(traced_guesses, 2, args=(path,), timeout=90, env=env)
+    for result in results:
+        spans = sorted(result.unwrap())
+        assert [n for _, n, _ in spans] == [32] * 6 + [64] * 3, spans
+        guesses = [guess for _, _, guess in spans]
+        assert guesses[2:6] == ["right"] * 4, spans  # 8 floats again and again
+        assert guesses[6:] == ["wrong", "", "right"], spans
 
 
 def test_a_slow_worker_is_named_within_2k_steps(tmp_path: Path) -> None:

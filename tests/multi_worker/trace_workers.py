@@ -66,6 +66,31 @@ def traced_steps(
     return {"lines": handler.lines, "written": session.written}
 
 
+def traced_guesses(rank: int, world_size: int, path: str) -> list[tuple[int, int, str]]:
+    """One replica per worker, traced: 6 steps all-reducing 8 floats, then 3 of 16.
+
+    Returns (seq, bytes, guess) of every worker collective the trace recorded.
+    """
+    del rank, world_size
+    import crossdevice as cd
+    from crossdevice._trace.recorder import WORKER_LANE
+
+    strategy = _strategy(1)
+
+    def step(n: int) -> Any:
+        return cd.get_replica_context().all_reduce("sum", np.ones(n, np.float32))
+
+    with cd.experimental.trace(path) as session:
+        for n in [8] * 6 + [16] * 3:
+            strategy.run(step, args=(n,))
+    data = json.loads(Path(session.written[0]).read_text())
+    return [
+        (e["args"]["seq"], e["args"]["bytes"], e["args"].get("guess", ""))
+        for e in data["traceEvents"]
+        if e["ph"] == "X" and e["tid"] == WORKER_LANE
+    ]
+
+
 def _report(message: str) -> dict[str, Any]:
     match = re.search(r"Flight recorder report: (\S+)\.txt", message)
     if match is None:

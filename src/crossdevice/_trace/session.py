@@ -164,6 +164,8 @@ class _WorkerLane:
             details["bytes"] = nbytes
         if call.purpose:
             details["purpose"] = call.purpose
+        if call.guess:  # its layout predicted: "right", or "wrong" (zeros went first)
+            details["guess"] = call.guess
         recorder.add(
             WORKER_LANE, "collective", call.started, call.ended, (call.name, call.seq, details)
         )

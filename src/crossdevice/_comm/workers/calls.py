@@ -29,6 +29,9 @@ class Call:
     ended: float = 0.0
     #: Its fingerprint (an encoded header or a `Fingerprint`), for the flight recorder.
     fingerprint: Any = None
+    #: Whether its layout was predicted ("right"), guessed wrong ("wrong": a zero
+    #: all-reduce of the guessed layout went first), or not predicted (""): a trace says.
+    guess: str = ""
 
     @property
     def label(self) -> str:

@@ -100,7 +100,7 @@ class Integrity:
         call.fingerprint = header  # for the flight recorder
         predicted = self._predict()
         if predicted:
-            self.predictor.counted(predicted, layout)
+            call.guess = self.predictor.counted(predicted, layout)
             sent = job(predicted) if predicted == layout else Job(predicted, None)
             sent.header = header
             flight = self.transport_for(predicted).start(call, sent)
@@ -173,7 +173,7 @@ class Integrity:
         call.fingerprint = mine  # for the flight recorder
         predicted = self._predict()
         if predicted:
-            self.predictor.counted(predicted, None)
+            call.guess = self.predictor.counted(predicted, None)
             sent = Job(predicted, None, header=header)
             _, agrees = self.transport_for(predicted).start(call, sent).finish()
             if agrees:
@@ -299,7 +299,6 @@ class Integrity:
         header = fp.abort_print(seq, error_type, self._standing.local_count()).encode()
         predicted = self._predict()
         if predicted:
-            self.predictor.counted(predicted, None)
             sent = Job(predicted, None, header=header)
             FAILED.extend(self.transport_for(predicted).abandon(sent))
         mine = torch.from_numpy(header)

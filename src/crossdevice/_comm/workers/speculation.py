@@ -155,11 +155,16 @@ class Predictor:
         else:
             self._before, self._last, self._run = last, key, 1
 
-    def counted(self, predicted: Layout, made: Layout | None) -> None:
-        """Count a prediction, and whether `made` (the call's layout) missed it."""
+    def counted(self, predicted: Layout, made: Layout | None) -> str:
+        """Count a prediction, and whether `made` (the call's layout) missed it.
+
+        Returns "right" or "wrong" (`Call.guess`).
+        """
         self.guesses += 1
         if predicted != made:
             self.misses += 1
+            return "wrong"
+        return "right"
 
     @staticmethod
     def history(rows: list[np.ndarray]) -> bytes:
