@@ -28,14 +28,16 @@ from tests.multi_worker.harness import run_workers
 STEPS = 6
 
 
-def _plain(torch: Any) -> list[np.ndarray]:
-    """Plain torch on the same global batches: the reference."""
+def _plain(
+    torch: Any, make: Any = mlp, steps: int = STEPS, momentum: float = 0.9
+) -> list[np.ndarray]:
+    """Plain torch on the same global batches, in float64: the reference."""
     dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        net = mlp(torch)
-        sgd = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
-        for x, y in global_batches(torch, STEPS):
+        net = make(torch)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.5, momentum=momentum)
+        for x, y in global_batches(torch, steps):
             sgd.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(x), y, reduction="sum") / GLOBAL_BATCH
             loss.backward()
@@ -109,20 +111,9 @@ def test_buckets_alike_in_a_row_are_predicted_every_step(torch: Any, shared_memo
         assert out["guesses"][-1] - out["guesses"][4] == 5 * (steps - 5), out["guesses"]
     for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True):
         np.testing.assert_array_equal(a, b)
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        net = identical_mlp(torch)
-        sgd = torch.optim.SGD(net.parameters(), lr=0.5)
-        for x, y in global_batches(torch, steps):
-            sgd.zero_grad()
-            loss = torch.nn.functional.cross_entropy(net(x), y, reduction="sum") / GLOBAL_BATCH
-            loss.backward()
-            sgd.step()
-    finally:
-        torch.set_default_dtype(dtype)
-    for a, b in zip(outs[0]["params"], net.parameters(), strict=True):
-        assert float(np.max(np.abs(a - b.detach().numpy()))) <= 1e-12
+    reference = _plain(torch, identical_mlp, steps, momentum=0.0)
+    for a, b in zip(outs[0]["params"], reference, strict=True):
+        assert float(np.max(np.abs(a - b))) <= 1e-12
 
 
 @pytest.mark.multiprocess

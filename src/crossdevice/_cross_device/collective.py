@@ -402,7 +402,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         if (
             route.reduce is not None
             and numel * first.element_size() >= tuning.TUNING.queue_min_bytes
-            and (shared is None or not shared.carries(first.dtype, numel))
+            and (shared is None or not shared.carries(((first.dtype, numel),)))
         ):
             # Packed, sent and waited for on the queue's thread (`callqueue.py`).
             queued = comm.submit(functools.partial(self._issue_flat, route, parts, numel))

@@ -242,9 +242,9 @@ class SharedSlots:
 
     # -- data path -----------------------------------------------------------------------
 
-    def carries(self, dtype: torch.dtype, numel: int) -> bool:
-        """Whether an all-reduce of one buffer of `numel` `dtype` goes through these slots."""
-        return uses_shared_memory(((dtype, numel),), self.min_bytes)
+    def carries(self, layout: Sequence[tuple[torch.dtype, int]]) -> bool:
+        """Whether an all-reduce of `layout` goes through these slots (`uses_shared_memory`)."""
+        return uses_shared_memory(layout, self.min_bytes)
 
     def next_round(self) -> tuple[int, int]:
         """The next round's number (from 1, mod 2**32) and parity; every worker counts alike."""

@@ -26,7 +26,7 @@ import torch
 
 from crossdevice._comm.workers.calls import Call, PeersFailedError
 from crossdevice._comm.workers.health import HealthBoard, PeerFailure
-from crossdevice._comm.workers.shared_memory import SharedSlots, plan_rounds, uses_shared_memory
+from crossdevice._comm.workers.shared_memory import SharedSlots, plan_rounds
 from crossdevice._comm.workers.speculation import RoomPool
 from crossdevice._comm.workers.transport import Job, Layout, Reduced
 
@@ -80,7 +80,7 @@ class SharedMemoryTransport:
 
     def enabled(self, layout: Layout) -> bool:
         """Host layouts of the summed dtypes of at least the agreed minimum size."""
-        return uses_shared_memory(layout, self.slots.min_bytes)
+        return self.slots.carries(layout)
 
     def start(self, call: Call, job: Job) -> _SharedFlight:
         """Write round 0 (data and header) and arrive; `finish` waits, checks and sums."""
