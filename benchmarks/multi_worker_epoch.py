@@ -36,7 +36,10 @@ data, and the step's own Python). Reported per batch size: every variant's media
 time, the median per-round ratio of `gloo` and `shm` to `ddp`, the overlap, and each
 variant's page faults per epoch on rank 0 (fresh pages of memory, zero-filled one 4 KiB
 fault at a time: what `crossdevice._arrays.heap` saves; run with `CROSSDEVICE_KEEP_HEAP=0`
-for glibc's defaults, every variant alike since they share the processes). At the end,
+for glibc's defaults, every variant alike since they share the processes), and the CPU
+rank 0's process spent per epoch in each, by thread (`_usage.py`: the caller's thread,
+crossdevice's queue, health and arrivals threads, Gloo's and the store's; on the 2-core
+host the wall time follows this CPU, which moves far less from run to run). At the end,
 the largest difference between the crossdevice and DDP parameters (both started alike
 and saw the same batches).
 
@@ -55,6 +58,7 @@ from unittest import mock
 
 from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
 from benchmarks._launch import size as parse_size
+from benchmarks._usage import Usage, measured, threads_line
 from benchmarks.train_step import (
     EXAMPLES,
     IMAGE_SIZE,
@@ -215,10 +219,10 @@ def _worker(args: argparse.Namespace) -> None:
         )
     for per_worker in args.per_worker:
         steps, epochs = turns.epochs(per_worker)
-        faults: dict[str, list[int]] = {}
+        usage: dict[str, list[Usage]] = {}
         times = take_turns(
             {
-                name: _counting_faults(epochs[name], faults.setdefault(name, []))
+                name: measured(epochs[name], usage.setdefault(name, []))
                 for name in args.variants
                 if name in epochs
             },
@@ -229,8 +233,15 @@ def _worker(args: argparse.Namespace) -> None:
         )
         if turns.rank == 0:
             _report(per_worker, steps, times)
-            line = ", ".join(f"{name} {statistics.median(n):.0f}" for name, n in faults.items())
+            timed = {name: runs[args.warmup :] for name, runs in usage.items()}
+            line = ", ".join(
+                f"{name} {statistics.median(u.faults for u in runs):.0f}"
+                for name, runs in timed.items()
+            )
             print(f"  page faults per epoch (rank 0, median): {line}", flush=True)
+            print("  CPU per epoch (rank 0's process, median ms, by thread):", flush=True)
+            for name, runs in timed.items():
+                print(f"    {name} {threads_line(runs)}", flush=True)
     for name, model in (("gloo", turns.gloo_model), ("split", turns.split_model)):
         if turns.rank == 0 and {name, "ddp"} <= set(args.variants):
             print(
@@ -239,22 +250,6 @@ def _worker(args: argparse.Namespace) -> None:
                 flush=True,
             )
     turns.close()
-
-
-def _counting_faults(epoch: Callable[[], None], faults: list[int]) -> Callable[[], None]:
-    """`epoch`, appending the page faults this process took during each call to `faults`.
-
-    A fresh page of memory costs a zero-filling fault: how often a step's freed memory
-    went back to the system and was taken again (`crossdevice._arrays.heap`).
-    """
-    import resource
-
-    def counted() -> None:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        epoch()
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-
-    return counted
 
 
 def _check_slices(strategy: Any, batches: list[Any], slices: list[Any]) -> None:

@@ -19,8 +19,8 @@ on the same global batches, after a barrier on a group of their own
 (default 25 MiB: both libraries' default). Reported: each variant's median time per step
 and the median per-round ratio `gloo/ddp`, the largest difference between the two
 models' parameters (both start alike and see the same batches: 0 expected), and the CPU
-time rank 0's process spent per step in each (all its threads: on a host whose cores the
-workers share, the wall time follows it).
+time rank 0's process spent per step in each, all its threads and by thread (`_usage.py`:
+on a host whose cores the workers share, the wall time follows it).
 
     python -m benchmarks.multi_worker_mlp --width 2048 --layers 4 --bucket-cap 25M 1G
 """
@@ -36,6 +36,7 @@ from unittest import mock
 
 from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
 from benchmarks._launch import size as parse_size
+from benchmarks._usage import Usage, measured, threads_line
 from benchmarks.train_step import tutorial_step
 
 __all__ = ["main"]
@@ -107,12 +108,11 @@ def _worker(args: argparse.Namespace) -> None:
                 loss.backward()
                 ddp_optimizer.step()
 
-        cpu: dict[str, list[float]] = {"gloo": [], "ddp": []}
-        faults: dict[str, list[int]] = {"gloo": [], "ddp": []}
+        usage: dict[str, list[Usage]] = {"gloo": [], "ddp": []}
         times = take_turns(
             {
-                "gloo": _cpu_counted(strategy_steps, cpu["gloo"], faults["gloo"]),
-                "ddp": _cpu_counted(ddp_steps, cpu["ddp"], faults["ddp"]),
+                "gloo": measured(strategy_steps, usage["gloo"]),
+                "ddp": measured(ddp_steps, usage["ddp"]),
             },
             args.rounds,
             args.warmup,
@@ -130,32 +130,16 @@ def _worker(args: argparse.Namespace) -> None:
                 f"{max(ratios):.3f}); parameters max |difference| {differs:.3g}",
                 flush=True,
             )
-            per_step = {name: statistics.median(c) * 1e3 / args.steps for name, c in cpu.items()}
-            flt = {name: statistics.median(f) / args.steps for name, f in faults.items()}
+            timed = {name: runs[args.warmup :] for name, runs in usage.items()}
+            flt = {n: statistics.median(u.faults for u in r) / args.steps for n, r in timed.items()}
             print(
-                f"  rank 0's process per step (all threads): CPU gloo {per_step['gloo']:.1f} "
-                f"ms, ddp {per_step['ddp']:.1f} ms; page faults gloo {flt['gloo']:.0f}, "
-                f"ddp {flt['ddp']:.0f}",
+                "  rank 0's process per step (median ms of CPU, all threads, by thread; page "
+                f"faults gloo {flt['gloo']:.0f}, ddp {flt['ddp']:.0f}):",
                 flush=True,
             )
+            for name, runs in timed.items():
+                print(f"    {name} {threads_line(runs, per=args.steps)}", flush=True)
     strategy.extended._close()
-
-
-def _cpu_counted(call: Any, seconds: list[float], faults: list[int]) -> Any:
-    """`call`, appending the CPU time this process (all its threads) spent in it.
-
-    And the page faults it took (fresh memory, zero-filled a 4 KiB page at a time).
-    """
-    import resource
-
-    def counted() -> None:
-        before = resource.getrusage(resource.RUSAGE_SELF)
-        call()
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        seconds.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
-        faults.append(after.ru_minflt - before.ru_minflt)
-
-    return counted
 
 
 def main(argv: list[str] | None = None) -> int:

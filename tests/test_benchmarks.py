@@ -7,9 +7,12 @@ only keeps the scripts from rotting between measurement sessions.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +155,13 @@ def test_the_epoch_with_several_buckets_trains_ddps_model() -> None:
     assert "split/ddp " in done.stdout, done.stdout
     assert "split/gloo " in done.stdout, done.stdout
     assert "split/ddp_split " in done.stdout, done.stdout
+    # Each variant's CPU per epoch on rank 0, by thread: the caller's and Gloo's at least.
+    assert "  CPU per epoch (rank 0's process, median ms, by thread):\n" in done.stdout
+    for name in ("gloo", "ddp", "split", "ddp_split"):
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith(f"    {name} ")]
+        threads = line.split(" = ", 1)[1]
+        assert "main " in threads, line
+        assert "gloo_tcp_loop " in threads, line
     for name in ("gloo", "split"):
         assert (
             f"# parameters, {name} vs ddp (the same batches throughout): max |difference| 0\n"
@@ -167,3 +177,58 @@ def test_the_mlp_with_large_gradients_trains_ddps_model_at_every_bucket_cap() ->
     lines = [line for line in done.stdout.splitlines() if line.startswith("bucket cap ")]
     assert [line.split(" B:")[0] for line in lines] == ["bucket cap 65536", "bucket cap 1073741824"]
     assert all(line.endswith("parameters max |difference| 0") for line in lines), done.stdout
+    cpu = [x for x in done.stdout.splitlines() if x.startswith(("    gloo ", "    ddp "))]
+    assert len(cpu) == 4, done.stdout
+    assert all("main " in x.split(" = ", 1)[1] for x in cpu), done.stdout
+
+
+def test_thread_cpu_names_each_thread_and_counts_its_own_time() -> None:
+    # A thread that burns CPU shows under its name (a rank suffix dropped, so that ranks
+    # compare), the caller as `main`; a sleeping thread costs next to nothing.
+    from benchmarks import _usage
+
+    stop, burnt = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        end = time.thread_time() + 0.15
+        while time.thread_time() < end:
+            pass
+        burnt.set()
+        stop.wait()
+
+    busy = threading.Thread(target=burn, name="bench-busy-r3")
+    idle = threading.Thread(target=stop.wait, name="bench-idle-r3")
+    usage: list[_usage.Usage] = []
+    try:
+        _usage.measured(lambda: (busy.start(), idle.start(), burnt.wait(10)), usage)()
+    finally:
+        stop.set()
+        busy.join()
+        idle.join()
+    (one,) = usage
+    assert one.threads, "no per-thread times: /proc/self/task/*/schedstat is missing"
+    assert one.threads["bench-busy"] >= 0.12e9, one.threads
+    assert one.threads.get("bench-idle", 0) < 0.02e9, one.threads
+    assert "main" in one.threads
+    assert "bench-busy-r3" not in one.threads
+    assert one.cpu_ns >= one.threads["bench-busy"]
+    medians = _usage.median_threads(usage)
+    assert next(iter(medians)) == "bench-busy"  # largest first
+    line = _usage.threads_line(usage)
+    assert line.startswith(f"{one.cpu_ns / 1e6:.1f} = bench-busy "), line
+
+
+def test_measured_counts_the_page_faults_of_fresh_memory() -> None:
+    from benchmarks import _usage
+
+    usage: list[_usage.Usage] = []
+    pages = 2048
+
+    def touch() -> None:
+        buffer = mmap.mmap(-1, pages * mmap.PAGESIZE)
+        for k in range(pages):
+            buffer[k * mmap.PAGESIZE] = 1
+        buffer.close()
+
+    _usage.measured(touch, usage)()
+    assert usage[0].faults >= pages // 2, usage
