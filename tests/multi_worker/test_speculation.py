@@ -96,16 +96,59 @@ def test_what_follows_a_collective_is_told_apart_by_the_one_before() -> None:
     assert all(_replay(Predictor(), cycle, 5)[2 * len(cycle) :])
 
 
-def test_a_run_longer_than_max_run_is_predicted_from_its_last_position() -> None:
+@pytest.mark.parametrize("extra", [1, 5, 64, 200])
+def test_a_run_longer_than_max_run_is_predicted_at_every_position(extra: int) -> None:
+    # An epoch of a one-bucket model: the has-data agreement, then the same bucket once a
+    # step (128 steps of 8 examples), then the next epoch's agreement.
     from crossdevice._comm.workers.speculation import MAX_RUN
 
     layout, other = ((torch.float32, 6),), ((torch.float32, 7),)
-    cycle = [(1, None)] + [(2, layout)] * (MAX_RUN + 5) + [(3, other)]
-    right = _replay(Predictor(), cycle, 3)[2 * len(cycle) :]
-    # Past MAX_RUN every position has one context, whose layout is what followed it
-    # last: the first K past it is predicted `other` (the run's end a step before), and
-    # the run's end is predicted K. Every other position is right.
-    assert right.count(False) == 2
+    cycle = [(1, None)] + [(2, layout)] * (MAX_RUN + extra) + [(3, other)]
+    right = _replay(Predictor(), cycle, 3)[len(cycle) :]
+    assert all(right)  # from the second cycle on
+
+
+def test_runs_past_max_run_of_several_lengths_are_each_predicted() -> None:
+    # Two contexts run past MAX_RUN, each ending at lengths of its own.
+    from crossdevice._comm.workers.speculation import MAX_RUN
+
+    a, b = ((torch.float32, 6),), ((torch.float32, 7),)
+    cycle = (
+        [(1, None)] + [(2, a)] * (MAX_RUN + 3) + [(3, b)] + [(2, a)] * (MAX_RUN + 9) + [(4, None)]
+    )
+    right = _replay(Predictor(), cycle, 3)[len(cycle) + 1 :]
+    assert all(right)  # after the first cycle and the call that follows it
+
+
+def test_a_tag_that_cycles_with_the_step_count_is_not_history() -> None:
+    # The gradients' call site carries the step count modulo 4 (`purpose` tag, in the
+    # structure digest): with it in the history an epoch of 10 steps ended after a
+    # bucket that also came mid-epoch, and its end was guessed wrong every epoch.
+    from crossdevice._comm.workers import fingerprint as fp
+
+    layout = ((torch.float32, 6),)
+
+    def header(kind: str, structure: int, seq: int) -> np.ndarray:
+        shapes = 5 if kind == "all_reduce" else 0
+        return fp.Fingerprint(seq, kind, "sum", 1, 1, 24, 3, shapes, structure).encode()
+
+    p = Predictor()
+    seq = 0
+    right = []
+    for _ in range(4):  # epochs
+        for step in range(-1, 10):
+            seq += 1
+            made = None if step < 0 else layout  # the has-data agreement, then 10 steps
+            kind = "has_data" if step < 0 else "all_reduce"
+            right.append(p.predict() == made)
+            p.learn([header(kind, 1000 + (max(step, 0) & 3), seq)] * 2, made)
+    assert all(right[12:])  # once the first epoch's end was seen, every call
+    assert Predictor.history([header("all_reduce", 7, 1)]) == Predictor.history(
+        [header("all_reduce", 8, 2)]
+    )
+    assert Predictor.history([header("all_reduce", 7, 1)]) != Predictor.history(
+        [header("has_data", 7, 1)]
+    )
 
 
 def test_a_run_longer_than_any_before_is_predicted_from_what_followed_its_collective() -> None:

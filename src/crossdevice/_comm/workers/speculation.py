@@ -75,9 +75,15 @@ __all__ = [
 #: Histories remembered. A training step has a handful of distinct collectives; the
 #: table stops learning (every worker alike, it is the same history) once full.
 MAX_ENTRIES: Final = 1024
-#: Longest run of one collective whose positions are told apart (`Predictor`): from
-#: there on, every further repetition is predicted from what followed the last.
+#: Longest run of one collective whose positions each have a context (`Predictor`):
+#: past it, a position is a run's known end, or the run going on.
 MAX_RUN: Final = 64
+#: A `Predictor` context: (the collective before the run, K, the run up to MAX_RUN).
+_Context = tuple[bytes | None, bytes, int]
+#: Not in a table (None is a layout: nothing predicted).
+_NONE: Final = object()
+#: The header field of the structure digest (`fingerprint.Fingerprint.encode`).
+_STRUCTURE: Final = 9
 #: Seven digest bytes and their squares.
 _LIMBS: Final = 7
 INLINE_SLOTS: Final = 2 * _LIMBS
@@ -93,14 +99,31 @@ class Predictor:
 
     A table "in this context came an all-reduce of layout L" (or None: nothing to send
     early), where the context is the last agreed collective K (its headers), how many
-    times in a row K came (its run, counted up to `MAX_RUN`), and the collective before
-    that run. A training step whose buckets share one layout and signature (identical
-    layers) repeats K: from K alone, what follows the run's last K overwrote what follows
-    the others, and two guesses a step were wrong, each an all-reduce of zeros of a whole
-    bucket (64 MiB MLP, 4 x 2048^2: 81 MiB sent a step against DDP's 64). A context seen
-    for the first time is predicted from K and its run alone, else from K alone (what
-    followed K last), so a sequence is predicted from its second occurrence on, and a run
-    from its third call, as before.
+    times in a row K came (its run), and the collective before that run. A training
+    step whose buckets share one layout and signature (identical layers) repeats K: from
+    K alone, what follows the run's last K overwrote what follows the others, and two
+    guesses a step were wrong, each an all-reduce of zeros of a whole bucket (64 MiB MLP,
+    4 x 2048^2: 81 MiB sent a step against DDP's 64). A context seen for the first time
+    is predicted from K and its run alone, else from K alone (what followed K last), so
+    a sequence is predicted from its second occurrence on, and a run from its third call.
+
+    Runs are told apart position by position up to `MAX_RUN`, and a context's
+    occurrences by their count since the last anchor (a collective of no layout: the
+    epoch's has-data agreement): what follows a context is its usual, except at an
+    occurrence where something else followed (`_odd`), which is predicted there next
+    time. An epoch of 10 steps of 4 buckets ends after the 10th occurrence of the
+    step's last bucket, followed by the next epoch's agreement, not the first bucket;
+    an epoch of 128 steps of one bucket (8 examples) is a run past `MAX_RUN`, whose
+    context (capped at `MAX_RUN`) ends at its 65th occurrence. A context followed by
+    something else twice in a row takes that as its new usual (a program that changed).
+
+    K is the header without its sequence number and without its structure digest (the
+    call site and nest structure, and a `purpose` tag): the gradients' tag is the step
+    count modulo 4, so with it a step's buckets were four different K in turn, and
+    an epoch of 8 steps (or 10) ended after a K that also came mid-epoch: its end was
+    guessed wrong every epoch (a bucket of zeros sent: 16 MiB an epoch on the 64 MiB
+    MLP), and the mid-epoch one not guessed. The call sites still differ between
+    workers where they do: every field is compared before any result is used.
 
     Every worker updates the tables from the same agreed header tables in the same
     order, so every worker predicts the same layout for the same collective. `guesses`
@@ -115,6 +138,12 @@ class Predictor:
         self._long: dict[tuple[bytes | None, bytes, int], Layout | None] = {}
         self._short: dict[tuple[bytes, int], Layout | None] = {}
         self._first: dict[bytes, Layout | None] = {}
+        #: Occurrences of each context since the last anchor (a collective of no layout).
+        self._seen: dict[_Context, int] = {}
+        #: (context, occurrence): what followed it there, where that was not the usual.
+        self._odd: dict[tuple[_Context, int], Layout | None] = {}
+        #: Contexts whose last occurrence was followed by something not the usual.
+        self._changed: set[_Context] = set()
         self._zeros: dict[Layout, list[torch.Tensor]] = {}
         self.guesses = 0
         self.misses = 0
@@ -124,10 +153,15 @@ class Predictor:
         last = self._last
         if last is None:
             return None
-        context = (self._before, last, self._run)
+        run = min(self._run, MAX_RUN)
+        context = (self._before, last, run)
+        if self._odd:
+            at = (context, self._seen.get(context, 0) + 1)
+            if at in self._odd:
+                return self._odd[at]
         if context in self._long:
             return self._long[context]
-        short = (last, self._run)
+        short = (last, run)
         if short in self._short:
             return self._short[short]
         return self._first.get(last)
@@ -145,15 +179,36 @@ class Predictor:
         if layout is not None and (not layout or layout[0][0] not in INLINE_DTYPES):
             layout = None
         last = self._last
-        if last is not None:
-            _remember(self._long, (self._before, last, self._run), layout)
-            _remember(self._short, (last, self._run), layout)
-            _remember(self._first, last, layout)
         key = self.history(rows) if key is None else key
+        if last is not None:
+            run = min(self._run, MAX_RUN)
+            self._follow((self._before, last, run), layout)
+            _remember(self._short, (last, run), layout)
+            _remember(self._first, last, layout)
+        if layout is None:  # an anchor: occurrences count from here (see the class doc)
+            self._seen.clear()
         if key == last:
-            self._run = min(self._run + 1, MAX_RUN)
+            self._run += 1
         else:
             self._before, self._last, self._run = last, key, 1
+
+    def _follow(self, context: _Context, layout: Layout | None) -> None:
+        """Record that `layout` followed `context`: its usual, or an odd one out."""
+        seen = self._seen
+        n = seen.get(context, 0) + 1
+        if context in seen or len(seen) < MAX_ENTRIES:
+            seen[context] = n
+        usual = self._long.get(context, _NONE)
+        if usual is _NONE or usual == layout:
+            self._changed.discard(context)
+            _remember(self._long, context, layout)
+        elif context in self._changed:  # twice in a row: the new usual
+            self._changed.discard(context)
+            self._long[context] = layout
+        else:  # an odd one out at this occurrence (an epoch's end): kept apart
+            if len(self._changed) < MAX_ENTRIES:
+                self._changed.add(context)
+            _remember(self._odd, (context, n), layout)
 
     def counted(self, predicted: Layout, made: Layout | None) -> str:
         """Count a prediction, and whether `made` (the call's layout) missed it.
@@ -168,12 +223,11 @@ class Predictor:
 
     @staticmethod
     def history(rows: list[np.ndarray]) -> bytes:
-        """What `learn` remembers of agreed header `rows`: all but the sequence numbers."""
-        # The sequence number (value 1) differs from step to step: it is not history.
+        """What `learn` remembers of agreed header `rows` (the class doc says what not)."""
         first = rows[0]
         if len(set(map(id, rows))) == 1:  # every worker's header is this one
-            return (first[:1].tobytes() + first[2:].tobytes()) * len(rows)
-        return b"".join(row[:1].tobytes() + row[2:].tobytes() for row in rows)
+            return _key(first) * len(rows)
+        return b"".join(_key(row) for row in rows)
 
     def zeros(self, layout: Layout) -> list[torch.Tensor]:
         """Zero buffers of `layout` (the first with room for the inline header).
@@ -336,6 +390,15 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 #: (2 runs each; `python -m benchmarks.multi_worker_mlp --width 4096`). 16 leaves room
 #: for models with more buckets of one size.
 ROOMS_PER_SIZE: Final = 16
+
+
+def _key(row: np.ndarray) -> bytes:
+    """A header as history: without its sequence number and structure digest.
+
+    The sequence number (field 1) differs from call to call; the structure digest (field
+    9, `fingerprint.Fingerprint.encode`): see `Predictor`.
+    """
+    return row[:1].tobytes() + row[2:_STRUCTURE].tobytes() + row[_STRUCTURE + 1 :].tobytes()
 
 
 def _remember(table: dict[Any, Layout | None], context: Any, layout: Layout | None) -> None:
