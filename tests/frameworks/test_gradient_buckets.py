@@ -6,6 +6,7 @@ place, its parameters' gradients views into it (`buckets.py`).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -97,9 +98,9 @@ def test_buckets_issued_on_the_queue_thread_train_bitwise_as_from_the_hook(
 @pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
 def test_buckets_alike_in_a_row_are_predicted_every_step(torch: Any, shared_memory: str) -> None:
     """Three hidden layers alike, one bucket each: the same collective three times in a
-    row. A bucket's call site holds the step count modulo 4, so a step's collectives are
-    first predicted in the fifth step; from there on every bucket's layout is predicted
-    right (a wrong guess sends a bucket of zeros first), and the model is plain torch's."""
+    row. From the third step on every bucket's layout is predicted right (a wrong guess
+    sends a bucket of zeros first), and the model is plain torch's. (While the step
+    count in a bucket's call site was history, the fifth step was the first.)"""
     steps = 9
     env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
     outs = [
@@ -107,13 +108,33 @@ def test_buckets_alike_in_a_row_are_predicted_every_step(torch: Any, shared_memo
     ]
     assert outs[0]["buckets"] == [[3, 2, 2, 2, 1]]  # [b5 W5 b4] [W4 b3] [W3 b2] [W2 b1] [W1]
     for out in outs:
-        assert out["misses"][-1] == out["misses"][4], out["misses"]
-        assert out["guesses"][-1] - out["guesses"][4] == 5 * (steps - 5), out["guesses"]
+        assert out["misses"][-1] == out["misses"][1], out["misses"]
+        assert out["guesses"][-1] - out["guesses"][2] == 5 * (steps - 3), out["guesses"]
     for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True):
         np.testing.assert_array_equal(a, b)
     reference = _plain(torch, identical_mlp, steps, momentum=0.0)
     for a, b in zip(outs[0]["params"], reference, strict=True):
         assert float(np.max(np.abs(a - b))) <= 1e-12
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
+def test_every_bucket_of_every_epoch_is_predicted_once_an_epoch_ended(shared_memory: str) -> None:
+    """Four passes over 5 global batches, 5 buckets a step. Each pass starts with its
+    length's agreement, which follows the step's last bucket there and the first bucket
+    of the next step everywhere else: once the first pass ended, every bucket of every
+    step is predicted right and the agreement is not guessed a bucket (it was, every
+    pass, a bucket of zeros sent before it, when the step count in the buckets' call
+    site made a step's buckets four keys in turn)."""
+    steps, epochs = 5, 4
+    env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
+    runs = run_workers(identical_layers, 2, args=(steps, epochs), env=env, timeout=120)
+    for out in [r.unwrap() for r in runs]:
+        misses, guesses = out["misses"], out["guesses"]
+        assert len(misses) == steps * epochs
+        assert misses[-1] == misses[steps], misses  # none after the first pass's end
+        for before, after in itertools.pairwise(guesses[steps:]):
+            assert after - before == 5, guesses  # every bucket; never the agreement
 
 
 @pytest.mark.multiprocess

@@ -94,11 +94,12 @@ def bucket_training(
     return [p.detach().numpy() for p in model.module.parameters()]
 
 
-def identical_layers(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+def identical_layers(rank: int, world_size: int, steps: int, epochs: int = 1) -> dict[str, Any]:
     """One replica per worker trains, in float64, a net whose three hidden layers are
     alike (8 -> 8), one gradient bucket each: buckets of one layout and signature, in a
-    row. Returns the final parameters, and the predictor's misses and guesses so far
-    after each step."""
+    row; `epochs` passes over `steps` global batches (each pass's first step agrees on
+    its length). Returns the final parameters, and the predictor's misses and guesses so
+    far after each step."""
     del rank, world_size
     import torch
 
@@ -121,10 +122,12 @@ def identical_layers(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
 
-    for x, y in strategy.experimental_distribute_dataset(global_batches(torch, steps)):
-        strategy.run(step, args=(x, y))
-        misses.append(predictor.misses)
-        guesses.append(predictor.guesses)
+    dataset = strategy.experimental_distribute_dataset(global_batches(torch, steps))
+    for _ in range(epochs):
+        for x, y in dataset:
+            strategy.run(step, args=(x, y))
+            misses.append(predictor.misses)
+            guesses.append(predictor.guesses)
     sizes = [layout.sizes for layout in model.__dict__["_gradients"]._layouts.values()]
     return {
         "params": [p.detach().numpy() for p in model.module.parameters()],
