@@ -121,9 +121,10 @@ class Predictor:
     call site and nest structure, and a `purpose` tag): the gradients' tag is the step
     count modulo 4, so with it a step's buckets were four different K in turn, and
     an epoch of 8 steps (or 10) ended after a K that also came mid-epoch: its end was
-    guessed wrong every epoch (a bucket of zeros sent: 16 MiB an epoch on the 64 MiB
-    MLP), and the mid-epoch one not guessed. The call sites still differ between
-    workers where they do: every field is compared before any result is used.
+    guessed wrong every epoch (a 16 MiB bucket of zeros on the 64 MiB MLP: 8 MiB more
+    written by each worker an epoch), and the mid-epoch one not guessed. The call sites
+    still differ between workers where they do: every field is compared before any
+    result is used.
 
     Every worker updates the tables from the same agreed header tables in the same
     order, so every worker predicts the same layout for the same collective. `guesses`
