@@ -120,6 +120,21 @@ def test_runs_past_max_run_of_several_lengths_are_each_predicted() -> None:
     assert all(right)  # after the first cycle and the call that follows it
 
 
+def test_an_odd_one_out_that_does_not_come_again_is_forgotten() -> None:
+    # A has-data agreement every step (a dataset of no exact length) is an anchor every
+    # step, so each context is at its first occurrence every time: what followed the
+    # epoch's last step must not be guessed at every step after it.
+    bucket, last = ((torch.float32, 6),), ((torch.float32, 9),)
+    step = [(1, None), (2, bucket)]
+    epoch = step * 5 + [(1, None), (3, last)]
+    right = _replay(Predictor(), epoch, 4)
+    # Per epoch from the third: the odd last step, then the step after it, guessed
+    # wrong once each at most (as a predictor without odd ones out does); every other
+    # call right.
+    for e in range(2, 4):
+        assert right[e * len(epoch) : (e + 1) * len(epoch)].count(False) <= 2, right
+
+
 def test_a_tag_that_cycles_with_the_step_count_is_not_history() -> None:
     # The gradients' call site carries the step count modulo 4 (`purpose` tag, in the
     # structure digest): with it in the history an epoch of 10 steps ended after a

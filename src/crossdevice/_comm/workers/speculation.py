@@ -199,6 +199,12 @@ class Predictor:
         n = seen.get(context, 0) + 1
         if context in seen or len(seen) < MAX_ENTRIES:
             seen[context] = n
+        odd = self._odd.pop((context, n), _NONE) if self._odd else _NONE
+        if odd is not _NONE and odd == layout:  # an odd one out that came again
+            self._odd[(context, n)] = layout
+            return
+        # (An odd one out that did not come again is forgotten: with an anchor every
+        # step, the count is 1 at every occurrence, and it would be guessed every step.)
         usual = self._long.get(context, _NONE)
         if usual is _NONE or usual == layout:
             self._changed.discard(context)
