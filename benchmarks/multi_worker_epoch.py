@@ -39,7 +39,9 @@ fault at a time: what `crossdevice._arrays.heap` saves; run with `CROSSDEVICE_KE
 for glibc's defaults, every variant alike since they share the processes), and the CPU
 rank 0's process spent per epoch in each, by thread (`_usage.py`: the caller's thread,
 crossdevice's queue, health and arrivals threads, Gloo's and the store's; on the 2-core
-host the wall time follows this CPU, which moves far less from run to run). At the end,
+host the wall time follows this CPU, which moves far less from run to run), and how
+often a step's caller's thread left its CPU (`waits`: it blocked; `preemptions`: the
+scheduler gave the CPU to another thread; DDP waits once a step). At the end,
 the largest difference between the crossdevice and DDP parameters (both started alike
 and saw the same batches).
 
@@ -58,7 +60,7 @@ from unittest import mock
 
 from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
 from benchmarks._launch import size as parse_size
-from benchmarks._usage import Usage, measured, threads_line
+from benchmarks._usage import Usage, measured, switches_line, threads_line
 from benchmarks.train_step import (
     EXAMPLES,
     IMAGE_SIZE,
@@ -242,6 +244,9 @@ def _worker(args: argparse.Namespace) -> None:
             print("  CPU per epoch (rank 0's process, median ms, by thread):", flush=True)
             for name, runs in timed.items():
                 print(f"    {name} {threads_line(runs)}", flush=True)
+            print("  the caller's thread left its CPU, per step (rank 0, median):", flush=True)
+            for name, runs in timed.items():
+                print(f"    {name} {switches_line(runs, per=steps)}", flush=True)
     for name, model in (("gloo", turns.gloo_model), ("split", turns.split_model)):
         if turns.rank == 0 and {name, "ddp"} <= set(args.variants):
             print(

@@ -20,7 +20,9 @@ on the same global batches, after a barrier on a group of their own
 and the median per-round ratio `gloo/ddp`, the largest difference between the two
 models' parameters (both start alike and see the same batches: 0 expected), and the CPU
 time rank 0's process spent per step in each, all its threads and by thread (`_usage.py`:
-on a host whose cores the workers share, the wall time follows it).
+on a host whose cores the workers share, the wall time follows it), with how often a
+step's caller's thread blocked (`waits`) or lost its CPU to another thread
+(`preemptions`).
 
     python -m benchmarks.multi_worker_mlp --width 2048 --layers 4 --bucket-cap 25M 1G
 """
@@ -36,7 +38,7 @@ from unittest import mock
 
 from benchmarks._launch import launch_or_work, set_tunings, take_turns, tuning_option
 from benchmarks._launch import size as parse_size
-from benchmarks._usage import Usage, measured, threads_line
+from benchmarks._usage import Usage, measured, switches_line, threads_line
 from benchmarks.train_step import tutorial_step
 
 __all__ = ["main"]
@@ -138,7 +140,11 @@ def _worker(args: argparse.Namespace) -> None:
                 flush=True,
             )
             for name, runs in timed.items():
-                print(f"    {name} {threads_line(runs, per=args.steps)}", flush=True)
+                print(
+                    f"    {name} {threads_line(runs, per=args.steps)}; the caller's thread "
+                    f"left its CPU {switches_line(runs, per=args.steps)} a step",
+                    flush=True,
+                )
     strategy.extended._close()
 
 

@@ -158,10 +158,15 @@ def test_the_epoch_with_several_buckets_trains_ddps_model() -> None:
     # Each variant's CPU per epoch on rank 0, by thread: the caller's and Gloo's at least.
     assert "  CPU per epoch (rank 0's process, median ms, by thread):\n" in done.stdout
     for name in ("gloo", "ddp", "split", "ddp_split"):
-        (line,) = [x for x in done.stdout.splitlines() if x.startswith(f"    {name} ")]
-        threads = line.split(" = ", 1)[1]
-        assert "main " in threads, line
-        assert "gloo_tcp_loop " in threads, line
+        cpu, switches = [x for x in done.stdout.splitlines() if x.startswith(f"    {name} ")]
+        threads = cpu.split(" = ", 1)[1]
+        assert "main " in threads, cpu
+        assert "gloo_tcp_loop " in threads, cpu
+        # ...and how often a step's caller blocked: DDP at least once (its buckets' wait).
+        assert switches.endswith(" preemptions"), switches
+        assert " waits + " in switches, switches
+        assert float(switches.split()[1]) >= (1 if name.startswith("ddp") else 0), switches
+    assert "  the caller's thread left its CPU, per step (rank 0, median):\n" in done.stdout
     for name in ("gloo", "split"):
         assert (
             f"# parameters, {name} vs ddp (the same batches throughout): max |difference| 0\n"
@@ -180,6 +185,7 @@ def test_the_mlp_with_large_gradients_trains_ddps_model_at_every_bucket_cap() ->
     cpu = [x for x in done.stdout.splitlines() if x.startswith(("    gloo ", "    ddp "))]
     assert len(cpu) == 4, done.stdout
     assert all("main " in x.split(" = ", 1)[1] for x in cpu), done.stdout
+    assert all(x.endswith(" preemptions a step") for x in cpu), done.stdout
 
 
 def test_thread_cpu_names_each_thread_and_counts_its_own_time() -> None:
@@ -216,6 +222,27 @@ def test_thread_cpu_names_each_thread_and_counts_its_own_time() -> None:
     assert next(iter(medians)) == "bench-busy"  # largest first
     line = _usage.threads_line(usage)
     assert line.startswith(f"{one.cpu_ns / 1e6:.1f} = bench-busy "), line
+
+
+def test_measured_counts_the_times_the_caller_blocked() -> None:
+    # Each sleep gives the CPU up (a voluntary switch: a wait); spinning blocks nowhere.
+    from benchmarks import _usage
+
+    usage: list[_usage.Usage] = []
+    _usage.measured(lambda: [time.sleep(0.002) for _ in range(20)], usage)()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+
+    _usage.measured(spin, usage)()
+    slept, spun = usage
+    assert slept.waits >= 20, slept
+    assert spun.waits < 5, spun
+    assert min(slept.preempted, spun.preempted) >= 0, usage
+    line = _usage.switches_line([slept], per=4)
+    assert line == f"{slept.waits / 4:.2f} waits + {slept.preempted / 4:.2f} preemptions", line
 
 
 def test_measured_counts_the_page_faults_of_fresh_memory() -> None:
