@@ -87,3 +87,25 @@ def test_replica_threads_that_find_it_at_once_warn_once(
     monkeypatch.setattr(backward, "_local_mean", slow_look)
     with replica_execution("threads"):
         assert len(_backward(torch, cdt, WRONG["cross_entropy"])) == 1
+
+
+def test_a_habit_taken_up_later_is_found_at_the_next_power_of_two(torch: Any, cdt: Any) -> None:
+    # The loss is looked at in a model's passes 1-4, then 8, 16, ... (reading a fresh
+    # graph's nodes every pass cost 40-60 us a step): a local mean from pass 5 on warns
+    # at pass 8, once.
+    strategy = mirrored(4)
+    with strategy.scope():
+        model = cdt.prepare(mlp(torch))
+    x, y = global_batches(torch, 1)[0]
+    warned_at = []
+    for n in range(1, 18):
+        loss = RIGHT["compute_average_loss"] if n < 5 else WRONG["cross_entropy"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x_, y_ in strategy.experimental_distribute_dataset([(x, y)]):
+                strategy.run(
+                    lambda a, b, f=loss: f(torch, model(a), b, len(y)).backward(), args=(x_, y_)
+                )
+        if any("this replica's mean" in str(w.message) for w in caught):
+            warned_at.append(n)
+    assert warned_at == [8]

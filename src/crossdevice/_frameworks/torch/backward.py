@@ -16,9 +16,10 @@ strategy (`GradientSync.begin_pass` / `end_pass`), so that:
 It also gives the one-time warning for a DDP habit that is wrong under TF's SUM rule: a
 loss that is this replica's *mean* (`cross_entropy(...)`, `.mean()`, a sum divided by
 this replica's batch), whose gradients the SUM then multiplies by the number of
-replicas. The check looks through sums of terms, negation and constant factors
-(`loss / accumulation_steps`, `0.5 * loss`), and stays silent when those factors come
-to exactly 1/N: `local_mean / num_replicas_in_sync` is the correct TF idiom.
+replicas (looked for in a model's first 4 passes, then in its passes 8, 16, 32, ...).
+The check looks through sums of terms, negation and constant factors (`loss /
+accumulation_steps`, `0.5 * loss`), and stays silent when those factors come to exactly
+1/N: `local_mean / num_replicas_in_sync` is the correct TF idiom.
 """
 
 from __future__ import annotations
@@ -112,8 +113,27 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 _WARNED_LOCK: Final = threading.Lock()
 
 
+#: A model's first passes whose loss is looked at; after them, passes 2**k only.
+_ALWAYS_LOOKED_AT: Final = 4
+
+
+def _looked_at(sync: GradientSync) -> bool:
+    """Whether this pass of `sync`'s model has its loss looked at (and counts it).
+
+    Reading a fresh graph's nodes from Python costs 40-60 us a pass on the tutorial CNN
+    (every node object made anew, after the forward pass took the caches): the passes
+    1-4, then 8, 16, 32, ...: the habit shows in the first pass; a loss changed later
+    is still found, at the next power of two.
+    """
+    sync.mean_loss_passes += 1  # replica threads may race: the schedule shifts, no more
+    n = sync.mean_loss_passes
+    return n <= _ALWAYS_LOOKED_AT or n & (n - 1) == 0
+
+
 def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any) -> None:
-    pending = [s for s in syncs if s.op is ReduceOp.SUM and not s.warned_mean_loss]
+    pending = [
+        s for s in syncs if s.op is ReduceOp.SUM and not s.warned_mean_loss and _looked_at(s)
+    ]
     if not pending:
         return
     roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
