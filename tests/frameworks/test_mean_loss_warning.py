@@ -90,10 +90,10 @@ def test_replica_threads_that_find_it_at_once_warn_once(
 
 
 def test_a_habit_taken_up_later_is_found_at_the_next_power_of_two(torch: Any, cdt: Any) -> None:
-    # The loss is looked at in a model's passes 1-4, then 8, 16, ... (reading a fresh
-    # graph's nodes every pass cost 40-60 us a step): a local mean from pass 5 on warns
-    # at pass 8, once.
-    strategy = mirrored(4)
+    # The loss is looked at in each replica's passes 1-4, then 8, 16, ... (reading a
+    # fresh graph's nodes every pass cost 40-60 us a step): a local mean from step 5 on
+    # warns at step 8, once. (Three replicas: counted over all of them, step 6 would.)
+    strategy = mirrored(3)
     with strategy.scope():
         model = cdt.prepare(mlp(torch))
     x, y = global_batches(torch, 1)[0]

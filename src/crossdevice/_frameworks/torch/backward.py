@@ -85,7 +85,8 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             s for ref in _SYNCS.get(frame.strategy, ()) if (s := ref()) is not None and s.enabled
         ]
         if syncs:
-            _warn_local_mean(args[0] if args else kwargs.get("tensors"), syncs, frame.strategy)
+            tensors = args[0] if args else kwargs.get("tensors")
+            _warn_local_mean(tensors, syncs, frame.strategy, replica)
         for sync in syncs:
             sync.begin_pass(replica)
         _PASS.depth = 1
@@ -117,22 +118,25 @@ _WARNED_LOCK: Final = threading.Lock()
 _ALWAYS_LOOKED_AT: Final = 4
 
 
-def _looked_at(sync: GradientSync) -> bool:
-    """Whether this pass of `sync`'s model has its loss looked at (and counts it).
+def _looked_at(sync: GradientSync, replica: int) -> bool:
+    """Whether this pass of `replica` through `sync`'s model has its loss looked at.
 
-    Reading a fresh graph's nodes from Python costs 40-60 us a pass on the tutorial CNN
-    (every node object made anew, after the forward pass took the caches): the passes
-    1-4, then 8, 16, 32, ...: the habit shows in the first pass; a loss changed later
-    is still found, at the next power of two.
+    Counts the replica's passes. Reading a fresh graph's nodes from Python costs 40-60 us
+    a pass on the tutorial CNN (every node object made anew, after the forward pass took
+    the caches): each replica's passes 1-4, then 8, 16, 32, ...: the habit shows in the
+    first pass; a loss changed later is still found, at the next power of two.
     """
-    sync.mean_loss_passes += 1  # replica threads may race: the schedule shifts, no more
-    n = sync.mean_loss_passes
+    passes = sync.mean_loss_passes
+    passes[replica] += 1
+    n = passes[replica]
     return n <= _ALWAYS_LOOKED_AT or n & (n - 1) == 0
 
 
-def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any) -> None:
+def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any, replica: int) -> None:
     pending = [
-        s for s in syncs if s.op is ReduceOp.SUM and not s.warned_mean_loss and _looked_at(s)
+        s
+        for s in syncs
+        if s.op is ReduceOp.SUM and not s.warned_mean_loss and _looked_at(s, replica)
     ]
     if not pending:
         return

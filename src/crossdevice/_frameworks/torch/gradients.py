@@ -183,8 +183,8 @@ class GradientSync:
         self._flat = True  # try the flat bucket path (`buckets.py`) until a strategy refuses
         #: The one-time warning about a local mean loss under the SUM rule was given.
         self.warned_mean_loss = False
-        #: Backward passes counted for that warning's schedule (`backward._looked_at`).
-        self.mean_loss_passes = 0
+        #: Each replica's backward passes, for that warning's schedule (`backward`).
+        self.mean_loss_passes = [0] * len(self._params)
         if self.enabled:
             for replica in range(len(self._params)):
                 self._hook_trainable(replica)
