@@ -16,7 +16,7 @@ strategy (`GradientSync.begin_pass` / `end_pass`), so that:
 It also gives the one-time warning for a DDP habit that is wrong under TF's SUM rule: a
 loss that is this replica's *mean* (`cross_entropy(...)`, `.mean()`, a sum divided by
 this replica's batch), whose gradients the SUM then multiplies by the number of
-replicas (looked for in a model's first 4 passes, then in its passes 8, 16, 32, ...).
+replicas (looked for in each replica's first 4 passes, then in its passes 8, 16, ...).
 The check looks through sums of terms, negation and constant factors (`loss /
 accumulation_steps`, `0.5 * loss`), and stays silent when those factors come to exactly
 1/N: `local_mean / num_replicas_in_sync` is the correct TF idiom.
