@@ -114,7 +114,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 _WARNED_LOCK: Final = threading.Lock()
 
 
-#: A model's first passes whose loss is looked at; after them, passes 2**k only.
+#: A replica's first passes whose loss is looked at; after them, its passes 2**k only.
 _ALWAYS_LOOKED_AT: Final = 4
 
 
