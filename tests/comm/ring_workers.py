@@ -143,3 +143,30 @@ def lost(rank: int, world_size: int, how: str) -> dict[str, Any]:
     if rank == world_size - 1:  # a frozen one is killed by the harness once the others end
         os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
     return timed_outcome(lambda: strategy.run(step))
+
+
+def abort_in_flight(rank: int, world_size: int, guess_right: bool) -> dict[str, Any]:
+    """Small and large all-reduces in turn (the predictor learns them); then the last worker
+    issues one (the small one, as guessed, or the large one again, against the guess) and,
+    its result not yet waited for, gives up (`abort`), while its peers make that call and
+    the next."""
+    from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
+
+    apply_tuning()
+    with ProcessGroupCommunicator() as comm:
+        small, large = np.ones(4, np.float32), np.ones(36, np.float32)
+        for _ in range(4):
+            comm.all_reduce([small], "sum")
+            comm.all_reduce([large], "sum")
+        first, then = (small, large) if guess_right else (large, small)
+        if rank < world_size - 1:
+            out = timed_outcome(
+                lambda: (comm.all_reduce([first], "sum"), comm.all_reduce([then], "sum"))
+            )
+        else:
+            in_flight = comm.all_reduce_async([first], "sum")
+            comm.abort(ValueError("bad batch"))
+            del in_flight
+            out = {"outcome": ("ValueError", "bad batch"), "elapsed": 0.0}
+        time.sleep(1.5)  # rank 0 serves the store: its peers read the abort mark first
+    return out

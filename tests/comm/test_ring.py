@@ -124,3 +124,18 @@ def test_a_frozen_or_dead_worker_is_named_long_before_the_timeout(
     assert kind == "WorkerFailedError", got
     assert f"rank {world_size - 1}" in message
     assert got["elapsed"] < 20.0, got
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("guess_right", [True, False], ids=["guessed", "guessed-wrong"])
+def test_a_worker_that_quits_with_a_guessed_all_reduce_in_flight_is_named(
+    guess_right: bool,
+) -> None:
+    # Its abort tells the peers through their next all-reduce: zeros of the layout they
+    # guess for it. With its own all-reduce in flight, that guess comes after the one in
+    # flight (learnt as if agreed), not before it: a message of another size on a Gloo
+    # pair ends the receiving process (gloo's size check), here the quitting one. Where
+    # the guess for the one in flight was wrong, the peers follow it with its data, which
+    # zeros would stand in for (rank 0 would sum them): none go, the store's mark tells.
+    outs = run_workers(ring_workers.abort_in_flight, 2, args=(guess_right,), env=GLOO, timeout=90)
+    assert_failing_peer_named([r.unwrap() for r in outs])

@@ -59,6 +59,8 @@ class Integrity:
         self._health = health
         self.transports = transports
         self.predictor = Predictor()
+        #: The all-reduce started with a guessed header and not finished (`abandon`).
+        self._guessed: Checked | None = None
         self._chosen: dict[Layout, Transport] = {}
         self._chosen_under = tuning.TUNING
 
@@ -110,6 +112,7 @@ class Integrity:
             if history is None:
                 history = self.predictor.history([header] * self._standing.world_size)
             checked.history = history
+            self._guessed = checked
             return checked
         self._exchange(call, header, detail, learn=layout)
         data = self._data(call, layout, job)
@@ -122,6 +125,8 @@ class Integrity:
         return transport.start(call, data)
 
     def _finish(self, checked: Checked) -> list[torch.Tensor]:
+        if self._guessed is checked:
+            self._guessed = None
         call, layout, sent = checked.call, checked.layout, checked.sent
         outputs, agrees = checked.flight.finish()
         if sent is None:  # the headers were agreed first
@@ -298,6 +303,20 @@ class Integrity:
         """
         header = fp.abort_print(seq, error_type, self._standing.local_count()).encode()
         predicted = self._predict()
+        guessed, self._guessed = self._guessed, None
+        if guessed is not None and guessed.sent is not None:
+            # An all-reduce left in flight with a guessed header: the peers that complete
+            # it learn it before their next guess, so the zeros take the guess after it
+            # (a message of another size than a peer's receive ends that process: Gloo's
+            # size check). Learnt as if agreed: nothing predicts after an abort. Where
+            # its guess was wrong, agreeing peers follow it with its data in its own
+            # layout, which cannot be known to come: no zeros, the store's mark says it.
+            if guessed.sent.buffers is None:
+                predicted = None
+            else:
+                rows = [guessed.header] * self._standing.world_size
+                self.predictor.learn(rows, guessed.layout, guessed.history)
+                predicted = self._predict()
         if predicted:
             sent = Job(predicted, None, header=header)
             FAILED.extend(self.transport_for(predicted).abandon(sent))
