@@ -45,6 +45,8 @@ __all__ = [
     "KINDS",
     "MAX_NDIM",
     "OPS",
+    "SEQ_FIELD",
+    "STRUCTURE_FIELD",
     "Fingerprint",
     "ReductionPrints",
     "abort_print",
@@ -62,6 +64,9 @@ _MAGIC: Final = 0x43444631
 MAX_NDIM: Final = 64
 _FIXED: Final = 20
 HEADER_LEN: Final = _FIXED + MAX_NDIM
+#: Where `Fingerprint.encode` puts the sequence number and the structure digest.
+SEQ_FIELD: Final = 1
+STRUCTURE_FIELD: Final = 9
 #: Collective kinds, by code (index + 1).
 KINDS: Final = ("all_reduce", "all_gather", "broadcast", "barrier", "has_data", "abort")
 #: Reduce ops as the strategy asked for them (the wire always sums), by code (index).

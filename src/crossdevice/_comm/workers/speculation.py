@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from crossdevice._arrays.buffer_pool import BufferPool
+from crossdevice._comm.workers.fingerprint import SEQ_FIELD, STRUCTURE_FIELD
 from crossdevice._comm.workers.transport import Layout
 from crossdevice._core import tuning
 from crossdevice._sync.call import digest
@@ -82,8 +83,6 @@ MAX_RUN: Final = 64
 _Context = tuple[bytes | None, bytes, int]
 #: Not in a table (None is a layout: nothing predicted).
 _NONE: Final = object()
-#: The header field of the structure digest (`fingerprint.Fingerprint.encode`).
-_STRUCTURE: Final = 9
 #: Seven digest bytes and their squares.
 _LIMBS: Final = 7
 INLINE_SLOTS: Final = 2 * _LIMBS
@@ -402,10 +401,11 @@ ROOMS_PER_SIZE: Final = 16
 def _key(row: np.ndarray) -> bytes:
     """A header as history: without its sequence number and structure digest.
 
-    The sequence number (field 1) differs from call to call; the structure digest (field
-    9, `fingerprint.Fingerprint.encode`): see `Predictor`.
+    The sequence number differs from call to call; the structure digest: see
+    `Predictor`.
     """
-    return row[:1].tobytes() + row[2:_STRUCTURE].tobytes() + row[_STRUCTURE + 1 :].tobytes()
+    seq, structure = SEQ_FIELD, STRUCTURE_FIELD
+    return row[:seq].tobytes() + row[seq + 1 : structure].tobytes() + row[structure + 1 :].tobytes()
 
 
 def _remember(table: dict[Any, Layout | None], context: Any, layout: Layout | None) -> None:
