@@ -309,7 +309,7 @@ class ProcessGroupCommunicator:
 
         with self._collective("all_reduce", plan.opts.timeout) as call:
             header = plan.template.copy()
-            header[1] = call.seq
+            header[fp.SEQ_FIELD] = call.seq
             checked = self._sequencer.guard(
                 call,
                 lambda: self._integrity.start(

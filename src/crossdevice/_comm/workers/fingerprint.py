@@ -310,7 +310,7 @@ class ReductionPrints:
     """All-reduces' encoded fingerprints with sequence number 0, remembered.
 
     A training step repeats its all-reduces, and with them everything of their
-    fingerprints but the number (`header[1]`, set per call on a copy).
+    fingerprints but the number (`header[SEQ_FIELD]`, set per call on a copy).
     """
 
     def __init__(self) -> None:
