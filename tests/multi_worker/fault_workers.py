@@ -160,7 +160,9 @@ def lost_worker(
     timeout: float | None,
     warmups: int = 1,
 ) -> dict[str, Any]:
-    """Good all-reduces, then `culprit` is killed (SIGKILL) or stalls; the others reduce."""
+    """Good all-reduces, then `culprit` is killed (SIGKILL), frozen (SIGSTOP: its
+    connections stay open, and rank 0's store stops answering) or stalls; the others
+    reduce."""
     import crossdevice as cd
     from crossdevice._core import tuning
 
@@ -177,6 +179,8 @@ def lost_worker(
     if rank == culprit:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(120)  # the harness kills us once the others are done
     out = _outcome(lambda: strategy.run(step))
     # Whether the failed all-reduce waited in a shared-memory round.

@@ -99,6 +99,8 @@ LOST = [
     (3, 1, 1, "stall", 3.0),
     (2, 1, 0, "stall", None),  # the default timeout (shortened to 3 s in the worker)
     (3, 2, 2, "stall", None),
+    (2, 1, 0, "freeze", 30.0),  # the store's server frozen: its reads never answer
+    (3, 1, 1, "freeze", 30.0),  # its heartbeat stops, its connections stay open
 ]
 
 
@@ -122,10 +124,11 @@ def test_lost_worker_is_named(
         required=survivors,
         env=TRANSPORTS[transport],
     )
-    bound = _CLEAR_WITHIN if how == "kill" else (timeout or 3.0) + 5.0
+    dies = how in ("kill", "freeze")
+    bound = _CLEAR_WITHIN if dies else (timeout or 3.0) + 5.0
     for rank in survivors:
         got = results[rank].unwrap()
-        expected = "WorkerFailedError" if how == "kill" else "CollectiveTimeoutError"
+        expected = "WorkerFailedError" if dies else "CollectiveTimeoutError"
         assert got["type"] == expected, (rank, got)
         assert got["shared_rounds"] == (transport == "shm"), (rank, got)
         assert got["elapsed"] < bound, (rank, got)

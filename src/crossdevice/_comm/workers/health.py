@@ -13,8 +13,10 @@ its communicator):
 
 A waiting worker polls `check()` only when its collective did not finish within a
 poll interval, so the fast path costs nothing but the publisher thread's integer reads.
-When the store itself is unreachable, the process serving it is gone: that is rank 0
-(it serves the store unless torchrun's agent does), and the error says so.
+When the store itself is unreachable, or does not answer a read within
+`TUNING.dead_after_seconds` (`bounded_store.py`: a frozen server never does), the process
+serving it is gone or stopped: that is rank 0 (it serves the store unless torchrun's
+agent does), and the error says so.
 
 Every wait of a worker communicator goes through `HealthBoard.wait`: process-group work
 (`wait_works`), shared-memory rounds, and the first messages of a point-to-point exchange
@@ -39,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+from crossdevice._comm.workers.bounded_store import BoundedStore
 from crossdevice._comm.workers.calls import (
     Call,
     PeerFailure,
@@ -77,7 +80,11 @@ class HealthBoard:
         self._store_host = store_host
         # Calls that fail once the store's host is gone must not print C++ frames.
         self._pub_store = quiet_store(connect())
-        self._store = quiet_store(connect())
+        # Reads wait for the store's reply at most as long as a peer may stay silent:
+        # a frozen store host never replies (`bounded_store.py`).
+        self._store = BoundedStore(
+            quiet_store(connect()), lambda: tuning.TUNING.dead_after_seconds, f"r{rank}"
+        )
         self._published = -1
         self._beat = 0
         self._stop = threading.Event()
@@ -123,6 +130,7 @@ class HealthBoard:
         self._stop.set()
         if self._arrivals is not None:
             self._arrivals.put(None)  # the helper ends once its last wait does
+        self._store.close()
         self._thread.join(timeout=2 * tuning.TUNING.publish_seconds + 1.0)
 
     # -- peers -------------------------------------------------------------------------
@@ -172,7 +180,7 @@ class HealthBoard:
                 PeerFailure(
                     -1 if host is None else host,
                     f"is unreachable: the c10d store does not answer ({type(err).__name__}: "
-                    f"{err}), so {who} has probably died",
+                    f"{err}), so {who} has probably died or stopped",
                     died=True,
                 ),
             ]
