@@ -52,6 +52,8 @@ class BoundedStore:
         self._given_up: Any = None
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not the store's API (and no recursion before __init__)
+            raise AttributeError(name)
         method = getattr(self._store, name)
         if not callable(method):
             return method
