@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +48,7 @@ from crossdevice._comm.workers.calls import (
     Standing,
     WaitFailedError,
 )
+from crossdevice._comm.workers.serial import SerialThread
 from crossdevice._comm.workers.store_logging import quiet_store
 from crossdevice._core import tuning
 from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError
@@ -94,8 +94,8 @@ class HealthBoard:
             target=self._publish_loop, name=f"crossdevice-health-r{rank}", daemon=True
         )
         self._thread.start()
-        #: `wait_arrival`'s helper thread and its requests, started on first use.
-        self._arrivals: queue.SimpleQueue[Any] | None = None
+        #: `wait_arrival`'s helper: each request's blocking waits, in order.
+        self._arrivals = SerialThread(f"crossdevice-arrivals-r{rank}")
 
     # -- this worker -------------------------------------------------------------------
 
@@ -128,8 +128,7 @@ class HealthBoard:
     def stop(self) -> None:
         """Stop publishing (waits for the thread at most about one interval)."""
         self._stop.set()
-        if self._arrivals is not None:
-            self._arrivals.put(None)  # the helper ends once its last wait does
+        self._arrivals.close()  # the helper ends once its last wait does
         self._store.close()
         self._thread.join(timeout=2 * tuning.TUNING.publish_seconds + 1.0)
 
@@ -272,38 +271,13 @@ class HealthBoard:
         with it, 1.33-1.45 ms waiting here (runs apart); the hand-over mostly overlaps
         the data still on its way (for small ones, see `TUNING.direct_min_bytes`).
         """
-        # A bare lock, held until the helper's wait ends: its C `acquire(timeout=)` took
-        # 18-63 us less a call than `threading.Event.wait` (256 KiB and 1 MiB, 2 runs of
-        # 146 interleaved pairs).
-        done = threading.Lock()
-        done.acquire()
-        failed: list[BaseException] = []
-        if self._arrivals is None:
-            self._arrivals = queue.SimpleQueue()
-            threading.Thread(
-                target=self._arrival_loop,
-                args=(self._arrivals,),
-                name=f"crossdevice-arrivals-r{self._rank}",
-                daemon=True,
-            ).start()
-        self._arrivals.put((call, works, done, failed))
+        # A bare lock, held until the helper's wait ends (256 KiB and 1 MiB, 2 runs of
+        # 146 interleaved pairs: 18-63 us a call less than `threading.Event.wait`).
+        done, box = self._arrivals.submit(self.wait_messages, call, works)
         self.wait(call, functools.partial(_released, done))
-        if failed:
-            raise failed[0]
-
-    def _arrival_loop(self, requests: queue.SimpleQueue[Any]) -> None:
-        """`wait_arrival`'s helper: each request's blocking waits, in order."""
-        while (request := requests.get()) is not None:
-            call, works, done, failed = request
-            try:
-                self.wait_messages(call, works)
-            except BaseException as err:  # re-raised in the waiting thread
-                failed.append(err)
-            finally:
-                done.release()
-            # Not kept while waiting for the next request: a receive's work holds the
-            # buffer it filled, which the caller's pool reuses once nobody holds it.
-            del request, works
+        ok, err = box[0]
+        if not ok:
+            raise err
 
     def wait_messages(self, call: Call, works: Sequence[Any]) -> None:
         """Wait for each pending point-to-point work (a send, a receive), in order.
