@@ -188,6 +188,31 @@ def lost_worker(
     return out
 
 
+def frozen_store_at_start(rank: int, world_size: int, when: str) -> dict[str, Any]:
+    """Rank 0, which serves the c10d store, freezes (SIGSTOP) while the workers start:
+    `rendezvous`, once its store listens, before torch's rendezvous; `first-groups`,
+    between the rendezvous and the strategy's own groups; `groups`, after a first
+    strategy, before a second one creates its groups. The others build a strategy."""
+    import torch.distributed as dist
+
+    if when == "groups":
+        _strategy(1, timeout=30.0)
+    if rank == 0:
+        if when == "groups":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        # `rendezvous`: its store server was started just before torch's rendezvous;
+        # `first-groups`: the default group is up, the strategy's own groups come next.
+        name = "init_process_group" if when == "rendezvous" else "new_group"
+        real = getattr(dist, name)
+
+        def frozen(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return real(*args, **kwargs)
+
+        setattr(dist, name, frozen)
+    return _outcome(lambda: _strategy(1, timeout=30.0).num_replicas_in_sync)
+
+
 def _own_listening_sockets() -> list[str]:
     """This process's listening TCP sockets as `address:port` (from /proc/net/tcp{,6})."""
     pid = os.getpid()

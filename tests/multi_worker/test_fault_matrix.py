@@ -17,6 +17,7 @@ import pytest
 
 from tests.multi_worker.fault_workers import (
     MISMATCH_CELLS,
+    frozen_store_at_start,
     lost_worker,
     mismatches,
     replica_counts,
@@ -134,6 +135,23 @@ def test_lost_worker_is_named(
         assert got["elapsed"] < bound, (rank, got)
         assert f"rank {culprit}" in got["message"] or f"rank(s) [{culprit}]" in got["message"]
         assert f"global replicas {_ids(world_size, local, culprit)}" in got["message"], got
+
+
+@pytest.mark.parametrize("when", ["rendezvous", "first-groups", "groups"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_frozen_store_host_at_start_is_named(world_size: int, when: str) -> None:
+    """Rank 0 freezes while torch starts the groups: inside torch, where a store client
+    waits for a frozen server for ever; the others name it instead of waiting."""
+    survivors = list(range(1, world_size))
+    results = run_workers(
+        frozen_store_at_start, world_size, args=(when,), timeout=90, required=survivors
+    )
+    for rank in survivors:
+        got = results[rank].unwrap()
+        assert got["type"] == "WorkerFailedError", (rank, got)
+        assert "rank 0 serves the c10d store" in got["message"], got
+        assert "stopped or frozen" in got["message"], got
+        assert got["elapsed"] < _CLEAR_WITHIN, (rank, got)
 
 
 @pytest.mark.parametrize("local", [1, 2])

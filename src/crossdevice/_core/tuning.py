@@ -253,6 +253,14 @@ class Tuning:
         "ranks; Gloo's timeout then clears its pending work.",
         "tests/multi_worker/test_strategy.py::test_missing_worker_times_out_naming_the_collective",
     )
+    startup_probe_seconds: float = _knob(
+        1.0,
+        "How often a worker, while torch starts its groups, asks the c10d store whether it "
+        "still answers (a frozen store host leaves torch waiting for ever): one question a "
+        "second per worker loads a store server serving thousands of clients no more than "
+        "the heartbeats do.",
+        "tests/multi_worker/test_fault_matrix.py::test_frozen_store_host_at_start_is_named",
+    )
     diagnosis_store_timeout_seconds: float = _knob(
         2.0,
         "Bound on each c10d store read while diagnosing a failure.",

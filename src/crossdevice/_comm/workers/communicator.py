@@ -47,7 +47,6 @@ from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
 from crossdevice._comm.workers.copies import broadcast, gather, value_print
 from crossdevice._comm.workers.gloo import ProcessGroupTransport
 from crossdevice._comm.workers.groups import Groups
-from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.integrity import Integrity
 from crossdevice._comm.workers.packs import batch_all_reduce_async
 from crossdevice._comm.workers.plans import ReducePlans, make_plan
@@ -55,16 +54,11 @@ from crossdevice._comm.workers.ring import RingTransport
 from crossdevice._comm.workers.sequence import FillFailedError, Pending, Sequencer, guarded_fill
 from crossdevice._comm.workers.shm import SharedMemoryTransport
 from crossdevice._comm.workers.speculation import Filler, RoomPool
-from crossdevice._comm.workers.start import (
-    check_joined_group,
-    health_store,
-    start_cluster_group,
-    store_host,
-)
+from crossdevice._comm.workers.start import check_joined_group, connect_groups, start_for
 from crossdevice._comm.workers.transport import Job, Layout
 from crossdevice._comm.workers.wire import Wire, describe_wires, to_wire
 from crossdevice._core import tuning
-from crossdevice._core.cluster import Cluster, resolve_cluster
+from crossdevice._core.cluster import Cluster
 from crossdevice._core.errors import CollectiveMismatchError
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
@@ -122,12 +116,14 @@ class ProcessGroupCommunicator:
         self._groups: Groups | None = None
         self._shm: SharedMemoryTransport | None = None
         try:
-            groups = Groups(
-                self.timeout + tuning.TUNING.backstop_slack_seconds, self._options.implementation
+            rank, world = self._standing.rank, self._standing.world_size
+            groups, self._health = connect_groups(
+                self.timeout + tuning.TUNING.backstop_slack_seconds,
+                self._options.implementation,
+                rank,
+                world,
             )
             self._groups = groups
-            rank, world = self._standing.rank, self._standing.world_size
-            self._health = HealthBoard(lambda: health_store(groups.name), rank, world, store_host())
             self._sequencer = Sequencer(
                 self._standing, self._health, groups, self.abort, type(self).__name__
             )
@@ -151,17 +147,7 @@ class ProcessGroupCommunicator:
             raise
 
     def _start_default_group(self, cluster: Cluster | None, init_timeout: float | None) -> Cluster:
-        if cluster is None:
-            cluster = resolve_cluster()
-        if cluster is None:
-            raise ValueError(
-                "no cluster to join: TF_CONFIG describes no cluster, torchrun's RANK/"
-                "WORLD_SIZE/MASTER_ADDR/MASTER_PORT are unset and torch.distributed is not "
-                "initialised; launch with `torchrun`, set TF_CONFIG, or pass a Cluster"
-            )
-        if init_timeout is None:
-            init_timeout = tuning.TUNING.default_init_timeout_seconds
-        start_cluster_group(cluster, init_timeout)
+        cluster = start_for(cluster, init_timeout)
         self._owns_default_group = True
         return cluster
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import functools
 import os
 import socket
 import struct
@@ -26,23 +27,33 @@ from typing import Any, Final
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from crossdevice._comm.workers.groups import Groups
+from crossdevice._comm.workers.health import HealthBoard
+from crossdevice._comm.workers.store_watch import watched
 from crossdevice._core import tuning
-from crossdevice._core.cluster import Cluster
+from crossdevice._core.cluster import Cluster, resolve_cluster
+from crossdevice._core.options import CommunicationImplementation
 
 __all__ = [
     "STORE_BIND_ENV",
     "check_joined_group",
+    "connect_groups",
     "health_store",
     "interface_of",
     "serves_store",
     "start_cluster_group",
     "start_default_group",
+    "start_for",
     "store_host",
 ]
 
 #: Environment variable naming the address rank 0's store listens on.
 STORE_BIND_ENV: Final = "CROSSDEVICE_STORE_BIND"
 _SIOCGIFADDR: Final = 0x8915
+#: A start-up step's waits for peers inside torch, each bounded by its timeout while the
+#: store answers (the store client's connection, the rendezvous's keys, a group's
+#: handshake): `watched`'s backstop is this many timeouts.
+_STARTUP_WAITS: Final = 3
 
 
 def store_host() -> int | None:
@@ -164,13 +175,34 @@ def start_default_group(
     )
 
 
+def start_for(cluster: Cluster | None, init_timeout: float | None) -> Cluster:
+    """Start the default group for `cluster` (None: `resolve_cluster`); the cluster started.
+
+    Raises:
+        ValueError: no cluster described.
+    """
+    if cluster is None:
+        cluster = resolve_cluster()
+    if cluster is None:
+        raise ValueError(
+            "no cluster to join: TF_CONFIG describes no cluster, torchrun's RANK/"
+            "WORLD_SIZE/MASTER_ADDR/MASTER_PORT are unset and torch.distributed is not "
+            "initialised; launch with `torchrun`, set TF_CONFIG, or pass a Cluster"
+        )
+    if init_timeout is None:
+        init_timeout = tuning.TUNING.default_init_timeout_seconds
+    start_cluster_group(cluster, init_timeout)
+    return cluster
+
+
 def start_cluster_group(cluster: Cluster, init_timeout: float) -> None:
     """The default group for `cluster`: Gloo, plus NCCL on this process's GPU when CUDA is up.
 
     NCCL joins only when every worker on this host has a GPU of its own: it refuses two
     ranks on one device, and binding them eagerly fails the start. With more workers than
     GPUs the default group is Gloo only (our communicators then carry CUDA values through
-    Gloo on the host; `Groups` says so).
+    Gloo on the host; `Groups` says so). The rendezvous runs `watched`: a store host that
+    freezes meanwhile ends it with an error, not a wait for ever.
     """
     import torch
 
@@ -178,25 +210,70 @@ def start_cluster_group(cluster: Cluster, init_timeout: float) -> None:
     device = None
     if cuda:
         # One GPU per process (torchrun's LOCAL_RANK): NCCL then binds each rank to its
-        # own device instead of every rank to GPU 0.
+        # own device instead of every rank to GPU 0. Set here, on the caller's thread.
         count = torch.cuda.device_count()
         device = torch.device("cuda", cluster.local_rank % count)
         torch.cuda.set_device(device)
         if cluster.local_world_size > count:
             cuda, device = False, None
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    start_default_group(cluster, backend, init_timeout, device_id=device)
+    address = (cluster.master_addr, cluster.master_port)
+    watched(
+        functools.partial(start_default_group, cluster, backend, init_timeout, device_id=device),
+        store=address,
+        store_host=store_host(),
+        backstop=_STARTUP_WAITS * init_timeout + tuning.TUNING.backstop_slack_seconds,
+        what=f"the rendezvous of {cluster.world_size} workers (rank {cluster.rank})",
+    )
+
+
+def connect_groups(
+    timeout: float, implementation: CommunicationImplementation, rank: int, world_size: int
+) -> tuple[Groups, HealthBoard]:
+    """A communicator's own groups (`timeout`: theirs) and its health board, `watched`.
+
+    Both talk to the default group's store inside torch (a group's Gloo handshake, the
+    board's store clients): a store host that freezes meanwhile ends this with an error.
+    """
+
+    def connect() -> tuple[Groups, HealthBoard]:
+        groups = Groups(timeout, implementation)
+        try:
+            health = HealthBoard(lambda: health_store(groups.name), rank, world_size, store_host())
+        except BaseException:
+            groups.destroy()
+            raise
+        return groups, health
+
+    return watched(
+        connect,
+        store=_default_store_address(),
+        store_host=store_host(),
+        backstop=_STARTUP_WAITS * timeout + tuning.TUNING.backstop_slack_seconds,
+        what=f"creating a communicator's process groups on rank {rank} of {world_size}",
+    )
+
+
+def _default_tcp_store() -> Any:
+    """The default group's store under its prefixes, when it is a TCPStore (else None)."""
+    # torch keeps no public handle on the default group's store; this private getter
+    # has existed since torch 1.x.
+    base = dist.distributed_c10d._get_default_store()
+    while isinstance(base, PrefixStore):
+        base = base.underlying_store
+    return base if isinstance(base, TCPStore) else None
+
+
+def _default_store_address() -> tuple[str, int] | None:
+    base = _default_tcp_store()
+    return None if base is None else (base.host, base.port)
 
 
 def health_store(namespace: str) -> Any:
     """A store for health marks, with its own connection and a short read timeout."""
-    # torch keeps no public handle on the default group's store; this private getter
-    # has existed since torch 1.x.
     store = dist.distributed_c10d._get_default_store()
-    base = store
-    while isinstance(base, PrefixStore):
-        base = base.underlying_store
-    if isinstance(base, TCPStore):
+    base = _default_tcp_store()
+    if base is not None:
         # A connection of our own: its timeout bounds our reads without changing the
         # default store's, and a dead server fails our reads at once.
         store = TCPStore(
