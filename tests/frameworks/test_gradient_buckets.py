@@ -7,6 +7,7 @@ place, its parameters' gradients views into it (`buckets.py`).
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,8 @@ from tests.frameworks.workers import (
     bucket_reuse,
     bucket_training,
     bucket_views,
+    chained_models,
+    collectives_in_backward,
     compressed_gradients,
     compressed_gradients_of_mixed_rules,
     identical_layers,
@@ -98,8 +101,9 @@ def test_buckets_issued_on_the_queue_thread_train_bitwise_as_from_the_hook(
 @pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
 def test_buckets_alike_in_a_row_are_predicted_every_step(torch: Any, shared_memory: str) -> None:
     """Three hidden layers alike, one bucket each: the same collective three times in a
-    row. From the third step on every bucket's layout is predicted right (a wrong guess
-    sends a bucket of zeros first), and the model is plain torch's. (While the step
+    row (through shared memory; on Gloo the pass's buckets are one all-reduce,
+    `pass_reduce.py`). From the third step on every layout is predicted right (a wrong
+    guess sends a bucket of zeros first), and the model is plain torch's. (While the step
     count in a bucket's call site was history, the fifth step was the first.)"""
     steps = 9
     env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
@@ -107,9 +111,10 @@ def test_buckets_alike_in_a_row_are_predicted_every_step(torch: Any, shared_memo
         r.unwrap() for r in run_workers(identical_layers, 2, args=(steps,), env=env, timeout=90)
     ]
     assert outs[0]["buckets"] == [[3, 2, 2, 2, 1]]  # [b5 W5 b4] [W4 b3] [W3 b2] [W2 b1] [W1]
+    per_step = 1 if shared_memory == "0" else 5
     for out in outs:
         assert out["misses"][-1] == out["misses"][1], out["misses"]
-        assert out["guesses"][-1] - out["guesses"][2] == 5 * (steps - 3), out["guesses"]
+        assert out["guesses"][-1] - out["guesses"][2] == per_step * (steps - 3), out["guesses"]
     for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True):
         np.testing.assert_array_equal(a, b)
     reference = _plain(torch, identical_mlp, steps, momentum=0.0)
@@ -125,25 +130,121 @@ def test_every_bucket_of_every_epoch_is_predicted_once_an_epoch_ended(shared_mem
     of the next step everywhere else: once the first pass ended, every bucket of every
     step is predicted right and the agreement is not guessed a bucket (it was, every
     pass, a bucket of zeros sent before it, when the step count in the buckets' call
-    site made a step's buckets four keys in turn)."""
+    site made a step's buckets four keys in turn). On Gloo a step's buckets are one
+    all-reduce from the second step on (the first sends them one by one, watched:
+    `pass_reduce.py`), so the first two passes' starts differ and the second pass's end
+    is the one that settles it."""
     steps, epochs = 5, 4
     env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
     runs = run_workers(identical_layers, 2, args=(steps, epochs), env=env, timeout=120)
+    per_step, settled = (1, 2 * steps) if shared_memory == "0" else (5, steps)
     for out in [r.unwrap() for r in runs]:
         misses, guesses = out["misses"], out["guesses"]
         assert len(misses) == steps * epochs
-        assert misses[-1] == misses[steps], misses  # none after the first pass's end
-        for before, after in itertools.pairwise(guesses[steps:]):
-            assert after - before == 5, guesses  # every bucket; never the agreement
+        assert misses[-1] == misses[settled], misses  # none once it settled
+        for before, after in itertools.pairwise(guesses[settled:]):
+            assert after - before == per_step, guesses  # every bucket; never the agreement
+
+
+@pytest.mark.multiprocess
+def test_a_pass_waiting_for_a_module_ended_late_does_not_hold_up_another(torch: Any) -> None:
+    """Two prepared models, chained, several buckets each; the outer one has a layer no
+    step uses, so its pass's all-reduce (queued first: backward reaches it first) waits
+    for a bucket completed only when the pass returns. The passes end as plain torch's,
+    at once, not at the collective's 20 s timeout."""
+    from tests.frameworks.workers import chained_nets
+
+    steps = 3
+    start = time.monotonic()
+    runs = run_workers(chained_models, 2, args=(steps,), timeout=60, env=GLOO)
+    outs = [r.unwrap() for r in runs]
+    assert time.monotonic() - start < 40.0
+    for a, b in zip(outs[0], outs[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        inner, outer = chained_nets(torch)
+        sgd = torch.optim.SGD([*inner.parameters(), *outer.parameters()], lr=0.5)
+        for x, y in global_batches(torch, steps):
+            sgd.zero_grad()
+            logits = outer[3](outer[2](outer[1](inner(x))))
+            (
+                torch.nn.functional.cross_entropy(logits, y, reduction="sum") / GLOBAL_BATCH
+            ).backward()
+            sgd.step()
+        reference = [p.detach().numpy() for p in [*inner.parameters(), *outer.parameters()]]
+    finally:
+        torch.set_default_dtype(dtype)
+    for a, b in zip(outs[0], reference, strict=True):
+        assert float(np.max(np.abs(a - b))) <= 1e-12
+
+
+@pytest.mark.multiprocess
+def test_a_backward_that_starts_collectives_sends_its_buckets_one_by_one(torch: Any) -> None:
+    """SyncBatchNorm's differentiable all-reduces start collectives inside backward, after
+    the first bucket is ready: one all-reduce for the pass's buckets, which waits for
+    backward, could never let them go first. The first pass, watched, shows it: the
+    buckets keep going one by one, and the model trains as plain torch's BatchNorm on the
+    global batch."""
+    from tests.frameworks.workers import norm_net
+
+    steps = 3
+    runs = run_workers(collectives_in_backward, 2, args=(steps, False), timeout=60, env=GLOO)
+    outs = [r.unwrap() for r in runs]
+    assert [out["passes"] for out in outs] == [-1, -1]
+    for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = norm_net(torch, torch.nn.BatchNorm1d(8))
+        sgd = torch.optim.SGD(net.parameters(), lr=0.5)
+        for x, y in global_batches(torch, steps):
+            sgd.zero_grad()
+            (
+                torch.nn.functional.cross_entropy(net(x), y, reduction="sum") / GLOBAL_BATCH
+            ).backward()
+            sgd.step()
+        reference = [p.detach().numpy() for p in net.parameters()]
+    finally:
+        torch.set_default_dtype(dtype)
+    for a, b in zip(outs[0]["params"], reference, strict=True):
+        assert float(np.max(np.abs(a - b))) <= 1e-12
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("one_by_one", [False, True], ids=["passes", "env-off"])
+def test_a_collective_that_backward_starts_late_is_refused_at_once(one_by_one: bool) -> None:
+    """Two passes without collectives of their own let a model's buckets travel as one
+    all-reduce per pass; a third whose backward starts one (SyncBatchNorm's, from that
+    step on) cannot let it go first: RuntimeError at once on every worker, saying what
+    to do, not a wait for the collective's 20 s timeout. With the variable it names
+    set to 0, every bucket goes on its own, and the step runs."""
+    env = {**GLOO, "CROSSDEVICE_PASS_ALL_REDUCE": "0"} if one_by_one else GLOO
+    runs = run_workers(collectives_in_backward, 2, args=(3, True), timeout=60, env=env)
+    for out in [r.unwrap() for r in runs]:
+        if one_by_one:
+            assert out["outcome"] == ("returned", ""), out["outcome"]
+            assert out["passes"] == -1
+            continue
+        kind, message = out["outcome"]
+        assert kind == "RuntimeError", out["outcome"]
+        assert "a collective was started inside backward" in message
+        assert "CROSSDEVICE_PASS_ALL_REDUCE=0" in message
+        assert out["elapsed"] < 10.0
+        assert out["passes"] == 1
 
 
 @pytest.mark.multiprocess
 def test_a_backward_that_raises_with_buckets_queued_names_the_worker_on_its_peer() -> None:
     """Rank 1's backward raises after its later buckets were queued: rank 1 gets its own
     error, rank 0 (whose queue waits for rank 1's remaining buckets) a WorkerFailedError
-    naming rank 1 within seconds, not a timeout or a hang."""
-    outs = run_workers(queued_failure, 2, timeout=60, env=GLOO)
-    assert_failing_peer_named([r.unwrap() for r in outs])
+    naming rank 1 within seconds, not a timeout or a hang; and neither queue keeps
+    waiting (rank 1's pass all-reduce for the buckets its backward never completed)."""
+    outs = [r.unwrap() for r in run_workers(queued_failure, 2, timeout=60, env=GLOO)]
+    assert_failing_peer_named(outs)
+    assert [out["queue_idle"] for out in outs] == [True, True]
 
 
 @pytest.mark.multiprocess

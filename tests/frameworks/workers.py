@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tests.frameworks.helpers import load_example
@@ -426,7 +427,10 @@ def max_norm_embedding(rank: int, world_size: int) -> list[Any]:
 
 def queued_failure(rank: int, world_size: int) -> dict[str, Any]:
     """Every bucket queued (`queue_min_bytes=0`, 4 buckets); at the third step rank 1's
-    backward raises in the first layer, after the later layers' buckets were queued.
+    backward raises in the first layer, after the later layers' buckets were queued (on
+    Gloo, after the pass's all-reduce sent its first buckets: `pass_reduce.py`). The
+    health board looks every 3 s (`poll_seconds`): data that completed the peer's
+    all-reduce before that (zeros for the buckets that never came) would be summed.
     Each worker's outcome of that step and how long it took (`timed_outcome`)."""
     del world_size
     import torch
@@ -437,7 +441,7 @@ def queued_failure(rank: int, world_size: int) -> dict[str, Any]:
     from tests.comm.peers import timed_outcome
     from tests.frameworks.helpers import mlp
 
-    tuning.set_tuning(queue_min_bytes=0)
+    tuning.set_tuning(queue_min_bytes=0, poll_seconds=3.0)
     strategy = crossdevice.MultiWorkerMirroredStrategy()
     with strategy.scope():
         net = mlp(torch)
@@ -461,5 +465,116 @@ def queued_failure(rank: int, world_size: int) -> dict[str, Any]:
 
     for _ in range(2):  # the buckets' layouts are learnt first
         strategy.run(step, args=(False,))
-    assert strategy.extended._worker_communicator._sequencer.queue is not None, "not queued"
-    return timed_outcome(lambda: strategy.run(step, args=(rank == 1,)))
+    queue = strategy.extended._worker_communicator._sequencer.queue
+    assert queue is not None, "not queued"
+    out = timed_outcome(lambda: strategy.run(step, args=(rank == 1,)))
+    # The pass's all-reduce, filled as buckets complete, does not keep waiting for the
+    # buckets a raising backward never completes (`PassReduce.abandon`).
+    deadline = time.monotonic() + 5.0
+    while not queue.idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["queue_idle"] = queue.idle
+    return out
+
+
+def chained_models(rank: int, world_size: int, steps: int) -> list[Any]:
+    """Two prepared models, `inner` prepared first and `outer` applied to its output,
+    several buckets each; `outer` has a layer no step uses, so one of its buckets is
+    complete only when the pass returns. Backward reaches `outer`'s buckets first, so its
+    pass's all-reduce is queued before `inner`'s and waits there for that last bucket:
+    every module's last buckets must go before any pass waits. Float64, SGD; returns
+    both models' final parameters (inner's, then outer's)."""
+    del rank, world_size
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import GLOBAL_BATCH, global_batches
+
+    torch.set_default_dtype(torch.float64)
+    options = crossdevice.experimental.CommunicationOptions(timeout_seconds=20.0)
+    strategy = crossdevice.MultiWorkerMirroredStrategy(communication_options=options)
+    with strategy.scope():
+        inner_net, outer_net = chained_nets(torch)
+        params = [*inner_net.parameters(), *outer_net.parameters()]
+        sgd = torch.optim.SGD(params, lr=0.5)
+        inner, outer, optimizer = cdt.prepare(inner_net, outer_net, sgd, bucket_cap_bytes=256)
+
+    def step(x: Any, y: Any) -> None:
+        optimizer.zero_grad()
+        logits = outer[3](outer[2](outer[1](inner(x))))
+        (torch.nn.functional.cross_entropy(logits, y, reduction="sum") / GLOBAL_BATCH).backward()
+        optimizer.step()
+
+    for x, y in strategy.experimental_distribute_dataset(global_batches(torch, steps)):
+        strategy.run(step, args=(x, y))
+    return [p.detach().numpy() for p in [*inner.parameters(), *outer.parameters()]]
+
+
+def chained_nets(torch: Any) -> tuple[Any, Any]:
+    """`chained_models`' seeded nets: inner 6 -> 8 -> 8, outer 8 -> 8 -> 3 (and an unused
+    3 -> 3, its first layer)."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    # Registered first, reduced last: the unused layer's bucket is outer's last.
+    outer = torch.nn.Sequential(
+        torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+    )
+    return inner, outer
+
+
+def collectives_in_backward(rank: int, world_size: int, steps: int, late: bool) -> dict[str, Any]:
+    """A model whose backward starts collectives of its own: a SyncBatchNorm between two
+    linear layers (its statistics' all-reduces are differentiable), several buckets,
+    float64, SGD. `late=False`: in every step, so the buckets keep going one by one
+    (`pass_reduce.py`). `late=True`: a plain BatchNorm's statistics until the third step,
+    the synchronised ones from then on, so that step's backward starts a collective after
+    its first bucket left as part of one all-reduce per pass. Returns the final
+    parameters (or, late, that step's outcome) and whether the passes went as one."""
+    del rank, world_size
+    import torch
+
+    import crossdevice
+    import crossdevice.torch as cdt
+    from tests.comm.peers import timed_outcome
+    from tests.frameworks.helpers import GLOBAL_BATCH, global_batches
+
+    torch.set_default_dtype(torch.float64)
+    options = crossdevice.experimental.CommunicationOptions(timeout_seconds=20.0)
+    strategy = crossdevice.MultiWorkerMirroredStrategy(communication_options=options)
+    with strategy.scope():
+        net = norm_net(torch, cdt.SyncBatchNorm(8))
+        sgd = torch.optim.SGD(net.parameters(), lr=0.5)
+        model, optimizer = cdt.prepare(net, sgd, bucket_cap_bytes=256)
+
+    def step(x: Any, y: Any, synchronised: bool) -> None:
+        optimizer.zero_grad()
+        layers = model.module
+        hidden = layers[0](x)
+        if synchronised:
+            hidden = layers[1](hidden)
+        else:  # the same affine parameters, this worker's own statistics
+            hidden = torch.nn.functional.batch_norm(
+                hidden, None, None, layers[1].weight, layers[1].bias, training=True
+            )
+        logits = layers[3](layers[2](hidden))
+        (torch.nn.functional.cross_entropy(logits, y, reduction="sum") / GLOBAL_BATCH).backward()
+        optimizer.step()
+
+    batches = strategy.experimental_distribute_dataset(global_batches(torch, steps))
+    out: dict[str, Any] = {}
+    for i, (x, y) in enumerate(batches):
+        synchronised = not late or i >= 2
+        if late and i == 2:
+            out.update(timed_outcome(lambda x=x, y=y: strategy.run(step, args=(x, y, True))))
+            break
+        strategy.run(step, args=(x, y, synchronised))
+    out["passes"] = model.__dict__["_gradients"]._passes
+    out["params"] = [p.detach().numpy() for p in model.parameters()]
+    return out
+
+
+def norm_net(torch: Any, norm: Any) -> Any:
+    """`collectives_in_backward`'s seeded net: 6 -> 8, `norm`, tanh, 8 -> 3."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), norm, torch.nn.Tanh(), torch.nn.Linear(8, 3))

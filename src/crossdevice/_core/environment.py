@@ -1,7 +1,8 @@
 """The one way crossdevice reads a setting from an environment variable.
 
 Two kinds of settings come from the environment: switches (`CROSSDEVICE_NATIVE`,
-`CROSSDEVICE_KEEP_HEAP`, `CROSSDEVICE_SHARED_MEMORY`, `CROSSDEVICE_DEBUG`) and counts
+`CROSSDEVICE_KEEP_HEAP`, `CROSSDEVICE_SHARED_MEMORY`, `CROSSDEVICE_DEBUG`,
+`CROSSDEVICE_PASS_ALL_REDUCE`) and counts
 (`CROSSDEVICE_LOGICAL_CPUS`, `CROSSDEVICE_LOGICAL_GPUS`,
 `CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`, `CROSSDEVICE_TRACE_REPORT_EVERY`). Each is read
 here, alike: unset or blank means the default; surrounding spaces do not count; a switch

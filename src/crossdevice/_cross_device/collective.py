@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
@@ -412,6 +412,73 @@ class CollectiveAllReduce(CrossDeviceOps):
             summed = self._compressed_sum(flat, wire_dtype, route.merged, route.signature)
             return Then([Done([summed])], route.deliver)
         return Then([self._issue_flat(route, parts, numel)], route.deliver)
+
+    def reduce_flats_async(
+        self,
+        reduce_op: ReduceOp,
+        like: Any,
+        numels: Sequence[int],
+        fill: Callable[[int, int, int, Any], None],
+        options: CommunicationOptions | None,
+        site: object,
+        leaves: tuple[Any, ...],
+        why: str,
+        missing: Callable[[int], bool],
+    ) -> Pending | None:
+        """Several flat buffers all-reduced as one collective, each filled as it leaves.
+
+        A backward pass's gradient buckets (`crossdevice.torch`'s `PassReduce`): buffer
+        j has `numels[j]` elements of `like`'s dtype (a host tensor) and is written by
+        `fill(j, start, stop, dest)` (elements `start:stop` into NumPy array `dest`) just
+        before that range leaves, on the communicator's queue thread, after the calls
+        queued before it; so `fill` may wait for the buffer's data, which the calling
+        thread produces: while `missing(j)` says buffer j's data is still to come, a
+        collective from the calling thread raises RuntimeError(`why`) (it would wait for
+        this one, which waits for it). One
+        numbered all-reduce, its buffers reduced where they lie: `wait()` gives them, in
+        order, each summed as `reduce_flat_async` sums its one buffer (bitwise alike).
+        `leaves` describes every buffer's values, compared across workers with `site`.
+
+        Returns None (nothing issued) where this path does not apply: a buffer that
+        travels through shared memory or is issued from the hook
+        (`TUNING.queue_min_bytes`), or a dtype NumPy lacks.
+        """
+        import torch
+
+        comm = self._communicator
+        assert comm is not None  # the strategy offers this path only across workers
+        route = self._flat_routes.route(reduce_op, options, site, leaves, None, like)
+        dtype = route.room_dtype
+        shared = comm.shared_memory
+        if (
+            dtype is None
+            or route.reduce is None
+            or min(numels) * like.element_size() < tuning.TUNING.queue_min_bytes
+            or (shared is not None and shared.carries(tuple((like.dtype, n) for n in numels)))
+        ):
+            return None
+
+        producer = threading.current_thread()
+
+        def issue() -> Pending:
+            rooms = [comm.pack_buffer(dtype, n) for n in numels]
+
+            def write(j: int, start: int, stop: int, out: Any = None) -> bool:
+                with comm.awaiting(producer, why, functools.partial(missing, j)):
+                    fill(j, start, stop, rooms[j][start:stop] if out is None else out)
+                return True
+
+            flats = [torch.from_numpy(room) for room in rooms]
+            return comm.all_reduce_async(flats, route.reduce, donate=True, fill=write)
+
+        workers = self._num_between_graph_workers
+        if reduce_op == ReduceOp.MEAN:
+
+            def deliver(totals: list[Any]) -> list[Any]:
+                return [backend_for(total).divide(total, workers) for total in totals]
+
+            return Then([comm.submit(issue)], deliver)
+        return comm.submit(issue)
 
     def _pack_flat(self, route: FlatRoute, parts: list[Any] | tuple[Any, ...], numel: int) -> Any:
         """`parts` end to end in one flat buffer (a recycled host room where NumPy can)."""

@@ -144,15 +144,48 @@ class _MultiWorkerExtended(ReplicatedExtended):
         most 4 cached routes).
         """
         del replica_id  # the only local replica
-        ops = self._cross_device_ops
-        if (
-            self._worker_communicator is None
-            or len(self._devices) != 1
-            or not isinstance(ops, CollectiveAllReduce)
-        ):
+        ops = self._flat_ops()
+        if ops is None:
             return None
         site = (call_site(), _FLAT_STRUCTURE, site_tag())
         return ops.reduce_flat_async(op, parts, self._options, site, leaves, wire_dtype)
+
+    def _flat_ops(self) -> CollectiveAllReduce | None:
+        """The cross-device ops of the flat paths: with workers and one device, else None."""
+        ops = self._cross_device_ops
+        if self._worker_communicator is None or len(self._devices) != 1:
+            return None
+        return ops if isinstance(ops, CollectiveAllReduce) else None
+
+    def _replica_reduce_flats_async(
+        self,
+        replica_id: int,
+        op: ReduceOp,
+        like: Any,
+        numels: Sequence[int],
+        fill: Callable[[int, int, int, Any], None],
+        leaves: tuple[Any, ...],
+        why: str,
+        missing: Callable[[int], bool],
+    ) -> Pending | None:
+        """Several flat buffers, each filled as it leaves, all-reduced as one collective.
+
+        A backward pass's gradient buckets (`crossdevice.torch`'s `PassReduce`;
+        `CollectiveAllReduce.reduce_flats_async`). Only where `_replica_reduce_flat_async`
+        applies: None elsewhere, or where that path would not queue the buffers.
+        """
+        del replica_id  # the only local replica
+        ops = self._flat_ops()
+        if ops is None:
+            return None
+        site = (call_site(), _FLAT_STRUCTURE, site_tag())
+        options = self._options
+        return ops.reduce_flats_async(op, like, numels, fill, options, site, leaves, why, missing)
+
+    def _collectives_here(self) -> int | None:
+        """Cross-worker collectives the calling thread started itself (None: no workers)."""
+        comm = self._worker_communicator
+        return None if comm is None else comm.collectives_here()
 
     def _issue_all_reduce(
         self,

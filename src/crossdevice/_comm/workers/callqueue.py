@@ -14,13 +14,18 @@ matter of timing. So any collective from another thread first waits for the queu
 empty (`drain`, from `Sequencer.hold`): a collective the caller issues after submitting
 buckets comes after them on every worker. Errors of a queued call are its own: they
 reach whoever waits for its result (`Queued.wait`), as themselves.
+
+A queued call may wait for data another thread is still producing (a backward pass's
+buckets, filled as they complete: `awaiting`); that thread must then not wait for the
+queue: its `drain` raises at once instead of waiting for a call that waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["CallQueue", "Queued"]
@@ -66,6 +71,8 @@ class CallQueue:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        #: (the thread a running call may wait for, why, whether it does) (`awaiting`).
+        self._awaited: tuple[threading.Thread, str, Callable[[], bool]] | None = None
 
     def on_thread(self) -> bool:
         """Whether the caller is the queue's own thread."""
@@ -103,16 +110,43 @@ class CallQueue:
         Raises:
             TimeoutError: a call did not finish within its bound (its collective's
                 own timeout failed to end it: a bug, reported rather than waited on).
+            RuntimeError: the running call waits for this thread's data (`awaiting`).
         """
         if self.on_thread():
             return
+        me = threading.current_thread()
+
+        def over() -> bool:
+            awaited = self._awaited
+            return not self._busy or (awaited is not None and awaited[0] is me and awaited[2]())
+
         with self._cond:
-            if self._busy and not self._cond.wait_for(lambda: not self._busy, self._bounds):
+            if self._busy and not self._cond.wait_for(over, self._bounds):
                 raise TimeoutError(
                     f"{self._busy} queued collective call(s) did not finish within "
                     f"{self._bounds:g} s, the bound of their collectives' timeouts: the "
                     "communicator cannot be used; build a new strategy on every worker"
                 )
+            if self._busy and self._awaited is not None:
+                raise RuntimeError(self._awaited[1])
+
+    @contextlib.contextmanager
+    def awaiting(
+        self, thread: threading.Thread, why: str, missing: Callable[[], bool]
+    ) -> Iterator[None]:
+        """Inside, the running call may wait for data that `thread` produces.
+
+        While `missing()` says it does, a `drain` from `thread` raises
+        RuntimeError(`why`) at once. `why`: what waits for what, and what to do.
+        """
+        with self._cond:
+            self._awaited = (thread, why, missing)
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._awaited = None
 
     def stop(self) -> None:
         """End the thread once the calls queued so far ran, without waiting for them.

@@ -314,6 +314,19 @@ class ProcessGroupCommunicator:
         """
         return self._sequencer.submit(call, self.timeout + tuning.TUNING.backstop_slack_seconds)
 
+    def collectives_here(self) -> int:
+        """How many collectives the calling thread has started itself (not queued ones)."""
+        return self._sequencer.held_here()
+
+    def awaiting(self, thread: Any, why: str, missing: Callable[[], bool]) -> Any:
+        """Inside (a queued call), data `thread` produces may be awaited (`missing()`).
+
+        A collective from `thread` would wait for the queue: RuntimeError(`why`) instead.
+        """
+        queue = self._sequencer.queue
+        assert queue is not None  # only a queued call waits so
+        return queue.awaiting(thread, why, missing)
+
     def pack_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
         """A recycled flat host buffer to fill and then `all_reduce(..., donate=True)`.
 

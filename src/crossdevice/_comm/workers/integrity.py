@@ -61,6 +61,9 @@ class Integrity:
         self.predictor = Predictor()
         #: The all-reduce started with a guessed header and not finished (`abandon`).
         self._guessed: Checked | None = None
+        #: An all-reduce whose start failed midway (a caller's lazy fill raised after
+        #: some of its data left): `abandon` then sends nothing (see there).
+        self._midway = False
         self._chosen: dict[Layout, Transport] = {}
         self._chosen_under = tuning.TUNING
 
@@ -105,7 +108,7 @@ class Integrity:
             call.guess = self.predictor.counted(predicted, layout)
             sent = job(predicted) if predicted == layout else Job(predicted, None)
             sent.header = header
-            flight = self.transport_for(predicted).start(call, sent)
+            flight = self._start(self.transport_for(predicted), call, sent)
             checked = Checked(self, call, header, layout, job, detail, sent, flight)
             # What the predictor learns if every header agrees, worked out while the data
             # travels (after the wait, this process's caches are Gloo's).
@@ -122,7 +125,14 @@ class Integrity:
         """The data of an agreed all-reduce, on the transport its layout takes."""
         data = job(layout)
         transport = self.transports[-1] if layout is None else self.transport_for(layout)
-        return transport.start(call, data)
+        return self._start(transport, call, data)
+
+    def _start(self, transport: Transport, call: Call, job: Job) -> Flight:
+        """`transport.start(call, job)`; one that raises may have sent part of the data."""
+        self._midway = True
+        flight = transport.start(call, job)
+        self._midway = False
+        return flight
 
     def _finish(self, checked: Checked) -> list[torch.Tensor]:
         if self._guessed is checked:
@@ -304,7 +314,14 @@ class Integrity:
         header = fp.abort_print(seq, error_type, self._standing.local_count()).encode()
         predicted = self._predict()
         guessed, self._guessed = self._guessed, None
-        if guessed is not None and guessed.sent is not None:
+        if self._midway:
+            # Part of an all-reduce's data left (a lazy fill raised midway: a backward
+            # pass that raised after its first buckets left): the peers wait for the
+            # rest, which nothing can send in their sizes and order, and zeros of any
+            # layout would meet receives of another size. Nothing, then: the store's
+            # mark names this worker to them.
+            predicted = None
+        elif guessed is not None and guessed.sent is not None:
             # An all-reduce left in flight with a guessed header: the peers that complete
             # it learn it before their next guess, so the zeros take the guess after it
             # (a message of another size than a peer's receive ends that process: Gloo's

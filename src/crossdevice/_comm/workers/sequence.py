@@ -83,6 +83,8 @@ class Sequencer:
         self._groups = groups
         self._abort = abort
         self._name = name
+        #: Per thread: collectives it held itself (not the queue's; `held_here`).
+        self._here = threading.local()
         #: The last collectives' `Call`s: the flight recorder (`crossdevice._trace`).
         self.history: collections.deque[Call] = collections.deque(maxlen=_flight.COLLECTIVES)
         _flight.register(self, sequencer_group)
@@ -150,6 +152,8 @@ class Sequencer:
             if not blocking:
                 return False
             queue.drain()
+        if blocking and (queue is None or not queue.on_thread()):
+            self._here.count = getattr(self._here, "count", 0) + 1
         if not blocking:
             return bool(self.lock.acquire(blocking=False))
         if not self.lock.acquire(blocking=False):
@@ -158,6 +162,10 @@ class Sequencer:
                 "collectives must be issued one at a time, in the same order on every worker"
             )
         return True
+
+    def held_here(self) -> int:
+        """How many collectives the calling thread has started itself (not queued ones)."""
+        return int(getattr(self._here, "count", 0))
 
     def settle(self, pending: Pending | None = None) -> None:
         """Complete the all-reduce in flight (the lock is held), if it is `pending` or any."""

@@ -93,16 +93,19 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         threads = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)
         try:
-            result = original(*args, **kwargs)
-        except BaseException:
-            for sync in syncs:
-                sync.abort_pass(replica)
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                _PASS.depth = 0
+                torch._C._set_multithreading_enabled(threads)
+            for sync in syncs:  # every module's last buckets go before any waits
+                sync.flush_pass(replica)
+            for sync in syncs:  # collectives: cooperative replicas may switch here
+                sync.end_pass(replica)
+        except BaseException as err:
+            for sync in syncs:  # (a pass that ended already: nothing to do)
+                sync.abort_pass(replica, err)
             raise
-        finally:
-            _PASS.depth = 0
-            torch._C._set_multithreading_enabled(threads)
-        for sync in syncs:  # collectives: cooperative replicas may switch here
-            sync.end_pass(replica)
         return result
 
     backward.__doc__ = original.__doc__

@@ -34,7 +34,16 @@ from crossdevice._core.purpose import purpose
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.replica import ReplicaContext, all_reduce_async
 
-__all__ = ["FlatPlan", "Reduced", "flat_reducible", "issue", "issue_flat", "needs_graph", "uniform"]
+__all__ = [
+    "FlatPlan",
+    "Reduced",
+    "flat_reducible",
+    "issue",
+    "issue_flat",
+    "needs_graph",
+    "stepped",
+    "uniform",
+]
 
 #: What a bucket's all-reduce gives: (each parameter's reduced gradient, in bucket order;
 #: how many replicas had a gradient for each, as a tensor; whether the gradients lie in
@@ -76,7 +85,7 @@ def issue_flat(
     replica = ctx.replica_id_in_sync_group
     if parts is None:
         parts = plan.parts(grads, params)
-    with _stepped(ctx, steps):
+    with stepped(ctx, steps):
         pending = reduce_flat(replica, op, parts, plan.leaves, wire_dtype)
     if pending is None:
         return None
@@ -101,15 +110,15 @@ def issue(
     if shared:
         extended = ctx.strategy.extended
         replica = ctx.replica_id_in_sync_group
-        with _stepped(ctx, steps):
+        with stepped(ctx, steps):
             reduced, one_buffer = extended._replica_all_reduce_shared(replica, op, [*local, used])
         return Done((reduced[:-1], reduced[-1], one_buffer))
-    with _stepped(ctx, steps):
+    with stepped(ctx, steps):
         pending = all_reduce_async(ctx, op, [*local, used])
     return Then([pending], lambda reduced: (reduced[:-1], reduced[-1], False))
 
 
-def _stepped(ctx: ReplicaContext, steps: int) -> Any:
+def stepped(ctx: ReplicaContext, steps: int) -> Any:
     """The gradients' `purpose`: the step count, in errors and (modulo 4) in the call site.
 
     Workers compare it with the call: one that skipped or repeated `optimizer.step()`
@@ -154,7 +163,7 @@ class FlatPlan:
         params: the bucket's parameters (`uniform`).
     """
 
-    __slots__ = ("_all_used", "_dtype", "_shapes", "_stand_ins", "leaves")
+    __slots__ = ("_all_used", "_dtype", "_shapes", "_stand_ins", "leaves", "numel")
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         first = params[0]
@@ -173,6 +182,13 @@ class FlatPlan:
         # The flags when every gradient arrived, kept from step to step: the strategy only
         # reads the parts (`reduce_flat_async` copies them into its flat buffer).
         self._all_used = torch.ones(len(params), dtype=first.dtype, device=first.device)
+        #: Elements of the flat buffer: the gradients', then one flag per parameter.
+        self.numel = sum(p.numel() for p in params) + len(params)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the flat buffer (every parameter's)."""
+        return self._dtype
 
     def fits(self, params: Sequence[torch.nn.Parameter]) -> bool:
         """Whether `params` still have the shapes and dtype this plan was made for."""

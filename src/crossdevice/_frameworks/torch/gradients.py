@@ -41,7 +41,6 @@ when the outermost `backward()` returns, with the same buckets, order and result
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 import weakref
@@ -50,11 +49,12 @@ from typing import Any, Final
 
 import torch
 
-from crossdevice._arrays.packing import group_by_size
-from crossdevice._comm.protocol import Pending
+from crossdevice._core.environment import env_switch
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._frameworks.torch import buckets
+from crossdevice._frameworks.torch import buckets, pass_reduce
 from crossdevice._frameworks.torch.buckets import FlatPlan
+from crossdevice._frameworks.torch.gradient_state import Layout, ReplicaState, make_layout
+from crossdevice._frameworks.torch.pass_reduce import PassReduce
 from crossdevice._frameworks.torch.storage import own_view
 from crossdevice._strategies.context import get_replica_context
 from crossdevice._sync import waiting as cooperative
@@ -72,65 +72,6 @@ DEFAULT_BUCKET_CAP_BYTES: Final = 25 << 20
 SHARED_BUCKET_CAP_BYTES: Final = 8 << 20
 
 _REQUIRES_GRAD: Final = operator.attrgetter("requires_grad")
-_NONE: Final = type(None)  # what `produced` holds before any reduction: calling it gives None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Layout:
-    """The buckets for one set of trainable parameters."""
-
-    buckets: list[list[int]]  # positions in the replica's parameter list, reduction order
-    bucket_of: list[int]  # bucket of each parameter, -1 for a frozen one
-    sizes: list[int]  # how many parameters each bucket holds
-    # (replica, bucket) -> the bucket's flat all-reduce layout, made at its first use.
-    flat: dict[tuple[int, int], FlatPlan] = dataclasses.field(default_factory=dict)
-    # (replica, bucket) -> the replica's parameters of the bucket, in bucket order.
-    members: dict[tuple[int, int], list[torch.nn.Parameter]] = dataclasses.field(
-        default_factory=dict
-    )
-
-
-class _ReplicaState:
-    """One replica's gradients: the pass in flight and what each `.grad` holds."""
-
-    __slots__ = (
-        "base",
-        "deferred",
-        "hooked",
-        "in_pass",
-        "layout",
-        "next_bucket",
-        "pending",
-        "produced",
-        "produced_shared",
-        "produced_version",
-        "ready",
-        "seen",
-        "synced",
-        "touched",
-    )
-
-    def __init__(self, num_params: int) -> None:
-        self.in_pass = False
-        self.deferred = False  # reduce only when the pass ends (cooperative replicas)
-        self.hooked = False  # a gradient arrived in this pass
-        self.layout: _Layout | None = None
-        self.ready: list[int] = []
-        self.seen = [False] * num_params
-        self.next_bucket = 0
-        # Bucket all-reduces issued in this pass, in order, not yet given to `.grad`.
-        self.pending: list[tuple[list[int], Pending]] = []
-        # The agreed part of .grad, taken out while a pass accumulates the local part.
-        self.base: list[torch.Tensor | None] = [None] * num_params
-        # .grad holds the agreed value in `produced` (weakly: zero_grad() frees its buffer
-        # for the next step), maybe changed in place (clipping, zero_grad(set_to_none=False)).
-        self.synced = [False] * num_params
-        self.produced: list[Callable[[], torch.Tensor | None]] = [_NONE] * num_params
-        self.produced_version = [0] * num_params
-        # The produced gradient lies in the one buffer every replica's gradient views.
-        self.produced_shared = [False] * num_params
-        # Autograd accumulated into the parameter since the last optimizer step.
-        self.touched = [False] * num_params
 
 
 class GradientSync:
@@ -169,8 +110,8 @@ class GradientSync:
         self._cap = bucket_cap_bytes
         self._replica_index = replica_index
         self.enabled = num_replicas_in_sync > 1
-        self._layouts: dict[tuple[bool, ...], _Layout] = {}
-        self._states = [_ReplicaState(len(self._params[0])) for _ in self._params]
+        self._layouts: dict[tuple[bool, ...], Layout] = {}
+        self._states = [ReplicaState(len(self._params[0])) for _ in self._params]
         self._no_sync = [0] * len(self._params)
         #: Optimizer steps each replica took on these parameters (compared across workers).
         self.steps = [0] * len(self._params)
@@ -181,6 +122,9 @@ class GradientSync:
         #: None: their own. Summed in float32 either way.
         self.gradient_dtype: torch.dtype | None = None
         self._flat = True  # try the flat bucket path (`buckets.py`) until a strategy refuses
+        # One all-reduce per pass (`pass_reduce.py`): 0 until a pass of ours showed that
+        # backward starts no collective of its own once a bucket left (then 1), -1 never.
+        self._passes = 0 if env_switch(pass_reduce.ENV, default=True) else -1
         #: The one-time warning about a local mean loss under the SUM rule was given.
         self.warned_mean_loss = False
         #: Each replica's backward passes, for that warning's schedule (`backward`).
@@ -220,12 +164,12 @@ class GradientSync:
                 )
 
     # --- layouts --------------------------------------------------------------------------
-    def _layout(self, replica: int) -> _Layout:
+    def _layout(self, replica: int) -> Layout:
         params = self._params[replica]
         mask = tuple(map(_REQUIRES_GRAD, params))  # no Python frame per parameter
         layout = self._layouts.get(mask)
         if layout is None:
-            layout = self._layouts[mask] = _make_layout(params, mask, self._cap)
+            layout = self._layouts[mask] = make_layout(params, mask, self._cap)
         if self.enabled and layout is not self._states[replica].layout:
             self._hook_trainable(replica)  # a parameter unfrozen since the last pass
         return layout
@@ -240,6 +184,7 @@ class GradientSync:
         state.seen = [False] * len(state.seen)
         state.next_bucket = 0
         state.hooked = False
+        state.held = None
         state.deferred = cooperative.in_cooperative_replica()
         state.in_pass = True
         params = self._params[replica]
@@ -251,6 +196,20 @@ class GradientSync:
                     state.base[index] = grad
                     params[index].grad = None
 
+    def flush_pass(self, replica: int) -> None:
+        """The outermost pass returned: what is left goes (`end_pass` then waits for it).
+
+        Every module's before any waits: a pass's one all-reduce (`pass_reduce.py`) waits
+        on the queue for its last buckets, and another module's may be queued behind it.
+        """
+        state = self._states[replica]
+        if state.hooked and not self._no_sync[replica]:
+            self._reduce_ready(replica, final=True)
+        if state.held is not None:  # a pass watched from its first bucket on
+            held, state.held = state.held, None
+            if self._passes == 0:
+                self._passes = 1 if pass_reduce.started_here(get_replica_context()) == held else -1
+
     def end_pass(self, replica: int) -> None:
         """The outermost pass returned: reduce what is left, restore untouched parts."""
         state = self._states[replica]
@@ -258,18 +217,26 @@ class GradientSync:
             if state.hooked and not self._no_sync[replica]:
                 self._reduce_ready(replica, final=True)
                 self._finish(replica)
+        except BaseException as err:
+            self.abort_pass(replica, err)
+            raise
         finally:
-            state.pending = []
+            state.pending, state.passing = [], None
             state.in_pass = False
             self._restore_bases(replica)
 
-    def abort_pass(self, replica: int) -> None:
-        """The pass raised: leave the state clean for the next step."""
+    def abort_pass(self, replica: int, error: BaseException) -> None:
+        """The pass raised `error`: leave the state clean for the next step."""
         state = self._states[replica]
+        if not state.in_pass:
+            return  # ended already
         state.in_pass = False
         # Buckets issued before the error are left unread: the step's error reaches the
-        # strategy, which tells the other workers (their collectives end with it).
-        state.pending = []
+        # strategy, which tells the other workers (their collectives end with it); the
+        # pass's all-reduce, waiting for buckets that will not come, ends with it.
+        if state.passing is not None:
+            state.passing.abandon(error)
+        state.pending, state.passing, state.held = [], None, None
         self._restore_bases(replica)
 
     def _restore_bases(self, replica: int) -> None:
@@ -314,7 +281,7 @@ class GradientSync:
                 self._reduce_ready(replica, final=False)
 
     def _unusual_gradient(
-        self, state: _ReplicaState, replica: int, index: int, current: int | None
+        self, state: ReplicaState, replica: int, index: int, current: int | None
     ) -> None:
         """A gradient outside this replica's own reducing pass: refused, or only counted."""
         if current is not None and current != replica:
@@ -377,15 +344,27 @@ class GradientSync:
 
     def _reduce_bucket(self, replica: int, b: int) -> None:
         """Issue bucket `b`'s all-reduce; `_finish` gives the parameters its results."""
-        params = self._params[replica]
         state = self._states[replica]
         assert state.layout is not None
         layout = state.layout
         bucket = layout.buckets[b]
-        like = layout.members.get((replica, b))
-        if like is None:
-            like = layout.members[(replica, b)] = [params[i] for i in bucket]
+        like = self._members(layout, replica, b)
         grads = [p.grad for p in like]  # only the parts not reduced yet
+        passing = state.passing
+        if passing is not None:  # a later bucket of the pass's one all-reduce
+            parts = layout.flat[(replica, b)].checked_parts(grads, like)
+            if parts is None:  # a gradient that needs the graph, in a graph-free pass
+                error = RuntimeError(
+                    f"gradient bucket {b} cannot join its backward pass's all-reduce: a "
+                    "gradient requires grad (create_graph=True in a backward nested in this "
+                    "one) or a parameter changed shape since the pass began; run such a "
+                    f"backward on its own, or set {pass_reduce.ENV}=0 on every worker"
+                )
+                passing.abandon(error)
+                raise error
+            passing.offer(b, parts)
+            state.pending.append((bucket, passing.share(b)))
+            return
         ctx = get_replica_context()
         assert ctx is not None  # passes only begin inside a replica
         pending = None
@@ -400,6 +379,14 @@ class GradientSync:
             if parts is not None:
                 assert plan is not None
                 wire, steps = self.gradient_dtype, self.steps[replica]
+                if self._passes >= 0 and b == 0 and len(layout.buckets) > 1 and wire is None:
+                    if self._passes == 1:
+                        state.passing = self._issue_pass(ctx, layout, replica, parts)
+                        if state.passing is not None:
+                            state.pending.append((bucket, state.passing.share(0)))
+                            return
+                    else:  # watch this pass: does backward start collectives of its own?
+                        state.held = pass_reduce.started_here(ctx)
                 pending = buckets.issue_flat(ctx, self._op, grads, like, wire, plan, parts, steps)
                 self._flat = pending is not None  # the strategy's layout does not change
         if pending is None:
@@ -411,8 +398,40 @@ class GradientSync:
         else:
             state.pending.append((bucket, pending))
 
+    def _issue_pass(
+        self, ctx: Any, layout: Layout, replica: int, parts: list[torch.Tensor]
+    ) -> PassReduce | None:
+        """The pass's buckets as one all-reduce, bucket 0's `parts` in (`pass_reduce.py`).
+
+        None (nothing issued) where a bucket has no flat plan of bucket 0's dtype, or the
+        strategy no such path.
+        """
+        plans: list[FlatPlan] = []
+        for b in range(len(layout.buckets)):
+            plan = self._flat_plan(ctx, layout, replica, b, self._members(layout, replica, b))
+            if plan is None or plan.dtype != (plans or [plan])[0].dtype:
+                return None
+            plans.append(plan)
+        kept = layout.passes.get(replica)
+        if kept is None or any(a is not b for a, b in zip(kept[0], plans, strict=True)):
+            # What the workers compare, one object step after step (the route's key).
+            kept = layout.passes[replica] = (plans, tuple(x for p in plans for x in p.leaves))
+        passing = pass_reduce.issue(ctx, self._op, *kept, parts, self.steps[replica])
+        if passing is None:
+            self._passes = -1  # the strategy has no such path: its layout does not change
+        return passing
+
+    def _members(self, layout: Layout, replica: int, b: int) -> list[torch.nn.Parameter]:
+        """The replica's parameters of bucket `b`, in bucket order."""
+        like = layout.members.get((replica, b))
+        if like is None:
+            like = layout.members[(replica, b)] = [
+                self._params[replica][i] for i in layout.buckets[b]
+            ]
+        return like
+
     def _flat_plan(
-        self, ctx: Any, layout: _Layout, replica: int, b: int, like: list[torch.nn.Parameter]
+        self, ctx: Any, layout: Layout, replica: int, b: int, like: list[torch.nn.Parameter]
     ) -> FlatPlan | None:
         """Bucket `b`'s flat layout (`buckets.FlatPlan`), or None where it has none.
 
@@ -577,22 +596,3 @@ class _NoSync:
 
     def __exit__(self, *exc: object) -> None:
         self._sync._no_sync[self._replica] -= 1
-
-
-def _make_layout(params: Sequence[torch.nn.Parameter], mask: Sequence[bool], cap: int) -> _Layout:
-    """The buckets of the trainable parameters: reverse order, cut under `cap` bytes.
-
-    `group_by_size(..., cap=True)`: a bucket never holds more than `cap` bytes unless one
-    parameter alone does. Parameters are not grouped by dtype or device first (DDP's
-    reducer does; these buckets never were): a mixed bucket takes
-    `ReplicaContext.all_reduce`'s path (`buckets.flat_reducible`), which packs by dtype
-    itself, and grouping would move the bucket boundaries of existing models.
-    """
-    order = [index for index in reversed(range(len(params))) if mask[index]]
-    nbytes = [params[i].numel() * params[i].element_size() for i in order]
-    buckets = [[order[k] for k in bucket] for bucket in group_by_size(nbytes, cap, cap=True)]
-    bucket_of = [-1] * len(params)
-    for b, bucket in enumerate(buckets):
-        for index in bucket:
-            bucket_of[index] = b
-    return _Layout(buckets, bucket_of, [len(b) for b in buckets])
