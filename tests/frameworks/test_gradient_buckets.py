@@ -401,3 +401,36 @@ def test_a_flat_plan_checks_its_bucket_while_it_reads_the_gradients(torch: Any) 
     assert plan.checked_parts(grads, params[:1]) is None  # count
     graph = [grads[0], torch.ones(4, requires_grad=True) * 3.0]
     assert plan.checked_parts(graph, params) is None  # create_graph: autograd routes it
+
+
+def test_a_pass_of_more_buckets_than_the_ring_can_number_goes_bucket_by_bucket(
+    torch: Any,
+) -> None:
+    """The ring numbers a buffer's messages from `buffer * 2**17` in a C int: a pass of
+    more than `MAX_BUCKETS` buckets is not sent as one all-reduce (nothing is issued)."""
+    from types import SimpleNamespace
+
+    from crossdevice._core.reduce_op import ReduceOp
+    from crossdevice._frameworks.torch import pass_reduce
+    from crossdevice._frameworks.torch.buckets import FlatPlan
+
+    issued: list[int] = []
+
+    def reduce_flats(replica: int, op: Any, like: Any, numels: list[int], *rest: Any) -> Any:
+        issued.append(len(numels))
+        return SimpleNamespace(done=lambda: False)
+
+    extended = SimpleNamespace(
+        _replica_reduce_flats_async=reduce_flats,
+        _communication_options=lambda: None,
+        _worker_communicator=None,
+    )
+    ctx = SimpleNamespace(strategy=SimpleNamespace(extended=extended), replica_id_in_sync_group=0)
+    plan = FlatPlan([torch.nn.Parameter(torch.zeros(2))])
+    parts = plan.parts([torch.ones(2)], [torch.nn.Parameter(torch.zeros(2))])
+    for count in (pass_reduce.MAX_BUCKETS, pass_reduce.MAX_BUCKETS + 1):
+        plans = [plan] * count
+        leaves = tuple(x for p in plans for x in p.leaves)
+        got = pass_reduce.issue(ctx, ReduceOp.SUM, plans, leaves, parts, 0)
+        assert (got is None) == (count > pass_reduce.MAX_BUCKETS)
+    assert issued == [pass_reduce.MAX_BUCKETS]

@@ -43,10 +43,13 @@ from crossdevice._core import tuning
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._frameworks.torch.buckets import FlatPlan, Reduced, stepped
 
-__all__ = ["ENV", "PassReduce", "issue", "started_here"]
+__all__ = ["ENV", "MAX_BUCKETS", "PassReduce", "issue", "started_here"]
 
 #: The environment variable that turns the path off ("0"), on every worker alike.
 ENV: Final = "CROSSDEVICE_PASS_ALL_REDUCE"
+#: Most buckets a pass sends as one all-reduce (more: one by one). The ring's message
+#: tags number a buffer's pieces from `buffer * 2**17`, in a C int: at most 16383 buffers.
+MAX_BUCKETS: Final = 4096
 
 #: What a collective that backward starts while the pass's all-reduce waits for it gets.
 _REFUSED: Final = (
@@ -85,12 +88,12 @@ def issue(
         steps: the optimizer steps taken on these parameters (compared across workers).
 
     Returns:
-        The pass's `PassReduce`, or None where the strategy has no such path (nothing
-        was issued).
+        The pass's `PassReduce`, or None where the strategy has no such path, or the
+        pass more than `MAX_BUCKETS` buckets (nothing was issued).
     """
     extended = ctx.strategy.extended
     reduce_flats = getattr(extended, "_replica_reduce_flats_async", None)
-    if reduce_flats is None:
+    if reduce_flats is None or len(plans) > MAX_BUCKETS:
         return None
     options = extended._communication_options()
     bound = (options and options.timeout_seconds) or tuning.TUNING.default_timeout_seconds
