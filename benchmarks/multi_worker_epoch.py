@@ -20,9 +20,10 @@ changes from round to round, each right after each other equally often
 * `local`: the same steps with no communication at all (each worker trains alone on its
   slice): the compute floor.
 * `split` (with `--bucket-cap BYTES`): `gloo` again, a second model prepared with
-  `bucket_cap_bytes=BYTES`, so its gradients go in several buckets, the first issued
-  while backward still computes the rest (this CNN's fit one bucket by default); its
-  parameters are checked against DDP's as `gloo`'s are. Against it, `ddp_split`: DDP
+  `bucket_cap_bytes=BYTES`, so its gradients go in several buckets (this CNN's fit one
+  bucket by default), one all-reduce a backward pass, each bucket leaving as backward
+  completes it (`crossdevice/_frameworks/torch/pass_reduce.py`); its parameters are
+  checked against DDP's as `gloo`'s are. Against it, `ddp_split`: DDP
   with `bucket_cap_mb` of the same bytes (every bucket, the first too, that small).
 * `comm`: only the epoch's gradient all-reduces, through the `gloo` strategy (one
   bucket per step, shaped as the gradients, issued and waited on as `crossdevice.torch`

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.comm.peers import GLOO, TUNING_ENV, assert_failing_peer_named
+from tests.comm.peers import GLOO, TUNING_ENV, assert_failing_peer_named, tuned
 from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, identical_mlp, mlp
 from tests.frameworks.workers import (
     bucket_reuse,
@@ -98,20 +98,23 @@ def test_buckets_issued_on_the_queue_thread_train_bitwise_as_from_the_hook(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("shared_memory", ["0", "1"], ids=["gloo", "shm"])
-def test_buckets_alike_in_a_row_are_predicted_every_step(torch: Any, shared_memory: str) -> None:
+@pytest.mark.parametrize("transport", ["gloo", "gloo-large", "shm"])
+def test_buckets_alike_in_a_row_are_predicted_every_step(torch: Any, transport: str) -> None:
     """Three hidden layers alike, one bucket each: the same collective three times in a
-    row (through shared memory; on Gloo the pass's buckets are one all-reduce,
-    `pass_reduce.py`). From the third step on every layout is predicted right (a wrong
-    guess sends a bucket of zeros first), and the model is plain torch's. (While the step
-    count in a bucket's call site was history, the fifth step was the first.)"""
+    row (through shared memory, or on Gloo a pass larger than `pass_max_bytes`; else the
+    pass's buckets are one all-reduce, `pass_reduce.py`). From the third step on every
+    layout is predicted right (a wrong guess sends a bucket of zeros first), and the model
+    is plain torch's. (While the step count in a bucket's call site was history, the
+    fifth step was the first.)"""
     steps = 9
-    env = {"CROSSDEVICE_SHARED_MEMORY": shared_memory}
+    env = {"CROSSDEVICE_SHARED_MEMORY": "1"} if transport == "shm" else GLOO
+    if transport == "gloo-large":
+        env = tuned(pass_max_bytes=64)  # the pass holds 1.1 KiB: one by one
     outs = [
         r.unwrap() for r in run_workers(identical_layers, 2, args=(steps,), env=env, timeout=90)
     ]
     assert outs[0]["buckets"] == [[3, 2, 2, 2, 1]]  # [b5 W5 b4] [W4 b3] [W3 b2] [W2 b1] [W1]
-    per_step = 1 if shared_memory == "0" else 5
+    per_step = 1 if transport == "gloo" else 5
     for out in outs:
         assert out["misses"][-1] == out["misses"][1], out["misses"]
         assert out["guesses"][-1] - out["guesses"][2] == per_step * (steps - 3), out["guesses"]

@@ -106,8 +106,10 @@ def identical_layers(rank: int, world_size: int, steps: int, epochs: int = 1) ->
 
     import crossdevice
     import crossdevice.torch as cdt
+    from tests.comm.peers import apply_tuning
     from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, identical_mlp
 
+    apply_tuning()
     torch.set_default_dtype(torch.float64)
     strategy = crossdevice.MultiWorkerMirroredStrategy()
     with strategy.scope():

@@ -195,6 +195,21 @@ class Tuning:
         "python -m benchmarks.multi_worker_epoch --variants gloo ddp "
         "--tuning queue_min_bytes=4611686018427387904",
     )
+    pass_max_bytes: int = _knob(
+        128 * MiB,
+        "A backward pass's gradient buckets (`crossdevice.torch`, one replica per worker, "
+        "through Gloo) up to this many bytes in all travel as one all-reduce, each bucket "
+        "leaving as backward completes it (`_frameworks/torch/pass_reduce.py`); larger ones "
+        "go one by one. One all-reduce saves a round trip per bucket but sums every bucket "
+        "after backward, where one by one the queue's thread sums the earlier ones during "
+        "it. 2 workers, 2-core host, pass/DDP against one-by-one/DDP (two launches each, "
+        "alternating): the CNN in 64 KiB buckets 0.92-0.98 against 1.64-1.67 at 8 per "
+        "worker, 1.05-1.09 against 1.17-1.25 at 128; MLPs in 25 MiB buckets, 64 MiB "
+        "0.965, 0.975 against 1.045, 1.030; 128 MiB 1.021, 1.039 against 1.038, 1.032; "
+        "256 MiB 1.29, 1.19, 1.23 against 1.21, 1.16, 1.09 (three each).",
+        "python -m benchmarks.multi_worker_mlp --width 2896 --bucket-cap 25M "
+        "(CROSSDEVICE_PASS_ALL_REDUCE=0 against it)",
+    )
     header_apart_min_bytes: int = _knob(
         8 * MiB,
         "A first buffer this large carries no inline header behind it: the header travels "

@@ -441,23 +441,25 @@ class CollectiveAllReduce(CrossDeviceOps):
 
         Returns None (nothing issued) where this path does not apply: a buffer that
         travels through shared memory or is issued from the hook
-        (`TUNING.queue_min_bytes`), or a dtype NumPy lacks.
+        (`TUNING.queue_min_bytes`), more than `TUNING.pass_max_bytes` in all, or a dtype
+        NumPy lacks.
         """
         import torch
 
         comm = self._communicator
         assert comm is not None  # the strategy offers this path only across workers
         route = self._flat_routes.route(reduce_op, options, site, leaves, None, like)
-        dtype = route.room_dtype
-        shared = comm.shared_memory
+        cut, shared = tuning.TUNING, comm.shared_memory
+        nbytes = [n * like.element_size() for n in numels]
         if (
-            dtype is None
+            route.room_dtype is None
             or route.reduce is None
-            or min(numels) * like.element_size() < tuning.TUNING.queue_min_bytes
+            or min(nbytes) < cut.queue_min_bytes
+            or sum(nbytes) > cut.pass_max_bytes
             or (shared is not None and shared.carries(tuple((like.dtype, n) for n in numels)))
         ):
             return None
-
+        dtype = route.room_dtype
         producer = threading.current_thread()
 
         def issue() -> Pending:
@@ -471,14 +473,11 @@ class CollectiveAllReduce(CrossDeviceOps):
             flats = [torch.from_numpy(room) for room in rooms]
             return comm.all_reduce_async(flats, route.reduce, donate=True, fill=write)
 
+        queued = comm.submit(issue)
+        if reduce_op != ReduceOp.MEAN:
+            return queued
         workers = self._num_between_graph_workers
-        if reduce_op == ReduceOp.MEAN:
-
-            def deliver(totals: list[Any]) -> list[Any]:
-                return [backend_for(total).divide(total, workers) for total in totals]
-
-            return Then([comm.submit(issue)], deliver)
-        return comm.submit(issue)
+        return Then([queued], lambda totals: [backend_for(t).divide(t, workers) for t in totals])
 
     def _pack_flat(self, route: FlatRoute, parts: list[Any] | tuple[Any, ...], numel: int) -> Any:
         """`parts` end to end in one flat buffer (a recycled host room where NumPy can)."""
