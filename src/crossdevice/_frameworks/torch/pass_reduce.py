@@ -3,18 +3,22 @@
 Across workers with one replica each, a model's gradient buckets travelled one after the
 other: the communicator keeps one all-reduce in flight, so the queue's thread issued
 bucket k+1 only once bucket k had completed, a round trip per bucket in a row (with 64
-KiB buckets the tutorial CNN's epoch took 1.37x DDP's; docs/design.md §2b). Here a pass's
+KiB buckets the tutorial CNN's epoch took 1.2-1.7x DDP's; docs/design.md §2b). Here a pass's
 buckets are one all-reduce of one flat buffer per bucket (`PassReduce`), issued on the
 queue when the pass's first bucket completes. The transport fills each buffer just
 before it leaves (`fill`), waiting there until backward has completed that bucket, so
 each bucket's bytes leave as soon as it is ready, while backward computes the next; the
 sums, the check and the numbering are those of one collective (one fingerprint, one
 prediction, no new protocol). Element-wise sums do not depend on how the values are cut
-into buffers: every gradient is bitwise what the per-bucket path gives.
+into buffers: every gradient is bitwise what the per-bucket path gives. Up to
+`TUNING.pass_max_bytes` in all and `MAX_BUCKETS` buckets: the pass sums every bucket
+after backward, where one by one the queue's thread sums the earlier ones during it, and
+that costs more than the round trips saved for the largest models.
 
 A pass that raises, or a bucket that cannot be filled, fails the fills still waiting
-(`abandon`, with that error): the transport's fill error ends the collective on every
-worker, the abort path a failing `fill` always took, and the peers learn the error.
+(`abandon`, with that error): the collective ends with it on this worker, which marks the
+abort in the store; its peers wait for the rest of its data, which nothing sends after a
+start that raised midway (`Integrity.abandon`), until that mark names it.
 
 The pass's all-reduce comes before any collective backward itself starts after the
 first bucket left (SyncBatchNorm's, a differentiable all-reduce's gradient, a hook's),
