@@ -148,11 +148,12 @@ class Sequencer:
         lock another thread holds is not waited for: False (`abort`, best effort).
         """
         queue = self.queue
-        if queue is not None and not queue.idle and not queue.on_thread():
+        caller = queue is None or not queue.on_thread()  # not one of the queued calls
+        if caller and queue is not None and not queue.idle:
             if not blocking:
                 return False
             queue.drain()
-        if blocking and (queue is None or not queue.on_thread()):
+        if blocking and caller:
             self._here.count = getattr(self._here, "count", 0) + 1
         if not blocking:
             return bool(self.lock.acquire(blocking=False))
