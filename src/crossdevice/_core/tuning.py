@@ -283,8 +283,10 @@ class Tuning:
     )
     publish_seconds: float = _knob(
         0.05,
-        "How often the health thread publishes this worker's arrival mark: publishing before "
-        "every collective cost 30 us a call (a store set wakes the store's server thread).",
+        "How often the health thread looks at this worker's arrival mark, and publishes it "
+        "once it stood still for a whole look (a worker stuck in a collective): publishing "
+        "before every collective cost 30 us a call (a store set wakes the store's server "
+        "thread), and publishing every look 0.66 store round trips a training step.",
         "python -m tests.multi_worker.bench_all_reduce",
     )
     heartbeat_seconds: float = _knob(

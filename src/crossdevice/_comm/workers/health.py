@@ -86,6 +86,7 @@ class HealthBoard:
             quiet_store(connect()), lambda: tuning.TUNING.dead_after_seconds, f"r{rank}"
         )
         self._published = -1
+        self._still = -1  # the mark at the publisher's last look
         self._beat = 0
         self._stop = threading.Event()
         self._seen: dict[int, tuple[bytes | None, float]] = {}
@@ -100,10 +101,21 @@ class HealthBoard:
     # -- this worker -------------------------------------------------------------------
 
     def _publish(self) -> None:
+        """Publish the arrival mark once it stood still for a whole interval.
+
+        Peers read the marks only to diagnose a timeout (`missing`), seconds after the
+        collective began, when a worker waiting inside it has long stopped moving its
+        mark. While collectives follow each other within an interval (a training loop),
+        the mark is never published and the store sleeps: every publication was a store
+        round trip that woke the store's server thread on rank 0 (on the 2-core host,
+        the tutorial CNN at 128 examples per worker published 0.66 times a step, about
+        0.1 ms of CPU a step on rank 0 alone).
+        """
         reached = self.reached
-        if reached != self._published:
+        if reached == self._still and reached != self._published:
             self._pub_store.set(f"r{self._rank}", str(reached))
             self._published = reached
+        self._still = reached
 
     def _publish_loop(self) -> None:
         next_beat = time.monotonic()
@@ -211,7 +223,8 @@ class HealthBoard:
         try:
             self._store.set(f"r{self._rank}", str(self.reached))
             # Read at once (the store's host may be about to exit after its own failure),
-            # then again once peers' marks, up to one interval stale, have caught up.
+            # then again once peers' marks, published after standing still one interval
+            # (`_publish`: up to two stale), have caught up.
             missing = self._below(seq)
         except Exception:
             return None
