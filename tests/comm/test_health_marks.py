@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,19 +13,14 @@ torch = pytest.importorskip("torch")
 
 from crossdevice._comm.workers.health import HealthBoard  # noqa: E402
 from crossdevice._core import tuning  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.multi_worker.harness import free_port  # noqa: E402
 
 
 @pytest.fixture
 def board() -> Iterator[tuple[HealthBoard, Any]]:
     from torch.distributed import PrefixStore, TCPStore
 
-    port = _free_port()
+    port = free_port()
     timeout = datetime.timedelta(seconds=10)
     server = TCPStore("127.0.0.1", port, 1, True, timeout=timeout, wait_for_workers=False)
 

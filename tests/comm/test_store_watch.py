@@ -6,7 +6,6 @@ import datetime
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ torch = pytest.importorskip("torch")
 from crossdevice._comm.workers.store_watch import StoreProbe, watched  # noqa: E402
 from crossdevice._core import tuning  # noqa: E402
 from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError  # noqa: E402
+from tests.multi_worker.harness import free_port  # noqa: E402
 
 
 def _serve(port: int, ready: Any) -> None:
@@ -30,18 +30,12 @@ def _serve(port: int, ready: Any) -> None:
     del store
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def store_server() -> Iterator[tuple[int, int]]:
     """A c10d store server in a process of its own: (its port, its pid)."""
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
-    port = _free_port()
+    port = free_port()
     server = context.Process(target=_serve, args=(port, ready), daemon=True)
     server.start()
     try:
@@ -104,7 +98,7 @@ def test_a_store_not_listening_yet_is_no_failure() -> None:
     with tuning.overridden(startup_probe_seconds=0.05, dead_after_seconds=0.5):
         got = watched(
             lambda: release.wait(30),
-            store=("127.0.0.1", _free_port()),
+            store=("127.0.0.1", free_port()),
             store_host=0,
             backstop=30.0,
             what="the test step",
