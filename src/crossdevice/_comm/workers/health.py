@@ -3,7 +3,9 @@
 Each worker's `HealthBoard` keeps three kinds of keys in the store (under a prefix of
 its communicator):
 
-* `r<rank>`: the number of the last collective the worker reached (arrival marks);
+* `r<rank>`: the number of the last collective the worker reached (arrival marks),
+  published once it stood still for `TUNING.publish_seconds` (a worker waiting in a
+  collective): peers read them only to say who did not arrive when one times out;
 * `h<rank>`: a heartbeat counter, bumped every `TUNING.heartbeat_seconds` by a daemon thread.
   It keeps beating while the worker's main thread is busy or asleep in user code, so a
   *stalled* worker looks alive and a *dead* one (killed, crashed, connection gone)
