@@ -16,8 +16,9 @@ from crossdevice._core import tuning  # noqa: E402
 from tests.multi_worker.harness import free_port  # noqa: E402
 
 
-@pytest.fixture
-def board() -> Iterator[tuple[HealthBoard, Any]]:
+@pytest.fixture(params=[0.02], ids=["publishing"])
+def board(request: Any) -> Iterator[tuple[HealthBoard, Any]]:
+    """A board on a store of its own; `request.param`: the publisher's interval (s)."""
     from torch.distributed import PrefixStore, TCPStore
 
     port = free_port()
@@ -27,7 +28,7 @@ def board() -> Iterator[tuple[HealthBoard, Any]]:
     def connect() -> Any:
         return PrefixStore("health/", TCPStore("127.0.0.1", port, 1, False, timeout=timeout))
 
-    with tuning.overridden(publish_seconds=0.02):
+    with tuning.overridden(publish_seconds=request.param):
         board = HealthBoard(connect, rank=0, world_size=1, store_host=0)
         try:
             yield board, PrefixStore("health/", server)
@@ -39,12 +40,20 @@ def _mark(store: Any) -> int | None:
     return int(store.get("r0")) if store.check(["r0"]) else None
 
 
-def test_a_mark_that_moves_every_interval_is_not_published(board: Any) -> None:
-    health, store = board
-    for seq in range(1, 60):  # a collective every half interval: a training loop
+@pytest.mark.parametrize("board", [3600.0], ids=["looks-by-hand"], indirect=True)
+def test_a_mark_that_moved_since_the_last_look_is_not_published(board: Any) -> None:
+    health, store = board  # its thread sleeps an hour: the test makes every look
+    for seq in range(1, 20):  # a collective between any two looks: a training loop
         health.reached = seq
-        time.sleep(0.01)
+        health._publish()
     assert _mark(store) is None
+    health._publish()  # the mark stood still from one look to the next: a stuck worker
+    assert _mark(store) == 19
+    health.reached = 20
+    health._publish()
+    assert _mark(store) == 19
+    health._publish()
+    assert _mark(store) == 20
 
 
 def test_a_mark_that_stands_still_is_published_within_two_intervals(board: Any) -> None:
