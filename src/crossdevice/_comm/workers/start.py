@@ -271,9 +271,10 @@ def _default_store_address() -> tuple[str, int] | None:
 
 def health_store(namespace: str) -> Any:
     """A store for health marks, with its own connection and a short read timeout."""
-    store = dist.distributed_c10d._get_default_store()
     base = _default_tcp_store()
-    if base is not None:
+    if base is None:
+        store = dist.distributed_c10d._get_default_store()
+    else:
         # A connection of our own: its timeout bounds our reads without changing the
         # default store's, and a dead server fails our reads at once.
         store = TCPStore(

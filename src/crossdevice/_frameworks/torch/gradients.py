@@ -409,7 +409,7 @@ class GradientSync:
         plans: list[FlatPlan] = []
         for b in range(len(layout.buckets)):
             plan = self._flat_plan(ctx, layout, replica, b, self._members(layout, replica, b))
-            if plan is None or plan.dtype != (plans or [plan])[0].dtype:
+            if plan is None or (plans and plan.dtype != plans[0].dtype):
                 return None
             plans.append(plan)
         kept = layout.passes.get(replica)
