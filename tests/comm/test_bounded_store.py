@@ -57,7 +57,7 @@ def test_a_frozen_store_raises_within_the_bound_then_at_once() -> None:
     start = time.monotonic()
     with pytest.raises(StoreSilentError, match="has not answered a call for"):
         bounded.set("k2", "v2")
-    assert time.monotonic() - start < 0.1
+    assert time.monotonic() - start < 0.25  # at once: not after the 0.3 s bound again
     # Once the server answers again, so do the calls.
     store.frozen.clear()
     store.thaw.set()

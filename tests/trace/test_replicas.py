@@ -95,13 +95,22 @@ def test_a_slow_replica_is_named_within_2k_steps_and_the_others_wait(
 def test_no_line_when_nobody_is_late(threads: None, caplog: pytest.LogCaptureFixture) -> None:
     # Two replicas on the 2-core test machine: with four, the OS alone can keep one
     # replica thread a few ms late every step when the machine is loaded (a true line).
+    # Replica 1's thread, woken as replica 0 starts, comes last to every collective; its
+    # wake-up (tens of us on an idle machine) is no straggler. On a machine whose cores
+    # are busy with other work it can be a scheduler tick (3-4 ms, seen): then the line
+    # is true. So a trace without a line must come within 3 tries: a rule that reported
+    # wake-ups would report them every time.
     strategy = _strategy(2)
     strategy.run(_step(slow=None))  # the replica threads start in the first run
     caplog.set_level(logging.WARNING, logger="crossdevice")
-    with cd.experimental.trace(None, report_every=2 * K):
-        for _ in range(6 * K):
-            strategy.run(_step(slow=None))
-    assert _straggler_lines(caplog) == []
+    tries: list[list[str]] = []
+    while len(tries) < 3 and (not tries or tries[-1]):
+        caplog.clear()
+        with cd.experimental.trace(None, report_every=2 * K):
+            for _ in range(6 * K):
+                strategy.run(_step(slow=None))
+        tries.append(_straggler_lines(caplog))
+    assert tries[-1] == [], tries
 
 
 def test_the_line_needs_a_consistent_and_real_lateness() -> None:

@@ -145,8 +145,13 @@ class WorkerGaps:
         gaps, self._gaps = self._gaps, {}
         previous = window - 1
         try:
-            self._store.set(f"trace-gaps-{window}-{self.rank}", json.dumps(gaps))
+            mine = f"trace-gaps-{window}-{self.rank}"
+            self._store.set(mine, json.dumps(gaps))
             if previous < 1:
+                # A `set` gets no reply: a peer could read before the server applied it.
+                # A call that gets one, on this connection, comes after it (later windows
+                # read the store below, on this connection, before going on).
+                self._store.check([mine])
                 return None
             tables = []
             for rank in range(self.world_size):
