@@ -33,6 +33,7 @@ from crossdevice._arrays import torch_guard
 from crossdevice._frameworks.torch.agreement import check_workers_agree, describe_optimizer
 from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
+from crossdevice._frameworks.torch.optimizer_views import ReplicaGroup, ReplicaState
 from crossdevice._frameworks.torch.replicas import local_replica_index, local_replicas
 from crossdevice._frameworks.torch.step_check import StepCheck
 from crossdevice._frameworks.torch.threads import all_cores
@@ -50,7 +51,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     Inside `strategy.run`, `step()` and `zero_grad()` act on the running replica's copy;
     `param_groups` (what learning-rate schedulers change) are replica 0's, and every
-    replica takes their hyperparameters at each step. Outside `run`, `state` is replica
+    replica takes their hyperparameters at each step; with several local replicas they
+    are read-only there (each replica would make the change: make it outside `run`, with
+    a scheduler, or in `crossdevice.torch.call_once`). Outside `run`, `state` is replica
     0's, and what is changed there (`state.clear()`, a moment zeroed in place) is copied
     to every replica before the next `run`. `state_dict()` is replica 0's and
     `load_state_dict()` loads every copy. Every replica must call `step()` and
@@ -188,9 +191,24 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return self.__dict__["_optimizers"][0 if index is None else index]
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """Replica 0's parameter groups: change hyperparameters here (schedulers do)."""
-        return self.__dict__["_optimizers"][0].param_groups
+    def param_groups(self) -> list[Any]:
+        """Replica 0's parameter groups: change hyperparameters here (schedulers do).
+
+        Inside `strategy.run` with several local replicas, read-only views of them with
+        the running replica's own parameters (`optimizer_views.py`): a write there would
+        be made once per replica.
+        """
+        groups = self.__dict__["_optimizers"][0].param_groups
+        index = self._index()
+        if index is None:
+            return groups
+        replicas = local_replicas(self.__dict__["_strategy"])
+        if replicas == 1:
+            return groups
+        return [
+            ReplicaGroup(g, [self._replica(p, index) for p in g["params"]], replicas)
+            for g in groups
+        ]
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
@@ -201,9 +219,21 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """The running replica's state (replica 0's in cross-replica context).
 
         What is changed in cross-replica context reaches every replica before the
-        replicas run again.
+        replicas run again. Where the replicas share one optimizer (parameters stored
+        once), inside `strategy.run` with several local replicas it is a read-only view
+        of that optimizer's state keyed by the running replica's own parameters
+        (`optimizer_views.py`).
         """
-        return self._current().state
+        index = self._index()
+        state = self._current().state
+        if index is None or not self.__dict__["_shared"]:
+            return state
+        replicas = local_replicas(self.__dict__["_strategy"])
+        if replicas == 1:
+            return state
+        groups = self.__dict__["_optimizers"][0].param_groups
+        pairs = [(self._replica(p, index), p) for g in groups for p in g["params"]]
+        return ReplicaState(state, pairs, replicas)
 
     @state.setter
     def state(self, value: Any) -> None:
