@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from crossdevice._cross_device.collective import call_site
+from crossdevice._cross_device.call_site import call_site
 from crossdevice._cross_device.flat import FlatRoute, FlatRoutes, total_numel
 
 torch = pytest.importorskip("torch")
@@ -83,3 +83,13 @@ def test_call_site_walks_past_package_frames() -> None:
     site = scope["inner"]()
     assert site is not None
     assert site[:2] == ("test_flat_routes.py", "test_call_site_walks_past_package_frames")
+
+
+def test_a_purpose_with_a_site_gives_that_site_instead_of_the_walk() -> None:
+    from crossdevice._core.purpose import purpose
+
+    with purpose("the gradients", 1, site=("crossdevice.torch", "gradients", 0)):
+        assert _site_from_here() == ("crossdevice.torch", "gradients", 0)
+        with purpose("inner"):  # an inner block without a site keeps the outer one
+            assert _site_from_here() == ("crossdevice.torch", "gradients", 0)
+    assert _site_from_here()[:1] == ("test_flat_routes.py",)  # type: ignore[index]

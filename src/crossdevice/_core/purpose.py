@@ -22,23 +22,31 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-__all__ = ["current", "purpose", "site_tag"]
+__all__ = ["current", "fixed_site", "purpose", "site_tag"]
 
 _TEXT: ContextVar[str] = ContextVar("crossdevice_purpose", default="")
 _TAG: ContextVar[int] = ContextVar("crossdevice_site_tag", default=0)
+_SITE: ContextVar[tuple[str, str, int] | None] = ContextVar("crossdevice_site", default=None)
 
 
 @contextlib.contextmanager
-def purpose(text: str, tag: int | None = None) -> Iterator[None]:
+def purpose(
+    text: str, tag: int | None = None, site: tuple[str, str, int] | None = None
+) -> Iterator[None]:
     """Collectives started in this block on this thread are described by `text`.
 
     `tag`: also compared across workers with their call sites (None: the outer block's).
+    `site`: the call site they have, instead of the user's line found by walking the
+    stack (`_cross_device/call_site.py`; None: the outer block's, or the walk).
     """
     token = _TEXT.set(text)
     tagged = None if tag is None else _TAG.set(tag)
+    sited = None if site is None else _SITE.set(site)
     try:
         yield
     finally:
+        if sited is not None:
+            _SITE.reset(sited)
         if tagged is not None:
             _TAG.reset(tagged)
         _TEXT.reset(token)
@@ -47,6 +55,11 @@ def purpose(text: str, tag: int | None = None) -> Iterator[None]:
 def current() -> str:
     """The innermost `purpose` text of this thread ("" outside any)."""
     return _TEXT.get()
+
+
+def fixed_site() -> tuple[str, str, int] | None:
+    """The innermost `purpose` site of this thread (None: walk the stack)."""
+    return _SITE.get()
 
 
 def site_tag() -> int:

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
-import sys
 import threading
-import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -39,6 +36,7 @@ from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device import inputs, results
 from crossdevice._cross_device.base import CrossDeviceOps
+from crossdevice._cross_device.call_site import call_site
 from crossdevice._cross_device.destinations import get_devices_from
 from crossdevice._cross_device.flat import FlatRoute, FlatRoutes, numpy_dtype, total_numel
 from crossdevice._sync.call import CallSignature
@@ -48,10 +46,6 @@ if TYPE_CHECKING:
     from crossdevice._comm.workers.communicator import ProcessGroupCommunicator
 
 __all__ = ["CollectiveAllReduce", "call_site"]
-
-_PACKAGE_DIR: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_THREADING_FILE: Final = threading.__file__
-_RUNNER_FILE: Final = os.path.join(_PACKAGE_DIR, "_replica", "runner.py")
 
 
 def _reduction(
@@ -86,42 +80,6 @@ def _cached_reduction(
 
 #: The first of a list of results (a C function: no Python frame).
 _FIRST: Final = operator.itemgetter(0)
-
-#: `_file_kind`'s verdicts on a frame's file: walk on past it, or stop (no site).
-_WALK: Final = 0
-_STOP: Final = 1
-
-
-@functools.lru_cache(maxsize=1024)
-def _file_kind(name: str) -> str | int:
-    """What `call_site` makes of a frame of file `name`: `_WALK`, `_STOP`, or its base name."""
-    if name == _RUNNER_FILE or name.startswith("<frozen"):
-        return _STOP
-    if name.startswith(_PACKAGE_DIR) or name == _THREADING_FILE:
-        return _WALK
-    return os.path.basename(name)
-
-
-def call_site() -> tuple[str, str, int] | None:
-    """The user's line that asked for this reduction: file name, function, line.
-
-    Every worker runs the same program, so the same reduction comes from the same line
-    everywhere; two reductions of equal shapes issued in a different order on two
-    workers differ here (the fault campaign's swapped all-reduces). Only the file's base
-    name counts: workers may install the program in different directories.
-
-    The walk stops at the replica runner: below it lies whatever thread happens to run
-    a merge (the caller's or a replica's), which differs from worker to worker. A
-    reduction with no user frame above the runner (an internal merge) has no site.
-    """
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        kind = _file_kind(code.co_filename)
-        if kind != _WALK:
-            return None if kind == _STOP else (kind, code.co_name, frame.f_lineno)  # type: ignore[return-value]
-        frame = frame.f_back
-    return None
 
 
 @final

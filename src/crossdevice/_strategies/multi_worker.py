@@ -28,7 +28,8 @@ from crossdevice._core.errors import (
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.purpose import purpose, site_tag
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._cross_device.collective import CollectiveAllReduce, call_site
+from crossdevice._cross_device.call_site import call_site
+from crossdevice._cross_device.collective import CollectiveAllReduce
 from crossdevice._input.agreement import Agreed
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.mirrored import create_mirrored_variable

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -118,6 +118,12 @@ def issue(
     return Then([pending], lambda reduced: (reduced[:-1], reduced[-1], False))
 
 
+#: The gradients' call site on every worker: issued from a backward hook or at the end
+#: of the pass (a parameter with no gradient), where walking the stack finds torch's own
+#: frames, other ones in each case (`_cross_device/call_site.py`).
+_SITE: Final = ("crossdevice.torch", "gradients", 0)
+
+
 def stepped(ctx: ReplicaContext, steps: int) -> Any:
     """The gradients' `purpose`: the step count, in errors and (modulo 4) in the call site.
 
@@ -127,7 +133,7 @@ def stepped(ctx: ReplicaContext, steps: int) -> Any:
     """
     if getattr(ctx.strategy.extended, "_worker_communicator", None) is None:
         return contextlib.nullcontext()
-    return purpose(f"gradients after {steps} optimizer.step() calls", steps & 3)
+    return purpose(f"gradients after {steps} optimizer.step() calls", steps & 3, _SITE)
 
 
 def flat_reducible(
