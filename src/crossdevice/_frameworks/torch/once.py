@@ -19,12 +19,15 @@ strategy with several replicas is in use (`torch_patches`):
 Inside a replica, every replica must make the call (it is a rendezvous, like
 `merge_call`); it runs once, and every replica gets its result. Its arguments must agree
 across replicas: a metric that differs per replica is an error naming it (reduce it
-first with `ReplicaContext.all_reduce`). Outside `strategy.run`, and on a strategy with
-one replica per process, the call is an ordinary call.
+first with `ReplicaContext.all_reduce`); across workers, the numbers it is given (a
+metric) are compared too, so `ReduceLROnPlateau.step(local_loss)` is an error on every
+worker, not learning rates that drift apart. Outside `strategy.run`, and on a strategy
+with one replica in all, the call is an ordinary call.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -56,7 +59,9 @@ def call_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         What `fn` returns.
 
     Raises:
-        ValueError: an argument differs between replicas.
+        ValueError: an argument differs between replicas, of this worker or of any
+            other (numbers are compared across workers, by a digest in one small
+            all-reduce, where the call passes any).
 
     Example:
         >>> import crossdevice, crossdevice.torch
@@ -66,12 +71,20 @@ def call_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         >>> calls
         ['step']
     """
+    return _call_once(fn, args, kwargs, across_workers=True)
+
+
+def _call_once(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], across_workers: bool
+) -> Any:
+    """`call_once`; `across_workers`: compare the arguments' numbers across workers too."""
     frame = context.current_frame()
-    if (
-        frame is None
-        or frame.replica_context is None
-        or len(frame.strategy.extended.worker_devices) == 1
-    ):
+    if frame is None or frame.replica_context is None:
+        return fn(*args, **kwargs)
+    local = len(frame.strategy.extended.worker_devices)
+    if across_workers and frame.strategy.num_replicas_in_sync > local:
+        _check_workers_agree(frame.replica_context, fn, (args, kwargs))
+    if local == 1:
         return fn(*args, **kwargs)
 
     def merge_fn(strategy: Any, *merged_args: Any, **merged_kwargs: Any) -> Any:
@@ -80,6 +93,57 @@ def call_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*agreed[0], **agreed[1])
 
     return frame.replica_context.merge_call(merge_fn, args, kwargs)
+
+
+def _check_workers_agree(ctx: Any, fn: Callable[..., Any], arguments: Any) -> None:
+    """Raise on every worker if the workers passed different numbers to `fn`.
+
+    Each worker runs it alone, so a per-worker metric (`ReduceLROnPlateau.step(loss)`
+    with the worker's own loss) would move each worker's learning rate its own way, and
+    the mirrored models apart, silently. The numbers (Python and NumPy scalars, small
+    tensors that are not parameters) are compared by a digest in one small all-reduce:
+    only calls that pass some (a metric, once an epoch as a rule) pay for it.
+    """
+    numbers = [_canonical(leaf) for leaf in nest.flatten(arguments)[0]]
+    found = [n for n in numbers if n is not None]
+    if not found:
+        return
+    import numpy as np
+
+    # Two 24-bit digests and their squares, summed over the n replicas: each sum is n
+    # times this replica's, squares too, only if every replica's digest is the same
+    # (their variance, n * sum(d^2) - sum(d)^2, is then 0). Exact in int64.
+    digest = hashlib.blake2b(b"|".join(found), digest_size=6).digest()
+    mine = np.array([int.from_bytes(digest[i : i + 3], "big") for i in (0, 3)], np.int64)
+    sums = ctx.all_reduce("sum", np.concatenate([mine, mine * mine]))
+    n = ctx.num_replicas_in_sync
+    if not np.array_equal(np.asarray(sums), n * np.concatenate([mine, mine * mine])):
+        name = getattr(fn, "__qualname__", repr(fn))
+        shown = [leaf for leaf in nest.flatten(arguments)[0] if _canonical(leaf) is not None]
+        raise ValueError(
+            f"{name} runs once per step for all replicas (crossdevice.torch.call_once), "
+            f"but the replicas of the workers passed different arguments (this one: "
+            f"{shown!r}). Pass a value every replica agrees on: reduce a per-replica metric "
+            "first "
+            "(crossdevice.get_replica_context().all_reduce('mean', x))"
+        )
+
+
+def _canonical(leaf: Any) -> bytes | None:
+    """A number's bytes for `_check_workers_agree`, or None for anything else."""
+    if isinstance(leaf, bool | int | float):
+        return repr(leaf).encode()
+    if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.nn.Parameter) or leaf.numel() > _MAX_COMPARED:
+            return None
+        leaf = leaf.detach().cpu().numpy()
+    if hasattr(leaf, "tobytes") and 0 < getattr(leaf, "size", 0) <= _MAX_COMPARED:
+        return f"{leaf.dtype}{getattr(leaf, 'shape', ())}".encode() + leaf.tobytes()
+    return None
+
+
+#: Tensors up to this many elements are compared across workers (metrics, not weights).
+_MAX_COMPARED: Final = 64
 
 
 def _agreed(leaf: Any, fn: Callable[..., Any]) -> Any:
@@ -133,7 +197,8 @@ def _clip_once(original: Callable[..., Any]) -> Callable[..., Any]:
         shared = canonical(params)
         if shared is None:
             return original(params, *args, **kwargs)
-        return call_once(original, shared, *args, **kwargs)
+        # The workers' clipping settings are their program's: not compared each step.
+        return _call_once(original, (shared, *args), kwargs, across_workers=False)
 
     clip.__doc__ = original.__doc__
     clip.__name__ = getattr(original, "__name__", "clip")
