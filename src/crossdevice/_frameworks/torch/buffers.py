@@ -248,7 +248,15 @@ class BufferSync:
                 values[k] = stacked.amax(0) if self._how[k] == "max" else stacked[0].clone()
         # New tensors rather than copy_: the forward just run may have saved the old ones
         # for its backward, and an in-place write would fail that backward's version check.
-        for k, value in values.items():
+        for k, combined in values.items():
+            value = combined
+            if value.is_inference():
+                # A training-mode forward under torch.inference_mode(): a buffer made
+                # there could not be written outside it (and every run reads its
+                # version counter, which inference tensors lack). Plain torch updates
+                # its own buffer in place there, which stays an ordinary tensor.
+                with torch.inference_mode(False):
+                    value = value.clone()
             module, leaf = self._slots[replica][k]
             module._buffers[leaf] = value
         self._keep_agreed(replica)

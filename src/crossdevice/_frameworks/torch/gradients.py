@@ -510,11 +510,11 @@ class GradientSync:
                     raise RuntimeError(
                         f"the gradient of {name!r} was changed in place on replica {replica} "
                         "inside strategy.run: the replicas keep one reduced gradient, so "
-                        "every replica's change lands on it once per replica. Clip with "
-                        "torch.nn.utils.clip_grad_norm_ / clip_grad_value_ / "
-                        "clip_grads_with_norm_ (done once for all replicas), change it once "
-                        "with crossdevice.torch.call_once(fn), or prepare the model with "
-                        "share_storage=False"
+                        "every replica's change lands on it once per replica. Clip through "
+                        "torch.nn.utils (clip_grad_norm_, clip_grad_value_, clip_grads_with_"
+                        "norm_: once for all replicas; not a name imported before the first "
+                        "run, torch's own function), change it in crossdevice.torch.call_once"
+                        "(fn), or prepare the model with share_storage=False"
                     )
                 continue
             if state.synced[index] and state.touched[index]:
