@@ -203,14 +203,29 @@ class HealthBoard:
             return []
         failures = []
         for rank in range(self._world_size):
-            key = f"a{rank}"
-            if rank != self._rank and self._store.check([key]):
-                raw = self._store.get(key)[:_MAX_REASON]
-                text = "".join(
-                    c if c.isprintable() else "?" for c in raw.decode("utf-8", "replace")
-                )
+            text = self._abort_text(rank) if rank != self._rank else None
+            if text is not None:
                 failures.append(PeerFailure(rank, f"raised {text}", died=False))
         return failures
+
+    def _abort_text(self, rank: int) -> str | None:
+        key = f"a{rank}"
+        if not self._store.check([key]):
+            return None
+        raw = self._store.get(key)[:_MAX_REASON]
+        return "".join(c if c.isprintable() else "?" for c in raw.decode("utf-8", "replace"))
+
+    def abort_text(self, rank: int) -> str | None:
+        """What peer `rank` said when it gave up (`post_abort`), or None.
+
+        Its exception's type and text; None where the store has none or cannot be read.
+        A peer posts it before it sends its abort header (`ProcessGroupCommunicator.abort`),
+        and its `add` is answered, so a worker that received the header finds it here.
+        """
+        try:
+            return self._abort_text(rank)
+        except Exception:
+            return None
 
     def _below(self, seq: int) -> list[int]:
         out = []

@@ -292,7 +292,8 @@ class Integrity:
             standing.broken = f"{call.label}: a peer aborted"
             self._groups.destroy(keep_alive=True)
             named = "; ".join(
-                f"rank {r}{standing.replica_ids([r])} raised {fp.abort_reason(p)}"
+                f"rank {r}{standing.replica_ids([r])} raised "
+                f"{self._health.abort_text(r) or fp.abort_reason(p)}"
                 for r, p in aborted
             )
             raise WorkerFailedError(
