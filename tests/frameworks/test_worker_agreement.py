@@ -83,6 +83,19 @@ def test_workers_whose_global_batches_differ_in_size_fail_at_the_first_step() ->
         assert "(worker 0: 4, worker 1: 5)" in out["failure"]["message"], out
 
 
+def test_workers_whose_later_global_batches_differ_in_size_fail_at_that_step() -> None:
+    """Equal lengths (no has-data agreement after the first step), a last global batch of
+    2 examples on worker 0 and 3 on worker 1: each would slice its own, and the workers
+    train on a mix of both. The step's all-reduce says so on both workers."""
+    outs = [r.unwrap() for r in run_workers(batch_sizes, 2, args=([4, 4], [2, 3]))]
+    for out in outs:
+        assert out["steps"] == 2, out
+        assert out["failure"]["type"] == "CollectiveMismatchError", out
+        message = out["failure"]["message"]
+        assert re.search(r"rank 0: .*\n.*in a step of a global batch of 2\n", message), message
+        assert re.search(r"rank 1: .*\n.*in a step of a global batch of 3\n", message), message
+
+
 def test_a_smaller_last_batch_is_no_difference() -> None:
     """10 examples in batches of 4: 4, 4, 2 on every worker (only the first is compared)."""
     outs = [r.unwrap() for r in run_workers(batch_sizes, 2, args=([4, 4],))]

@@ -391,20 +391,30 @@ def different_setups(
         return _failure(lambda: cdt.prepare(net, optimizer))
 
 
-def batch_sizes(rank: int, world_size: int, sizes: list[int]) -> dict[str, Any]:
-    """Worker `rank` reads 10 examples in global batches of `sizes[rank]`; how it ends."""
+def batch_sizes(
+    rank: int, world_size: int, sizes: list[int], last: list[int] | None = None
+) -> dict[str, Any]:
+    """Worker `rank` reads 10 examples in global batches of `sizes[rank]` (its last one
+    of `last[rank]` examples instead, if given), each step an all-reduce; how it ends."""
     del world_size
     import numpy as np
+
+    import crossdevice
 
     strategy = _strategy(1)
     data = np.arange(10.0)
     size = sizes[rank]
     batches = [data[i : i + size] for i in range(0, 10, size)]
+    if last is not None:
+        batches[-1] = np.arange(float(last[rank]))
     seen: list[float] = []
+
+    def step(v: Any) -> Any:
+        return crossdevice.get_replica_context().all_reduce("sum", np.sum(v))
 
     def epoch() -> None:
         for x in strategy.experimental_distribute_dataset(batches):
-            seen.append(float(np.sum(strategy.run(lambda v: v, args=(x,)))))
+            seen.append(float(strategy.run(step, args=(x,))))
 
     return {"failure": _failure(epoch), "steps": len(seen)}
 

@@ -24,10 +24,11 @@ class _Workers:
         self.collective_since = False
         return has_data, None if steps is None else (lambda: self.count)
 
-    def skip(self) -> bool:
+    def skip(self, size: int | None) -> bool:
         if not self.collective_since:
             return False
         self.sent.append(("skip",))
+        self.sizes.append(size)
         self.collective_since = False
         return True
 

@@ -19,6 +19,8 @@ import threading
 import types
 from typing import Final
 
+import optree
+
 from crossdevice._core.purpose import fixed_site
 
 __all__ = ["call_site"]
@@ -26,6 +28,9 @@ __all__ = ["call_site"]
 _PACKAGE_DIR: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THREADING_FILE: Final = threading.__file__
 _RUNNER_FILE: Final = os.path.join(_PACKAGE_DIR, "_replica", "runner.py")
+#: optree's tree functions call back into the package (a reduction of each leaf): walked
+#: past, so the site is the user's line, not optree's.
+_OPTREE_DIR: Final = os.path.dirname(os.path.abspath(optree.__file__))
 
 #: `_file_kind`'s verdicts on a frame's file: walk on past it, or stop (no site).
 _WALK: Final = 0
@@ -37,7 +42,7 @@ def _file_kind(name: str) -> str | int:
     """What `call_site` makes of a frame of file `name`: `_WALK`, `_STOP`, or its base name."""
     if name == _RUNNER_FILE or name.startswith("<frozen"):
         return _STOP
-    if name.startswith(_PACKAGE_DIR) or name == _THREADING_FILE:
+    if name.startswith((_PACKAGE_DIR, _OPTREE_DIR)) or name == _THREADING_FILE:
         return _WALK
     return os.path.basename(name)
 

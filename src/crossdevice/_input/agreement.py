@@ -45,12 +45,15 @@ class StepSync(Protocol):
         agreement completes.
         """
 
-    def skip(self) -> bool:
+    def skip(self, size: int | None) -> bool:
         """Count this step's agreement as made, without a collective, if that is safe.
 
         Safe when a collective ran since the last agreement (the workers' collectives are
         compared): a step that made none agrees for real, so a worker that calls `next()`
-        once more than its peers meets their collective with its agreement.
+        once more than its peers meets their collective with its agreement. `size`: this
+        worker's global batch size for the step, which the step's collectives then carry
+        in their call sites (workers that sliced global batches of different sizes would
+        train on a mix of both: a `CollectiveMismatchError` instead).
         """
 
 
@@ -121,7 +124,7 @@ class PassAgreement:
                     "count what iterating yields: fix the dataset's __len__ (or its "
                     "batch_sampler's), or pass an iterable without len()"
                 )
-            if self._sync.skip():
+            if self._sync.skip(size):
                 return has_data
             return self._sync.agree(has_data, None)[0]
         if taken:

@@ -71,6 +71,9 @@ class _MultiWorkerExtended(ReplicatedExtended):
         self._num_workers = 1 if communicator is None else int(communicator.world_size)
         #: The last step's has-data agreement, issued by `next(iterator)` and not waited on.
         self._has_data_pending: Pending | None = None
+        #: The global batch size of the step whose has-data agreement was skipped (the
+        #: workers agreed on the data's length), in the call sites of its collectives.
+        self._step_input: int | None = None
         self._worker_index = 0 if communicator is None else int(communicator.rank)
 
         super().__init__(container_strategy, devices, CollectiveAllReduce(communicator, options))
@@ -148,7 +151,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
         ops = self._flat_ops()
         if ops is None:
             return None
-        site = (call_site(), _FLAT_STRUCTURE, site_tag())
+        site = (call_site(), _FLAT_STRUCTURE, site_tag(), self._step_input)
         return ops.reduce_flat_async(op, parts, self._options, site, leaves, wire_dtype)
 
     def _flat_ops(self) -> CollectiveAllReduce | None:
@@ -179,7 +182,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
         ops = self._flat_ops()
         if ops is None:
             return None
-        site = (call_site(), _FLAT_STRUCTURE, site_tag())
+        site = (call_site(), _FLAT_STRUCTURE, site_tag(), self._step_input)
         options = self._options
         return ops.reduce_flats_async(op, like, numels, fill, options, site, leaves, why, missing)
 
@@ -204,9 +207,9 @@ class _MultiWorkerExtended(ReplicatedExtended):
         merged = self._options if options is None else self._options.merge(options)
         if type(value) is np.ndarray and len(self._devices) == 1:
             # One host array and one replica (the per-step case): nothing to merge.
-            site = (call_site(), _LEAF_STRUCTURE, site_tag())
+            site = (call_site(), _LEAF_STRUCTURE, site_tag(), self._step_input)
             return ops.reduce_one_async(op, value, merged, site, overlap)
-        site = (call_site(), nest.structure_repr(value), site_tag())
+        site = (call_site(), nest.structure_repr(value), site_tag(), self._step_input)
 
         def issue_fn(strategy: Any, *per_replica: Any) -> Pending:
             del strategy
@@ -461,6 +464,7 @@ class _StepSync:
         with purpose(_NEXT_BATCH):
             pending = communicator.any_has_data_async(has_data, steps=steps, size=size)
         self._mark = communicator.sequence_number
+        self._extended._step_input = None  # (a first step's sizes are compared here)
         if not has_data:  # the answer is needed now
             answer = pending.wait()
             if steps is None:
@@ -473,11 +477,12 @@ class _StepSync:
         self._extended._has_data_pending = pending
         return True, None if steps is None else lambda: pending.wait()[1]
 
-    def skip(self) -> bool:
+    def skip(self, size: int | None) -> bool:
         communicator = self._communicator
         if communicator.sequence_number == self._mark:
             return False  # no collective since the last agreement: agree for real
         with purpose(_NEXT_BATCH):
             communicator.has_data_known()
         self._mark = communicator.sequence_number
+        self._extended._step_input = size
         return True

@@ -56,7 +56,7 @@ from crossdevice._comm.workers.shm import SharedMemoryTransport
 from crossdevice._comm.workers.speculation import Filler, RoomPool
 from crossdevice._comm.workers.start import check_joined_group, connect_groups, start_for
 from crossdevice._comm.workers.transport import Job, Layout
-from crossdevice._comm.workers.wire import Wire, describe_wires, to_wire
+from crossdevice._comm.workers.wire import Wire, to_wire
 from crossdevice._core import tuning
 from crossdevice._core.cluster import Cluster
 from crossdevice._core.errors import CollectiveMismatchError
@@ -299,7 +299,7 @@ class ProcessGroupCommunicator:
             checked = self._sequencer.guard(
                 call,
                 lambda: self._integrity.start(
-                    call, header, plan.layout, job, lambda: describe_wires(plan.wires), plan.history
+                    call, header, plan.layout, job, plan.describe, plan.history
                 ),
             )
         results = plan.results

@@ -283,7 +283,8 @@ def mismatch_message(
         "Every worker must call the same collectives in the same order with values of the "
         "same dtypes, shapes and structure, the same reduce op and the same number of local "
         "replicas. A worker that caught an exception in its step and carried on is the usual "
-        "cause of a sequence mismatch."
+        "cause of a sequence mismatch; workers that read global batches of different sizes "
+        "in one step differ in the global batch their step's calls show."
     )
     return "\n".join(lines)
 

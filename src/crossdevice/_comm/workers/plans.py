@@ -26,7 +26,7 @@ from crossdevice._comm.protocol import ReduceOptions
 from crossdevice._comm.workers.fingerprint import ReductionPrints
 from crossdevice._comm.workers.speculation import Predictor
 from crossdevice._comm.workers.transport import Layout, host_layout
-from crossdevice._comm.workers.wire import Wire, divide, donation
+from crossdevice._comm.workers.wire import Wire, describe_site, describe_wires, divide, donation
 
 __all__ = [
     "AS_IS",
@@ -86,6 +86,11 @@ class ReducePlan:
     template: np.ndarray
     history: bytes
     how: tuple[int, ...]
+
+    def describe(self) -> str:
+        """The call's buffers and where it came from, for mismatch messages."""
+        site = "" if self.opts.signature is None else describe_site(self.opts.signature.site)
+        return f"{describe_wires(self.wires)}{'; ' if site else ''}{site}"
 
     def tensors(self, values: Sequence[Any]) -> list[torch.Tensor]:
         """The values' memory as flat tensors, as the general path would send them."""

@@ -17,6 +17,7 @@ from crossdevice._arrays import NUMPY, backend_for, is_torch
 __all__ = [
     "DTYPE_CODES",
     "Wire",
+    "describe_site",
     "describe_wires",
     "divide",
     "donation",
@@ -183,6 +184,24 @@ def to_wire(value: Any, *, cuda: bool) -> Wire:
         owned = owned or not needs_view(dtype)
         tensor = tensor.view(wdtype) if needs_view(dtype) else tensor.to(wdtype)
     return Wire(tensor, dtype, kind, device, shape, owned)
+
+
+def describe_site(site: object) -> str:
+    """Where a call came from, for mismatch messages (its signature's `site`), or "".
+
+    A strategy's site is `(user's line, structure, tag, step's global batch size)`: the
+    line as `from file:line (function)` (not for the gradients, whose site is fixed),
+    and the size of the global batch the step's input was sliced from, where known.
+    """
+    where, batch = site, None
+    if isinstance(site, tuple) and len(site) == 4:
+        where, batch = site[0], site[3]
+    parts = []
+    if isinstance(where, tuple) and len(where) == 3 and where[0] != "crossdevice.torch":
+        parts.append(f"from {where[0]}:{where[2]} ({where[1]})")
+    if batch is not None:
+        parts.append(f"in a step of a global batch of {batch}")
+    return ", ".join(parts)
 
 
 def describe_wires(wires: Sequence[Wire]) -> str:
