@@ -47,6 +47,9 @@ from crossdevice._frameworks.torch.gradients import (
     DEFAULT_BUCKET_CAP_BYTES as DEFAULT_BUCKET_CAP_BYTES,
 )
 from crossdevice._frameworks.torch.losses import compute_average_loss as compute_average_loss
+from crossdevice._frameworks.torch.losses import (
+    scale_regularization_loss as scale_regularization_loss,
+)
 from crossdevice._frameworks.torch.module import MirroredModule as MirroredModule
 from crossdevice._frameworks.torch.once import call_once as call_once
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer as MirroredOptimizer
@@ -70,6 +73,7 @@ __all__ = [
     "mark_replica_copy",
     "prepare",
     "replica_generator",
+    "scale_regularization_loss",
 ]
 
 
