@@ -21,12 +21,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import Final
 
-__all__ = ["current", "fixed_site", "purpose", "site_tag"]
+__all__ = ["GRADIENTS_SITE", "current", "fixed_site", "purpose", "site_tag"]
 
 _TEXT: ContextVar[str] = ContextVar("crossdevice_purpose", default="")
 _TAG: ContextVar[int] = ContextVar("crossdevice_site_tag", default=0)
 _SITE: ContextVar[tuple[str, str, int] | None] = ContextVar("crossdevice_site", default=None)
+
+#: The call site of `crossdevice.torch`'s gradient buckets on every worker: issued from a
+#: backward hook or at the end of the pass (a parameter with no gradient), where walking
+#: the stack finds torch's own frames, other ones in each case.
+GRADIENTS_SITE: Final = ("crossdevice.torch", "gradients", 0)
 
 
 @contextlib.contextmanager

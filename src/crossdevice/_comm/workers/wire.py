@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from crossdevice._arrays import NUMPY, backend_for, is_torch
+from crossdevice._core.purpose import GRADIENTS_SITE
 
 __all__ = [
     "DTYPE_CODES",
@@ -197,7 +198,7 @@ def describe_site(site: object) -> str:
     if isinstance(site, tuple) and len(site) == 4:
         where, batch = site[0], site[3]
     parts = []
-    if isinstance(where, tuple) and len(where) == 3 and where[0] != "crossdevice.torch":
+    if isinstance(where, tuple) and len(where) == 3 and where != GRADIENTS_SITE:
         parts.append(f"from {where[0]}:{where[2]} ({where[1]})")
     if batch is not None:
         parts.append(f"in a step of a global batch of {batch}")

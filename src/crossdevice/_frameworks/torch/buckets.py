@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import torch
 
 from crossdevice._comm.protocol import Done, Pending, Then
-from crossdevice._core.purpose import purpose
+from crossdevice._core.purpose import GRADIENTS_SITE, purpose
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.replica import ReplicaContext, all_reduce_async
 
@@ -118,12 +118,6 @@ def issue(
     return Then([pending], lambda reduced: (reduced[:-1], reduced[-1], False))
 
 
-#: The gradients' call site on every worker: issued from a backward hook or at the end
-#: of the pass (a parameter with no gradient), where walking the stack finds torch's own
-#: frames, other ones in each case (`_cross_device/call_site.py`).
-_SITE: Final = ("crossdevice.torch", "gradients", 0)
-
-
 def stepped(ctx: ReplicaContext, steps: int) -> Any:
     """The gradients' `purpose`: the step count, in errors and (modulo 4) in the call site.
 
@@ -133,7 +127,7 @@ def stepped(ctx: ReplicaContext, steps: int) -> Any:
     """
     if getattr(ctx.strategy.extended, "_worker_communicator", None) is None:
         return contextlib.nullcontext()
-    return purpose(f"gradients after {steps} optimizer.step() calls", steps & 3, _SITE)
+    return purpose(f"gradients after {steps} optimizer.step() calls", steps & 3, GRADIENTS_SITE)
 
 
 def flat_reducible(

@@ -248,17 +248,9 @@ class BufferSync:
                 values[k] = stacked.amax(0) if self._how[k] == "max" else stacked[0].clone()
         # New tensors rather than copy_: the forward just run may have saved the old ones
         # for its backward, and an in-place write would fail that backward's version check.
-        for k, combined in values.items():
-            value = combined
-            if value.is_inference():
-                # A training-mode forward under torch.inference_mode(): a buffer made
-                # there could not be written outside it (and every run reads its
-                # version counter, which inference tensors lack). Plain torch updates
-                # its own buffer in place there, which stays an ordinary tensor.
-                with torch.inference_mode(False):
-                    value = value.clone()
+        for k, value in values.items():
             module, leaf = self._slots[replica][k]
-            module._buffers[leaf] = value
+            module._buffers[leaf] = _ordinary(value)
         self._keep_agreed(replica)
 
     def _undeclared(self, ks: list[int], why: str) -> None:
@@ -377,3 +369,16 @@ class BufferSync:
         """Buffers were set from outside (a copy from replica 0): watch from here."""
         self._seen[replica] = self._marks(replica, self._watched)
         self._keep_agreed(replica)
+
+
+def _ordinary(value: torch.Tensor) -> torch.Tensor:
+    """`value`, or an ordinary copy of it if made under `torch.inference_mode()`.
+
+    A training-mode forward there combines the buffers into inference tensors, which
+    cannot be written outside it (and every run reads their version counter, which they
+    lack). Plain torch updates its own buffer in place there, an ordinary tensor still.
+    """
+    if not value.is_inference():
+        return value
+    with torch.inference_mode(False):
+        return value.clone()

@@ -27,7 +27,6 @@ with one replica in all, the call is an ordinary call.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -36,6 +35,7 @@ import torch
 from crossdevice._arrays import torch_patches
 from crossdevice._core import context, nest
 from crossdevice._frameworks.torch.gradients import canonical
+from crossdevice._sync.call import digest
 from crossdevice._values.values import PerReplica
 
 __all__ = ["call_once"]
@@ -104,22 +104,22 @@ def _check_workers_agree(ctx: Any, fn: Callable[..., Any], arguments: Any) -> No
     tensors that are not parameters) are compared by a digest in one small all-reduce:
     only calls that pass some (a metric, once an epoch as a rule) pay for it.
     """
-    numbers = [_canonical(leaf) for leaf in nest.flatten(arguments)[0]]
-    found = [n for n in numbers if n is not None]
+    numbers = [(leaf, _canonical(leaf)) for leaf in nest.flatten(arguments)[0]]
+    found = [(leaf, data) for leaf, data in numbers if data is not None]
     if not found:
         return
     import numpy as np
 
-    # Two 24-bit digests and their squares, summed over the n replicas: each sum is n
-    # times this replica's, squares too, only if every replica's digest is the same
-    # (their variance, n * sum(d^2) - sum(d)^2, is then 0). Exact in int64.
-    digest = hashlib.blake2b(b"|".join(found), digest_size=6).digest()
-    mine = np.array([int.from_bytes(digest[i : i + 3], "big") for i in (0, 3)], np.int64)
-    sums = ctx.all_reduce("sum", np.concatenate([mine, mine * mine]))
-    n = ctx.num_replicas_in_sync
-    if not np.array_equal(np.asarray(sums), n * np.concatenate([mine, mine * mine])):
+    # Two 24-bit parts of the digest and their squares, summed over the n replicas: each
+    # sum is n times this replica's, squares too, only if every replica's digest is the
+    # same (their variance, n * sum(d^2) - sum(d)^2, is then 0). Exact in int64.
+    whole = digest(tuple(data for _, data in found))
+    parts = np.array([whole & 0xFFFFFF, (whole >> 24) & 0xFFFFFF], np.int64)
+    mine = np.concatenate([parts, parts * parts])
+    sums = ctx.all_reduce("sum", mine)
+    if not np.array_equal(np.asarray(sums), ctx.num_replicas_in_sync * mine):
         name = getattr(fn, "__qualname__", repr(fn))
-        shown = [leaf for leaf in nest.flatten(arguments)[0] if _canonical(leaf) is not None]
+        shown = [leaf for leaf, _ in found]
         raise ValueError(
             f"{name} runs once per step for all replicas (crossdevice.torch.call_once), "
             f"but the replicas of the workers passed different arguments (this one: "
