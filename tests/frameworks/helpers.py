@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -79,6 +80,39 @@ def global_loss(torch: Any, model: Any, x: Any, y: Any) -> Any:
     """Cross entropy summed over `x` divided by the global batch: the replica's share of
     the global mean under the SUM rule, and the global mean itself on one device."""
     return torch.nn.functional.cross_entropy(model(x), y, reduction="sum") / GLOBAL_BATCH
+
+
+def train_plain(torch: Any, model: Any, optimizer: Any, data: list[Any], step: Any) -> list[Any]:
+    """`step(model, optimizer, x, y, i)` on each global batch, in plain torch; the start."""
+    del torch
+    start = [p.detach().clone() for p in model.parameters()]
+    for i, (x, y) in enumerate(data):
+        step(model, optimizer, x, y, i)
+    return start
+
+
+def standard_step(torch: Any, then: Any = None) -> Callable[..., None]:
+    """A step: zero_grad, backward of `global_loss`, optimizer step, then `then(optimizer)`."""
+
+    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad()
+        global_loss(torch, model, x, y).backward()
+        optimizer.step()
+        if then is not None:
+            then(optimizer)
+
+    return step
+
+
+def prepared_mlp(
+    torch: Any, cdt: Any, make: Any, replicas: int = 4, shared: bool = True
+) -> tuple[Any, Any, Any]:
+    """(strategy on `replicas` CPUs, the mirrored `mlp`, its optimizer `make(parameters)`)."""
+    strategy = mirrored(replicas)
+    with strategy.scope():
+        net = mlp(torch)
+        model, optimizer = cdt.prepare(net, make(net.parameters()), share_storage=shared)
+    return strategy, model, optimizer
 
 
 def run_on_replicas(strategy: Any, step: Any, batches: list[Any]) -> list[Any]:

@@ -29,27 +29,13 @@ from tests.frameworks.helpers import (
     mirrored,
     mlp,
     run_on_replicas,
+    standard_step,
+    train_plain,
 )
 from tests.strategies.conftest import replica_execution
 
 MODES = ["threads", "cooperative"]
 pytestmark = pytest.mark.usefixtures("float64")
-
-
-def _train_plain(torch: Any, model: Any, optimizer: Any, data: list[Any], step: Any) -> list[Any]:
-    start = [p.detach().clone() for p in model.parameters()]
-    for i, (x, y) in enumerate(data):
-        step(model, optimizer, x, y, i)
-    return start
-
-
-def _standard(torch: Any) -> Callable[..., None]:
-    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
-        optimizer.zero_grad()
-        global_loss(torch, model, x, y).backward()
-        optimizer.step()
-
-    return step
 
 
 # --- every torch.optim optimizer ----------------------------------------------------------------
@@ -94,7 +80,7 @@ def test_every_optimizer_trains_like_plain_torch(
             optimizer.step()
 
     plain = mlp(torch)
-    start = _train_plain(torch, plain, make(torch, plain.parameters()), data, step)
+    start = train_plain(torch, plain, make(torch, plain.parameters()), data, step)
     with replica_execution(mode):
         strategy = mirrored(4)
         with strategy.scope():
@@ -120,7 +106,7 @@ def test_a_prepared_module_deep_copies_pickles_and_saves(torch: Any, cdt: Any) -
         net = mlp(torch)
         model, optimizer = cdt.prepare(net, torch.optim.Adam(net.parameters(), lr=0.1))
     data = global_batches(torch, 2)
-    run_on_replicas(strategy, lambda x, y, i: _standard(torch)(model, optimizer, x, y, i), data)
+    run_on_replicas(strategy, lambda x, y, i: standard_step(torch)(model, optimizer, x, y, i), data)
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
     duplicate = copy.deepcopy(model)  # a target network, a best-model snapshot
@@ -171,9 +157,9 @@ def test_freezing_and_unfreezing_after_prepare_trains_like_plain_torch(
 
     def plain_step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
         schedule(model, i)
-        _standard(torch)(model, optimizer, x, y, i)
+        standard_step(torch)(model, optimizer, x, y, i)
 
-    start = _train_plain(torch, plain, optimizer, data, plain_step)
+    start = train_plain(torch, plain, optimizer, data, plain_step)
     with replica_execution(mode):
         strategy = mirrored(4)
         with strategy.scope():
@@ -186,7 +172,7 @@ def test_freezing_and_unfreezing_after_prepare_trains_like_plain_torch(
         def step(x: Any, y: Any, i: int) -> None:
             if how == "inside-run":
                 schedule(model, i)  # every replica changes its own copy alike
-            _standard(torch)(model, optimizer, x, y, i)
+            standard_step(torch)(model, optimizer, x, y, i)
 
         for i, batch in enumerate(strategy.experimental_distribute_dataset(data)):
             if how != "inside-run":
@@ -252,10 +238,10 @@ def test_averaged_model_updated_inside_run_updates_once_per_step(
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
 
     def plain_step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
-        _standard(torch)(model, optimizer, x, y, i)
+        standard_step(torch)(model, optimizer, x, y, i)
         plain_ema.update_parameters(model)
 
-    start = _train_plain(torch, plain, plain_optimizer, data, plain_step)
+    start = train_plain(torch, plain, plain_optimizer, data, plain_step)
     with replica_execution(mode):
         strategy = mirrored(4)
         with strategy.scope():
@@ -264,7 +250,7 @@ def test_averaged_model_updated_inside_run_updates_once_per_step(
             ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
 
         def step(x: Any, y: Any, i: int) -> Any:
-            _standard(torch)(model, optimizer, x, y, i)
+            standard_step(torch)(model, optimizer, x, y, i)
             ema.update_parameters(model)  # every replica calls it; it runs once
             return ema(x).sum()  # the averaged model, used on the running replica
 
@@ -296,7 +282,7 @@ def test_unused_parameter_keeps_its_zeroed_gradient(torch: Any, cdt: Any, mode: 
         return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.1)
 
     plain = make()
-    start = _train_plain(torch, plain, sgd(plain.parameters()), data, step)
+    start = train_plain(torch, plain, sgd(plain.parameters()), data, step)
     with replica_execution(mode):
         strategy = mirrored(4)
         with strategy.scope():
@@ -343,7 +329,7 @@ def _dropout_run(torch: Any, cdt: Any, how: str, replicas: int) -> list[Any]:
         net = _checkpointed(torch, how)
         model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
     torch.manual_seed(11)
-    run_on_replicas(strategy, lambda x, y, i: _standard(torch)(model, optimizer, x, y, i), data)
+    run_on_replicas(strategy, lambda x, y, i: standard_step(torch)(model, optimizer, x, y, i), data)
     for replica in model.replicas:
         assert all(p.grad is not None for p in replica.parameters())
     return [p.detach().clone() for p in model.replicas[0].parameters()]
@@ -374,7 +360,7 @@ def test_one_replica_draws_plain_torchs_dropout_masks_under_checkpointing(
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
     torch.manual_seed(11)
     for i, (x, y) in enumerate(data):
-        _standard(torch)(plain, optimizer, x, y, i)
+        standard_step(torch)(plain, optimizer, x, y, i)
     for a, b in zip(replicated, plain.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -400,7 +386,7 @@ def test_torch_func_gradients_are_reduced_at_step(torch: Any, cdt: Any, mode: st
         optimizer.step()
 
     plain = mlp(torch)
-    start = _train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
+    start = train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
     with replica_execution(mode):
         strategy = mirrored(4)
         with strategy.scope():
@@ -505,7 +491,7 @@ def test_gradient_penalty_with_autograd_grad_trains_like_plain_torch(
         optimizer.step()
 
     plain = mlp(torch)
-    start = _train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
+    start = train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
     with replica_execution(mode):
         strategy = mirrored(4)
         with strategy.scope():

@@ -19,24 +19,17 @@ from tests.frameworks.helpers import (
     assert_trains_like,
     global_batches,
     global_loss,
-    mirrored,
     mlp,
+    prepared_mlp,
     run_on_replicas,
+    standard_step,
+    train_plain,
 )
 from tests.strategies.conftest import replica_execution
 
 pytestmark = pytest.mark.usefixtures("float64")
 CASES = [("threads", True), ("threads", False), ("cooperative", True), ("cooperative", False)]
 IDS = ["threads-shared", "threads-copies", "cooperative-shared", "cooperative-copies"]
-
-
-def _prepared(torch: Any, cdt: Any, make: Any, shared: bool = True) -> tuple[Any, Any, Any]:
-    """(strategy on 4 replicas, the mirrored MLP, its optimizer `make(parameters)`)."""
-    strategy = mirrored(4)
-    with strategy.scope():
-        net = mlp(torch)
-        model, optimizer = cdt.prepare(net, make(net.parameters()), share_storage=shared)
-    return strategy, model, optimizer
 
 
 def _halve(optimizer: Any) -> None:
@@ -49,8 +42,8 @@ def test_a_hyperparameter_written_inside_run_is_an_error(
     torch: Any, cdt: Any, mode: str, shared: bool
 ) -> None:
     with replica_execution(mode):
-        strategy, model, optimizer = _prepared(
-            torch, cdt, lambda p: torch.optim.SGD(p, lr=0.2), shared
+        strategy, model, optimizer = prepared_mlp(
+            torch, cdt, lambda p: torch.optim.SGD(p, lr=0.2), shared=shared
         )
 
         def step(x: Any, y: Any, i: int) -> None:
@@ -71,15 +64,10 @@ def test_a_hyperparameter_changed_once_a_step_trains_like_plain_torch(
     data = global_batches(torch, 4)
     plain = mlp(torch)
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.2, momentum=0.5)
-    start = [p.detach().clone() for p in plain.parameters()]
-    for x, y in data:
-        plain_optimizer.zero_grad()
-        global_loss(torch, plain, x, y).backward()
-        plain_optimizer.step()
-        _halve(plain_optimizer)
+    start = train_plain(torch, plain, plain_optimizer, data, standard_step(torch, _halve))
     with replica_execution(mode):
-        strategy, model, optimizer = _prepared(
-            torch, cdt, lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.5), shared
+        strategy, model, optimizer = prepared_mlp(
+            torch, cdt, lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.5), shared=shared
         )
         seen: list[Any] = []
 
@@ -106,14 +94,11 @@ def test_optimizer_state_read_inside_run_is_the_running_replicas(
     data = global_batches(torch, 3)
     plain = mlp(torch)
     plain_optimizer = torch.optim.Adam(plain.parameters(), lr=0.05)
-    for x, y in data:
-        plain_optimizer.zero_grad()
-        global_loss(torch, plain, x, y).backward()
-        plain_optimizer.step()
+    train_plain(torch, plain, plain_optimizer, data, standard_step(torch))
     expected = [plain_optimizer.state[p]["exp_avg"] for p in plain.parameters()]
     with replica_execution(mode):
-        strategy, model, optimizer = _prepared(
-            torch, cdt, lambda p: torch.optim.Adam(p, lr=0.05), shared
+        strategy, model, optimizer = prepared_mlp(
+            torch, cdt, lambda p: torch.optim.Adam(p, lr=0.05), shared=shared
         )
         seen: dict[int, list[Any]] = {}
 
@@ -136,7 +121,7 @@ def test_optimizer_state_read_inside_run_is_the_running_replicas(
 
 
 def test_the_shared_optimizers_state_is_read_only_inside_run(torch: Any, cdt: Any) -> None:
-    strategy, model, optimizer = _prepared(torch, cdt, lambda p: torch.optim.Adam(p, lr=0.05))
+    strategy, model, optimizer = prepared_mlp(torch, cdt, lambda p: torch.optim.Adam(p, lr=0.05))
 
     def clear() -> None:
         optimizer.state.clear()

@@ -16,9 +16,10 @@ from tests.frameworks.helpers import (
     assert_trains_like,
     global_batches,
     global_loss,
-    mirrored,
     mlp,
+    prepared_mlp,
     run_on_replicas,
+    train_plain,
 )
 from tests.strategies.conftest import replica_execution
 
@@ -34,16 +35,15 @@ def test_a_scaled_l2_penalty_trains_like_plain_torch(torch: Any, cdt: Any, mode:
     data = global_batches(torch, 4)
     plain = mlp(torch)
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.3)
-    start = [p.detach().clone() for p in plain.parameters()]
-    for x, y in data:
-        plain_optimizer.zero_grad()
-        (global_loss(torch, plain, x, y) + sum(_l2(torch, plain))).backward()
-        plain_optimizer.step()
+
+    def plain_step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad()
+        (global_loss(torch, model, x, y) + sum(_l2(torch, model))).backward()  # once
+        optimizer.step()
+
+    start = train_plain(torch, plain, plain_optimizer, data, plain_step)
     with replica_execution(mode):
-        strategy = mirrored(4)
-        with strategy.scope():
-            net = mlp(torch)
-            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.3))
+        strategy, model, optimizer = prepared_mlp(torch, cdt, lambda p: torch.optim.SGD(p, lr=0.3))
 
         def step(x: Any, y: Any, i: int) -> None:
             loss = global_loss(torch, model, x, y) + cdt.scale_regularization_loss(
