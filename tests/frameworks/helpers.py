@@ -33,6 +33,13 @@ def mirrored(n: int) -> Any:
     return cd.MirroredStrategy([f"CPU:{i}" for i in range(n)])
 
 
+def worker_strategy(replicas: int) -> Any:
+    """In a worker process: a MultiWorkerMirroredStrategy with `replicas` local CPUs."""
+    if replicas > 1:
+        cd.config.set_logical_cpu_devices(replicas)
+    return cd.MultiWorkerMirroredStrategy(devices=[f"CPU:{i}" for i in range(replicas)])
+
+
 def bn_dropout_model(torch: Any) -> Any:
     """A small CNN with BatchNorm and Dropout, for buffer and randomness tests."""
     return torch.nn.Sequential(

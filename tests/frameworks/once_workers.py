@@ -13,13 +13,15 @@ def plateau_training(rank: int, world_size: int, reduced: bool, replicas: int) -
 
     import crossdevice
     import crossdevice.torch as cdt
-    from tests.frameworks.helpers import GLOBAL_BATCH, global_batches, global_loss, mlp
-
-    if replicas > 1:
-        crossdevice.config.set_logical_cpu_devices(replicas)
-    strategy = crossdevice.MultiWorkerMirroredStrategy(
-        devices=[f"CPU:{i}" for i in range(replicas)]
+    from tests.frameworks.helpers import (
+        GLOBAL_BATCH,
+        global_batches,
+        global_loss,
+        mlp,
+        worker_strategy,
     )
+
+    strategy = worker_strategy(replicas)
     with strategy.scope():
         net = mlp(torch)
         model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))

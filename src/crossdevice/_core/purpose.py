@@ -12,22 +12,45 @@ error about it shows, and the detail a mismatch shows for each worker).
 (`site_tag`): calls from the same line that stand for different things (the gradients
 after another number of optimizer steps) then differ between workers.
 
-Both are per thread, and per cooperative replica (context variables: each greenlet has
-its own), since the collective runs on the thread that asked for it.
+`agreeing(value, describe)` adds a state every worker must share to the collectives
+started inside (`state`): an int compared with the call (the worker fingerprint's
+`state` field, never part of a call's cached route), and `describe()`, what it stands
+for in words, read only when the workers' values differ. `crossdevice.torch` gives its
+gradients the optimizer's hyperparameters and `zero_grad()` calls there
+(`_frameworks/torch/step_state.py`): a worker whose learning rate or gradient
+accumulation went its own way fails at its next backward, before any update.
+
+All are per thread, and per cooperative replica (context variables: each greenlet has
+its own), since the collective runs on the thread that asked for it (a queued call runs
+in a copy of the caller's context variables).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar, Token
 from typing import Final
 
-__all__ = ["GRADIENTS_SITE", "current", "fixed_site", "purpose", "site_tag"]
+__all__ = [
+    "GRADIENTS_SITE",
+    "NO_STATE",
+    "agreeing",
+    "current",
+    "fixed_site",
+    "purpose",
+    "site_tag",
+    "state",
+]
 
 _TEXT: ContextVar[str] = ContextVar("crossdevice_purpose", default="")
 _TAG: ContextVar[int] = ContextVar("crossdevice_site_tag", default=0)
 _SITE: ContextVar[tuple[str, str, int] | None] = ContextVar("crossdevice_site", default=None)
+
+#: A state and what it stands for in words: (0, None) outside any `agreeing` block.
+State = tuple[int, Callable[[], str] | None]
+NO_STATE: Final[State] = (0, None)
+_STATE: ContextVar[State] = ContextVar("crossdevice_state", default=NO_STATE)
 
 #: The call site of `crossdevice.torch`'s gradient buckets on every worker: issued from a
 #: backward hook or at the end of the pass (a parameter with no gradient), where walking
@@ -71,3 +94,30 @@ def fixed_site() -> tuple[str, str, int] | None:
 def site_tag() -> int:
     """The innermost `purpose` tag of this thread (0 outside any)."""
     return _TAG.get()
+
+
+class agreeing:  # noqa: N801 - used as a function, like `purpose`
+    """Collectives started in this block carry `value`: every worker's must be the same.
+
+    `value`: a digest (at most 63 bits) of what the workers must agree on; `describe()`:
+    it in words, for the mismatch message (called only then). A class rather than a
+    generator: it wraps every backward pass across workers.
+    """
+
+    __slots__ = ("_state", "_token")
+
+    def __init__(self, value: int, describe: Callable[[], str]) -> None:
+        self._state: State = (value, describe)
+        self._token: Token[State] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _STATE.set(self._state)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _STATE.reset(self._token)
+
+
+def state() -> State:
+    """The innermost `agreeing` block's (value, describe) of this thread (`NO_STATE`)."""
+    return _STATE.get()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["Call", "PeerFailure", "PeersFailedError", "Standing", "WaitFailedError"]
@@ -25,6 +25,10 @@ class Call:
     started: float
     #: What it is for, in the user's words (`crossdevice._core.purpose`), or "".
     purpose: str = ""
+    #: The state every worker's call must carry alike (`purpose.agreeing`; 0: none), and
+    #: what it stands for in words (called only for a mismatch message).
+    state: int = 0
+    state_text: Callable[[], str] | None = None
     #: When its work (the last part so far) ended (`time.monotonic()`; 0: not yet).
     ended: float = 0.0
     #: Its fingerprint (an encoded header or a `Fingerprint`), for the flight recorder.

@@ -295,7 +295,7 @@ class ProcessGroupCommunicator:
 
         with self._collective("all_reduce", plan.opts.timeout) as call:
             header = plan.template.copy()
-            header[fp.SEQ_FIELD] = call.seq
+            header[fp.SEQ_FIELD], header[fp.STATE_FIELD] = call.seq, call.state
             checked = self._sequencer.guard(
                 call,
                 lambda: self._integrity.start(

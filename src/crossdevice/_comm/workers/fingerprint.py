@@ -4,7 +4,9 @@ Every numbered cross-worker collective starts with one all-gather of a fixed-siz
 header (`HEADER_LEN` values, 672 bytes) from every worker. The header says what this
 worker is about to do: sequence number, kind, reduce op, local replica count, number of
 buffers, byte count, digests of the dtypes, shapes, value structure and buffer layout,
-and (for all_gather and broadcast) the one value's rank, dtype and shape. Because the
+a state the caller asks every worker to share (`purpose.agreeing`: the gradients'
+optimizer hyperparameters), and (for all_gather and broadcast) the one value's rank,
+dtype and shape. Because the
 header has the same size on every worker, Gloo never sees buffers of different sizes;
 the result is used only after every worker has checked every other worker's header, so
 a mismatch is an error on every worker alike (`CollectiveMismatchError`), never a
@@ -46,6 +48,7 @@ __all__ = [
     "MAX_NDIM",
     "OPS",
     "SEQ_FIELD",
+    "STATE_FIELD",
     "STRUCTURE_FIELD",
     "Fingerprint",
     "ReductionPrints",
@@ -64,15 +67,16 @@ _MAGIC: Final = 0x43444631
 MAX_NDIM: Final = 64
 _FIXED: Final = 20
 HEADER_LEN: Final = _FIXED + MAX_NDIM
-#: Where `Fingerprint.encode` puts the sequence number and the structure digest.
+#: Where `Fingerprint.encode` puts the sequence number, the structure digest and the state.
 SEQ_FIELD: Final = 1
 STRUCTURE_FIELD: Final = 9
+STATE_FIELD: Final = 16
 #: Collective kinds, by code (index + 1).
 KINDS: Final = ("all_reduce", "all_gather", "broadcast", "barrier", "has_data", "abort")
 #: Reduce ops as the strategy asked for them (the wire always sums), by code (index).
 OPS: Final = ("none", "sum", "mean")
 #: Fields that every worker's header must share, whatever the kind.
-_ALWAYS: Final = ("seq", "kind", "op", "local_replicas", "structure")
+_ALWAYS: Final = ("seq", "kind", "op", "local_replicas", "structure", "state")
 #: Fields that must also agree for reductions (all_gather and broadcast sizes may differ
 #: by design; their own checks compare rank, dtype, axis, root and shapes).
 _REDUCTION: Final = ("buffers", "nbytes", "dtypes", "shapes", "layout", "cuda")
@@ -99,6 +103,8 @@ class Fingerprint:
         shape: the one value's shape.
         layout: digest of the host buffers' wire dtypes and element counts, in order
             (what Gloo will see; 0: none).
+        state: what the caller asks every worker to share (`purpose.agreeing`; 0: none),
+            set per call on the encoded header (`STATE_FIELD`), never part of a template.
         detail: readable dtypes and shapes, for error messages only (not sent).
     """
 
@@ -117,12 +123,13 @@ class Fingerprint:
     dtype_code: int = -1
     shape: tuple[int, ...] = ()
     layout: int = 0
+    state: int = 0
     detail: str = dataclasses.field(default="", compare=False)
 
     def encode(self) -> np.ndarray:
         """The header: `HEADER_LEN` int64 values."""
         header = np.zeros(HEADER_LEN, np.int64)
-        header[:16] = (
+        header[:17] = (
             _MAGIC,
             self.seq,
             KINDS.index(self.kind) + 1,
@@ -139,6 +146,7 @@ class Fingerprint:
             self.dtype_code,
             len(self.shape),
             self.layout,
+            self.state,
         )
         header[_FIXED : _FIXED + len(self.shape)] = self.shape
         return header
@@ -148,7 +156,7 @@ class Fingerprint:
         """A peer's header, checked: ValueError naming `rank` for anything out of range."""
         values = [int(v) for v in header[:_FIXED]]
         (magic, seq, kind, op, local, buffers, nbytes, dtypes, shapes, structure, arg) = values[:11]
-        cuda, ndim, dtype_code, shape_len, layout = values[11:16]
+        cuda, ndim, dtype_code, shape_len, layout, state = values[11:17]
         problems = []
         if magic != _MAGIC:
             problems.append(f"magic {magic:#x} (expected {_MAGIC:#x})")
@@ -185,6 +193,7 @@ class Fingerprint:
             dtype_code=dtype_code,
             shape=shape,
             layout=layout,
+            state=state,
         )
 
     def describe(self) -> str:
@@ -194,6 +203,8 @@ class Fingerprint:
             f"buffers={self.buffers} nbytes={self.nbytes} dtypes={self.dtypes:014x} "
             f"shapes={self.shapes:014x} structure={self.structure:014x} layout={self.layout:014x}"
         )
+        if self.state:
+            text += f" state={self.state:014x}"
         if self.kind in ("all_gather", "broadcast"):
             text += f" arg={self.arg} ndim={self.ndim} shape={self.shape}"
         return text
@@ -286,6 +297,14 @@ def mismatch_message(
         "cause of a sequence mismatch; workers that read global batches of different sizes "
         "in one step differ in the global batch their step's calls show."
     )
+    if "state" in fields:
+        lines.append(
+            "The state differs: what every worker's call must share besides (for "
+            "crossdevice.torch's gradients, the optimizer's hyperparameters and the "
+            "zero_grad() calls since its last step, shown above for each worker). Change "
+            "hyperparameters on every worker alike (a scheduler stepped on every worker, "
+            "not on the chief only), and make the same zero_grad() calls on every worker."
+        )
     return "\n".join(lines)
 
 

@@ -185,6 +185,7 @@ class Integrity:
         the whole check.
         """
         header = mine.encode()
+        header[fp.STATE_FIELD] = call.state
         call.fingerprint = mine  # for the flight recorder
         predicted = self._predict()
         if predicted:
@@ -208,6 +209,7 @@ class Integrity:
             prints = self.agree(call, mine)
             return lambda: prints
         header = mine.encode()
+        header[fp.STATE_FIELD] = call.state
         table, work = self._gather_small_async(torch.from_numpy(header))
 
         def finish() -> list[fp.Fingerprint]:
@@ -249,6 +251,8 @@ class Integrity:
             # Every worker saw the same table, so every worker is here: one more fixed-size
             # exchange, on the error path only, brings each worker's readable detail.
             text = detail() if detail is not None else ""
+            if "state" in fields and call.state_text is not None:
+                text = f"{call.state_text()}; {text}" if text else call.state_text()
             if call.purpose:  # what this worker was doing, for every worker to read
                 text = f"{call.purpose}; {text}" if text else call.purpose
             got = self.gather_small(call, torch.from_numpy(fp.encode_detail(text)))

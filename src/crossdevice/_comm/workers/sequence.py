@@ -111,7 +111,16 @@ class Sequencer:
             self.settle()
             self.seq += 1
             self._health.reached = self.seq  # published by the board's thread
-            call = Call(name, self.seq, timeout, time.monotonic(), purpose=purpose.current())
+            value, text = purpose.state()
+            call = Call(
+                name,
+                self.seq,
+                timeout,
+                time.monotonic(),
+                purpose=purpose.current(),
+                state=value,
+                state_text=text,
+            )
             self.history.append(call)
             if _trace.on:
                 _trace.worker_issued(self, call)

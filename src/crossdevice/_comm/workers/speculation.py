@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from crossdevice._arrays.buffer_pool import BufferPool
-from crossdevice._comm.workers.fingerprint import SEQ_FIELD, STRUCTURE_FIELD
+from crossdevice._comm.workers.fingerprint import SEQ_FIELD, STATE_FIELD, STRUCTURE_FIELD
 from crossdevice._comm.workers.transport import Layout
 from crossdevice._core import tuning
 from crossdevice._sync.call import digest
@@ -116,7 +116,7 @@ class Predictor:
     context (capped at `MAX_RUN`) ends at its 65th occurrence. A context followed by
     something else twice in a row takes that as its new usual (a program that changed).
 
-    K is the header without its sequence number and without its structure digest (the
+    K is the header without its sequence number, its state and its structure digest (the
     call site and nest structure, and a `purpose` tag): the gradients' tag is the step
     count modulo 4, so with it a step's buckets were four different K in turn, and
     an epoch of 8 steps (or 10) ended after a K that also came mid-epoch: its end was
@@ -399,13 +399,21 @@ ROOMS_PER_SIZE: Final = 16
 
 
 def _key(row: np.ndarray) -> bytes:
-    """A header as history: without its sequence number and structure digest.
+    """A header as history: without its sequence number, structure digest and state.
 
     The sequence number differs from call to call; the structure digest: see
-    `Predictor`.
+    `Predictor`; the state (the gradients' hyperparameters) may change every step and
+    says nothing of the layout that follows.
     """
-    seq, structure = SEQ_FIELD, STRUCTURE_FIELD
-    return row[:seq].tobytes() + row[seq + 1 : structure].tobytes() + row[structure + 1 :].tobytes()
+    seq, structure, state = SEQ_FIELD, STRUCTURE_FIELD, STATE_FIELD
+    return b"".join(
+        (
+            row[:seq].tobytes(),
+            row[seq + 1 : structure].tobytes(),
+            row[structure + 1 : state].tobytes(),
+            row[state + 1 :].tobytes(),
+        )
+    )
 
 
 def _remember(table: dict[Any, Layout | None], context: Any, layout: Layout | None) -> None:

@@ -36,6 +36,7 @@ import torch
 from crossdevice._arrays import torch_patches
 from crossdevice._core import context
 from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._frameworks.torch import step_state
 from crossdevice._frameworks.torch.gradients import GradientSync
 
 __all__ = ["register"]
@@ -93,15 +94,17 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         threads = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)
         try:
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                _PASS.depth = 0
-                torch._C._set_multithreading_enabled(threads)
-            for sync in syncs:  # every module's last buckets go before any waits
-                sync.flush_pass(replica)
-            for sync in syncs:  # collectives: cooperative replicas may switch here
-                sync.end_pass(replica)
+            # Across workers the pass's gradients carry its optimizers' state (`step_state`).
+            with step_state.workers_agree(frame.strategy, syncs, replica):
+                try:
+                    result = original(*args, **kwargs)
+                finally:
+                    _PASS.depth = 0
+                    torch._C._set_multithreading_enabled(threads)
+                for sync in syncs:  # every module's last buckets go before any waits
+                    sync.flush_pass(replica)
+                for sync in syncs:  # collectives: cooperative replicas may switch here
+                    sync.end_pass(replica)
         except BaseException as err:
             for sync in syncs:  # (a pass that ended already: nothing to do)
                 sync.abort_pass(replica, err)

@@ -25,7 +25,12 @@ import torch
 
 from crossdevice._arrays import torch_guard, torch_patches
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
-from crossdevice._frameworks.torch import backward, embedding, once  # noqa: F401 - patches
+from crossdevice._frameworks.torch import (  # noqa: F401 - backward, embedding, once: patches
+    backward,
+    embedding,
+    once,
+    step_state,
+)
 from crossdevice._frameworks.torch.buffers import BufferSync, resolve_aggregations
 from crossdevice._frameworks.torch.gradients import (
     DEFAULT_BUCKET_CAP_BYTES,
@@ -399,6 +404,8 @@ class MirroredModule(torch.nn.Module):
         for r in range(len(replicas)) if index is None else [index]:
             replicas[r].zero_grad(set_to_none)
             sync.new_step(r, range(len(sync.params(r))))
+        if index is not None:
+            step_state.zeroed(sync, index)  # compared across workers (`step_state.py`)
         for check in self.__dict__.get("_step_checks", ()) if index is not None else ():
             check.zeroed(index)  # counted as its optimizers' own (`step_check.py`)
 

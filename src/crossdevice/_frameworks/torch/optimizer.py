@@ -30,6 +30,7 @@ from typing import Any, Final
 import torch
 
 from crossdevice._arrays import torch_guard
+from crossdevice._frameworks.torch import step_state
 from crossdevice._frameworks.torch.agreement import check_workers_agree, describe_optimizer
 from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
@@ -97,6 +98,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
             sync: GradientSync = module.__dict__["_gradients"]
             for k, param in enumerate(sync.params(0)):
                 where[id(param)] = (sync, k)
+        for module in modules:  # its settings are compared across workers each pass
+            step_state.register(module.__dict__["_gradients"], optimizer)
         self.__dict__["_strategy"] = strategy
         self.__dict__["_where"] = where
         self.__dict__["_modules"] = list(modules)
@@ -312,6 +315,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         for sync, indices in groups.items():
             sync.new_step(index, indices)
             sync.steps[index] += 1
+            step_state.stepped(sync, index)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -322,6 +326,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         groups = self._by_sync()
         if index is not None:
             self.__dict__["_check"].zeroed(index)
+            for sync in groups:
+                step_state.zeroed(sync, index)
         for r in range(len(optimizers)) if index is None else [index]:
             optimizer = optimizers[r]
             if shared or _plain_zero_grad(optimizer):

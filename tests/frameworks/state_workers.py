@@ -1,0 +1,96 @@
+"""Worker processes whose optimizers' settings or gradient clearing go apart, or not.
+
+`train(rank, world_size, case, replicas)` trains the helpers' MLP with SGD (momentum) on
+the same global batches on every worker, 4 steps, with a learning-rate change or a
+`zero_grad()` that one worker makes and the other does not (`case`), and returns the
+error (type and text) or the final parameters and the learning rates seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: What each case does differently on worker 1 (rank 1), at which step.
+CASES = ("alike", "chief_scheduler", "lr_by_hand", "skipped_zero_grad", "cleared_accumulation")
+STEPS = 4
+#: The batches before whose backward `zero_grad()` is called, and after which the
+#: optimizer steps: batch 2's gradients add to batch 1's (accumulation), and so on.
+CLEARS = (0, 1, 3)
+STEPPED = (0, 2, 3)
+
+
+def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any]:
+    """Train 4 steps (see the module doc); the error or the parameters and rates."""
+    import torch
+
+    import crossdevice.torch as cdt
+    from tests.frameworks.helpers import (
+        GLOBAL_BATCH,
+        global_batches,
+        global_loss,
+        mlp,
+        worker_strategy,
+    )
+
+    torch.set_default_dtype(torch.float64)
+    strategy = worker_strategy(replicas)
+    with strategy.scope():
+        net = mlp(torch)
+        opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+        model, optimizer = cdt.prepare(net, opt)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    assert GLOBAL_BATCH % (world_size * replicas) == 0
+    odd = rank == 1
+
+    def step(x: Any, y: Any, i: int) -> None:
+        loss = global_loss(torch, model, x, y)
+        if i in CLEARS and not (case == "skipped_zero_grad" and odd and i == 3):
+            optimizer.zero_grad()
+        if case == "cleared_accumulation" and odd and i == 2:
+            model.zero_grad()  # step 1's gradients gone on this worker only
+        loss.backward()
+        if i in STEPPED:
+            optimizer.step()
+
+    rates = []
+    try:
+        for i, (x, y) in enumerate(
+            strategy.experimental_distribute_dataset(global_batches(torch, STEPS))
+        ):
+            strategy.run(step, args=(x, y, i))
+            if case != "chief_scheduler" or rank == 0:
+                schedule.step()
+            if case == "lr_by_hand" and odd and i == 1:
+                optimizer.param_groups[0]["lr"] = 0.3
+            rates.append(optimizer.param_groups[0]["lr"])
+    except Exception as err:  # the worker's outcome, returned
+        return {"error": f"{type(err).__name__}: {err}", "rates": rates}
+    params = [p.detach().clone() for p in model.replicas[0].parameters()]
+    predictor = strategy.extended._worker_communicator._integrity.predictor
+    return {"params": params, "rates": rates, "guesses": predictor.guesses}
+
+
+def plain(case: str) -> list[Any]:
+    """The `alike` case's parameters trained by plain torch on the global batches."""
+    import torch
+
+    from tests.frameworks.helpers import global_batches, global_loss, mlp
+
+    assert case == "alike"
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # in the test's own process: restored below
+    try:
+        net = mlp(torch)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        for i, (x, y) in enumerate(global_batches(torch, STEPS)):
+            loss = global_loss(torch, net, x, y)
+            if i in CLEARS:
+                optimizer.zero_grad()
+            loss.backward()
+            if i in STEPPED:
+                optimizer.step()
+            schedule.step()
+    finally:
+        torch.set_default_dtype(before)
+    return [p.detach().clone() for p in net.parameters()]
