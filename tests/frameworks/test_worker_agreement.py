@@ -42,6 +42,23 @@ def test_workers_that_prepare_different_things_fail_naming_it(
         assert "worker 0:" not in out["message"]
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_error_in_one_workers_prepare_reaches_its_peers(
+    torch_module: Any, replicas: int
+) -> None:
+    """Worker 1's `prepare` refuses an argument before meeting anyone: worker 0, waiting
+    for it in `prepare`, raises naming worker 1's own error (it learned only of a death,
+    once worker 1's process had ended)."""
+    del torch_module
+    outs = [r.unwrap() for r in run_workers(different_setups, 2, args=("argument", replicas))]
+    failed, waited = outs[1], outs[0]
+    assert failed is not None, outs
+    assert failed["type"] == "ValueError", failed
+    assert waited is not None, outs
+    assert waited["type"] == "WorkerFailedError", waited
+    assert "raised ValueError: mixed_precision must be None" in waited["message"], waited
+
+
 def test_workers_that_prepare_the_same_things_pass(torch_module: Any) -> None:
     del torch_module
     assert [r.unwrap() for r in run_workers(different_setups, 2, args=("none",))] == [None, None]

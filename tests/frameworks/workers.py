@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tests.frameworks.helpers import load_example
+from tests.frameworks.helpers import load_example, worker_strategy
 
 
 def train_example(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
@@ -322,15 +322,6 @@ def resized_bucket(rank: int, world_size: int) -> dict[str, Any]:
     return {"steps": results}
 
 
-def _strategy(replicas: int) -> Any:
-    import crossdevice
-
-    if replicas == 1:
-        return crossdevice.MultiWorkerMirroredStrategy()
-    crossdevice.config.set_logical_cpu_devices(replicas)
-    return crossdevice.MultiWorkerMirroredStrategy(devices=[f"CPU:{i}" for i in range(replicas)])
-
-
 def _failure(fn: Any) -> dict[str, Any] | None:
     try:
         fn()
@@ -347,7 +338,7 @@ def skipped_step(rank: int, world_size: int, skipper: int, replicas: int) -> dic
     import crossdevice.torch as cdt
     from tests.frameworks.helpers import mlp
 
-    strategy = _strategy(replicas)
+    strategy = worker_strategy(replicas)
     with strategy.scope():
         net = mlp(torch)
         model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -369,13 +360,14 @@ def skipped_step(rank: int, world_size: int, skipper: int, replicas: int) -> dic
 def different_setups(
     rank: int, world_size: int, what: str, replicas: int = 1
 ) -> dict[str, Any] | None:
-    """Worker 1 builds another model or optimizer (`what`); what `prepare` raises."""
+    """Worker 1 builds another model or optimizer, or passes `prepare` a bad argument
+    (`what`); what `prepare` raises."""
     del world_size
     import torch
 
     import crossdevice.torch as cdt
 
-    strategy = _strategy(replicas)
+    strategy = worker_strategy(replicas)
     odd = rank == 1
     torch.manual_seed(0)
     with strategy.scope():
@@ -388,7 +380,8 @@ def different_setups(
         lr = 0.2 if odd and what == "lr" else 0.1
         kind = torch.optim.AdamW if odd and what == "class" else torch.optim.Adam
         optimizer = kind(net.parameters(), lr=lr)
-        return _failure(lambda: cdt.prepare(net, optimizer))
+        precision = "fp8" if odd and what == "argument" else None  # refused on worker 1
+        return _failure(lambda: cdt.prepare(net, optimizer, mixed_precision=precision))
 
 
 def batch_sizes(
@@ -401,7 +394,7 @@ def batch_sizes(
 
     import crossdevice
 
-    strategy = _strategy(1)
+    strategy = worker_strategy(1)
     data = np.arange(10.0)
     size = sizes[rank]
     batches = [data[i : i + size] for i in range(0, 10, size)]
@@ -428,7 +421,7 @@ def max_norm_embedding(rank: int, world_size: int) -> list[Any]:
     from tests.frameworks.helpers import max_norm_data, max_norm_net, max_norm_step
 
     torch.set_default_dtype(torch.float64)
-    strategy = _strategy(1)
+    strategy = worker_strategy(1)
     with strategy.scope():
         net = max_norm_net(torch)
         model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))

@@ -226,7 +226,6 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        communicator = self._worker_communicator
         pending, self._has_data_pending = self._has_data_pending, None
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
@@ -236,12 +235,21 @@ class _MultiWorkerExtended(ReplicatedExtended):
                 pending.wait()
             return result
         except BaseException as err:
-            # A step that raised on this worker leaves its peers waiting in a collective
-            # it will never join (or, if it carries on, pairing with the wrong one): mark
-            # the group broken and tell them, so they raise at once naming this worker.
-            if communicator is not None and not isinstance(err, _SHARED_ERRORS):
-                communicator.abort(err)
+            self._tell_workers(err)
             raise
+
+    def _tell_workers(self, err: BaseException) -> None:
+        """This worker raised `err` where its peers may wait for it: tell them (abort).
+
+        A step (or `crossdevice.torch.prepare`) that raised on this worker leaves its
+        peers waiting in a collective it will never join (or, if it carries on, pairing
+        with the wrong one): mark the group broken and tell them, so they raise at once
+        naming this worker and its error. Errors every worker raises alike (a mismatch,
+        a timeout, a peer's failure) are not this worker's news.
+        """
+        communicator = self._worker_communicator
+        if communicator is not None and not isinstance(err, _SHARED_ERRORS):
+            communicator.abort(err)
 
     def _input_workers(self) -> tuple[int, int]:
         return self._num_workers, self._worker_index

@@ -14,15 +14,16 @@ compare a digest of the lines in one collective. Where they differ, every worker
 the chief's lines (two collectives) and the first line where each worker's differ (one
 more), and each raises the same error listing them. A one-worker job compares nothing.
 
-Settings that change later (a scheduler's `lr`) change alike on every worker that runs
-the same program; a worker that skips `optimizer.step()` is found at its next backward
-(`gradients.py`: the step count travels with the gradients).
+Settings that change later (a scheduler's `lr`) are compared at every backward pass
+(`step_state.py`: a digest of them travels with the gradients, as does the step count:
+a worker that skips `optimizer.step()` is found at its next backward too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -31,9 +32,28 @@ import torch
 from crossdevice._strategies.base import Strategy
 from crossdevice._train.job import gather_texts, sum_over_workers, worker_position
 
-__all__ = ["check_workers_agree", "describe_module", "describe_optimizer"]
+__all__ = ["check_workers_agree", "describe_module", "describe_optimizer", "failing_together"]
 
 _PLAIN: Final = (int, float, bool, str, type(None))
+
+
+@contextlib.contextmanager
+def failing_together(strategy: Strategy) -> Iterator[None]:
+    """Inside, an exception on this worker reaches its peers as itself (`prepare`).
+
+    `prepare` meets the other workers (this module's comparison, the chief's values): a
+    worker whose `prepare` raised before (a bad argument on that worker only) left its
+    peers waiting there until its process was gone, reported as a death 5 s later
+    without its error. Now its communicator aborts with the error (as a step that
+    raises does): its peers raise `WorkerFailedError` naming it and its error at once.
+    """
+    try:
+        yield
+    except BaseException as err:
+        tell = getattr(strategy.extended, "_tell_workers", None)
+        if tell is not None:
+            tell(err)
+        raise
 
 
 def describe_module(module: torch.nn.Module) -> list[str]:

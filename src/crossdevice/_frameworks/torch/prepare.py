@@ -9,6 +9,7 @@ import torch
 
 from crossdevice._arrays import heap, torch_guard
 from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._frameworks.torch.agreement import failing_together
 from crossdevice._frameworks.torch.module import MirroredModule
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer, needs_closure
 from crossdevice._frameworks.torch.replicas import strategy_or_current
@@ -99,68 +100,69 @@ def prepare(
         ('MirroredModule', 'MirroredOptimizer')
     """
     strategy = strategy_or_current(strategy, "crossdevice.torch.prepare")
-    heap.wanted()  # a bad CROSSDEVICE_KEEP_HEAP raises here, before anything is wrapped
-    autocast = _autocast_dtype(mixed_precision)
-    _check_gradient_dtype(gradient_dtype, strategy)
-    scalers = [o for o in objects if isinstance(o, torch.amp.GradScaler)]
-    if scaler is not None:
-        scalers.append(scaler)
-    if mixed_precision == "fp16" and not scalers:
-        raise ValueError(
-            "mixed_precision='fp16' needs loss scaling, or small gradients underflow to "
-            "zero: pass scaler=torch.amp.GradScaler() and use it in the step function "
-            "(or use mixed_precision='bf16', which needs none)"
-        )
-    for each in scalers:
-        mirror_scaler(each, strategy, len(strategy.extended.worker_devices))
-    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    if share_storage is None and any(needs_closure(o) for o in optimizers):
-        share_storage = False
-    if not any(not isinstance(o, MirroredOptimizer) for o in optimizers):
+    with failing_together(strategy):  # a worker's error reaches its waiting peers
+        heap.wanted()  # a bad CROSSDEVICE_KEEP_HEAP raises here, before anything is wrapped
+        autocast = _autocast_dtype(mixed_precision)
+        _check_gradient_dtype(gradient_dtype, strategy)
+        scalers = [o for o in objects if isinstance(o, torch.amp.GradScaler)]
+        if scaler is not None:
+            scalers.append(scaler)
+        if mixed_precision == "fp16" and not scalers:
+            raise ValueError(
+                "mixed_precision='fp16' needs loss scaling, or small gradients underflow to "
+                "zero: pass scaler=torch.amp.GradScaler() and use it in the step function "
+                "(or use mixed_precision='bf16', which needs none)"
+            )
+        for each in scalers:
+            mirror_scaler(each, strategy, len(strategy.extended.worker_devices))
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        if share_storage is None and any(needs_closure(o) for o in optimizers):
+            share_storage = False
+        if not any(not isinstance(o, MirroredOptimizer) for o in optimizers):
+            for obj in objects:
+                if isinstance(obj, MirroredModule):
+                    raise TypeError(
+                        f"the model is prepared already: {obj!r}. Prepare a model once and "
+                        "use the returned MirroredModule (pass it again only together with a "
+                        "new optimizer over its parameters)"
+                    )
+        modules: list[MirroredModule] = []
+        out: list[Any] = []
         for obj in objects:
             if isinstance(obj, MirroredModule):
+                modules.append(obj)
+                out.append(obj)
+            elif isinstance(obj, torch.nn.Module):
+                mirrored = MirroredModule(
+                    obj,
+                    strategy,
+                    gradient_reduction=gradient_reduction,
+                    bucket_cap_bytes=bucket_cap_bytes,
+                    sync_buffers=sync_buffers,
+                    buffer_aggregation=buffer_aggregation,
+                    threads_per_replica=threads_per_replica,
+                    autocast=autocast,
+                    share_storage=share_storage,
+                )
+                mirrored.__dict__["_gradients"].gradient_dtype = gradient_dtype
+                modules.append(mirrored)
+                out.append(mirrored)
+            elif isinstance(obj, torch.optim.Optimizer | torch.amp.GradScaler):
+                out.append(obj)
+            else:
                 raise TypeError(
-                    f"the model is prepared already: {obj!r}. Prepare a model once and "
-                    "use the returned MirroredModule (pass it again only together with a "
-                    "new optimizer over its parameters)"
+                    "crossdevice.torch.prepare takes torch.nn.Module, torch.optim.Optimizer and "
+                    "torch.amp.GradScaler "
+                    f"objects, got {type(obj).__name__}: {obj!r}"
                 )
-    modules: list[MirroredModule] = []
-    out: list[Any] = []
-    for obj in objects:
-        if isinstance(obj, MirroredModule):
-            modules.append(obj)
-            out.append(obj)
-        elif isinstance(obj, torch.nn.Module):
-            mirrored = MirroredModule(
-                obj,
-                strategy,
-                gradient_reduction=gradient_reduction,
-                bucket_cap_bytes=bucket_cap_bytes,
-                sync_buffers=sync_buffers,
-                buffer_aggregation=buffer_aggregation,
-                threads_per_replica=threads_per_replica,
-                autocast=autocast,
-                share_storage=share_storage,
-            )
-            mirrored.__dict__["_gradients"].gradient_dtype = gradient_dtype
-            modules.append(mirrored)
-            out.append(mirrored)
-        elif isinstance(obj, torch.optim.Optimizer | torch.amp.GradScaler):
-            out.append(obj)
-        else:
-            raise TypeError(
-                "crossdevice.torch.prepare takes torch.nn.Module, torch.optim.Optimizer and "
-                "torch.amp.GradScaler "
-                f"objects, got {type(obj).__name__}: {obj!r}"
-            )
-    for k, obj in enumerate(out):
-        if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, MirroredOptimizer):
-            if not modules:
-                raise ValueError(
-                    "crossdevice.torch.prepare got an optimizer but no module: pass the "
-                    "model with its optimizer, prepare(model, optimizer)"
-                )
-            out[k] = MirroredOptimizer(obj, modules)
+        for k, obj in enumerate(out):
+            if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, MirroredOptimizer):
+                if not modules:
+                    raise ValueError(
+                        "crossdevice.torch.prepare got an optimizer but no module: pass the "
+                        "model with its optimizer, prepare(model, optimizer)"
+                    )
+                out[k] = MirroredOptimizer(obj, modules)
     heap.keep_heap()  # the process's malloc keeps what a step frees for the next one
     return out[0] if len(out) == 1 else tuple(out)
 
