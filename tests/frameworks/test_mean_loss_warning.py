@@ -34,9 +34,18 @@ WRONG = {
     "sum over local batch": lambda t, o, y, n: o.square().sum() / len(o),
     "sum over local elements": lambda t, o, y, n: o.square().sum().div(o.numel()) * 3.0,
     "mean over local batch, scaled": lambda t, o, y, n: t.mean(o.square()) * 0.1,
+    "summed loss over local batch": lambda t, o, y, n: (
+        t.nn.functional.cross_entropy(o, y, reduction="sum") / len(o)
+    ),
+    "summed loss over local elements": lambda t, o, y, n: (
+        t.nn.functional.mse_loss(o, t.zeros_like(o), reduction="sum") / o.numel()
+    ),
 }
 RIGHT = {
     "sum over global batch": lambda t, o, y, n: o.square().sum() / n,
+    "summed loss over global batch": lambda t, o, y, n: (
+        t.nn.functional.cross_entropy(o, y, reduction="sum") / n
+    ),
     "compute_average_loss": _average,
     "compute_average_loss, default batch": lambda t, o, y, n: _average(t, o, y, None),
     "local mean over replicas": lambda t, o, y, n: t.nn.functional.cross_entropy(o, y) / 4,

@@ -48,6 +48,7 @@ _SYNCS: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[GradientSync], ...]] = 
 )
 _SYNCS_LOCK: Final = threading.Lock()
 _MEAN_REDUCTION: Final = 1  # torch's Reduction::Mean, as saved on loss backward nodes
+_SUM_REDUCTION: Final = 2  # torch's Reduction::Sum
 _THROUGH: Final = ("AddBackward0", "SubBackward0")  # a sum of terms: look at each
 _SCALE: Final = {"MulBackward0": 1, "DivBackward0": -1}  # times/over a constant: its power
 _DEPTH: Final = 8  # nodes followed from the loss: a loss expression, not the model
@@ -179,7 +180,8 @@ def _local_mean(node: Any, factor: float | None, depth: int = 0) -> tuple[str, f
     """What makes `node`'s output a local mean, and the constant factor applied to it.
 
     A mean-reduced loss, `.mean()`, or a sum divided by the summed tensor's first size
-    or element count (`loss.sum() / len(x)`), seen through sums of terms, negation and
+    or element count (`loss.sum() / len(x)`, `cross_entropy(o, y, reduction="sum") /
+    len(o)`), seen through sums of terms, negation and
     multiplication or division by a constant; the factor is None where a constant is
     unreadable (on an accelerator: reading it would wait for the device).
     """
@@ -209,11 +211,23 @@ def _local_mean(node: Any, factor: float | None, depth: int = 0) -> tuple[str, f
     else:
         return None  # both differentiable (a learned weight), or a constant over x
     scaled = None if factor is None or constant is None else factor * constant**power
-    if power == -1 and constant is not None and type(child).__name__ == "SumBackward0":
-        sizes = tuple(getattr(child, "_saved_self_sym_sizes", ()))
+    if power == -1 and constant is not None:
+        sizes = _summed_sizes(child)
         if sizes and constant in (sizes[0], math.prod(sizes)):
             return f"a sum divided by this replica's batch, {constant:g}", factor
     return _local_mean(child, scaled, depth + 1)
+
+
+def _summed_sizes(node: Any) -> tuple[int, ...]:
+    """The shape that `node` summed: `x.sum()`'s, or a loss's with reduction='sum'; else ()."""
+    if type(node).__name__ == "SumBackward0":
+        return tuple(getattr(node, "_saved_self_sym_sizes", ()))
+    if getattr(node, "_saved_reduction", None) != _SUM_REDUCTION:
+        return ()
+    try:  # cross_entropy(..., reduction="sum"): its log-probabilities, (batch, classes)
+        return tuple(node._saved_self.shape)
+    except (AttributeError, RuntimeError):  # none saved, or freed by an earlier backward
+        return ()
 
 
 def _constant(node: Any, name: str) -> float | None:
