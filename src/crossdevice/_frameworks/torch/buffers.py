@@ -365,6 +365,27 @@ class BufferSync:
             "the prepared model itself (model(x)) for the forward passes that change them"
         )
 
+    def follow_first(self) -> None:
+        """Give every local replica replica 0's buffers (a cross-replica forward ran).
+
+        By value: BatchNorm's kernels update running statistics without a version bump,
+        so the mirror's section rule (`mirroring.py`), which follows versions, misses
+        them. Each replica's buffers then count as agreed (a "sum" adds to them).
+        """
+        if self._local == 1:
+            return
+        with torch.no_grad():
+            for k in range(len(self._names)):
+                first = self._buffer(0, k)
+                for r in range(1, self._local):
+                    mine = self._buffer(r, k)
+                    if first is None or mine is None or torch.equal(first, mine.to(first.device)):
+                        continue
+                    module, leaf = self._slots[r][k]
+                    module._buffers[leaf] = _ordinary(first.detach()).to(mine.device, copy=True)
+        for r in range(self._local):
+            self.refresh(r)
+
     def refresh(self, replica: int) -> None:
         """Buffers were set from outside (a copy from replica 0): watch from here."""
         self._seen[replica] = self._marks(replica, self._watched)

@@ -221,6 +221,11 @@ class MirroredModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the running replica's copy (replica 0's in cross-replica context).
 
+        A training-mode forward in cross-replica context (outside `strategy.run`:
+        `torch.optim.swa_utils.update_bn`) changes replica 0's buffers, on the whole
+        batch, and every local replica takes them (TF: an assignment in cross-replica
+        context sets every component of a mirrored variable).
+
         Under `torch.compile` this dispatch runs eagerly and the replica's module is
         compiled (`_ready_for_dynamo`).
         """
@@ -234,6 +239,8 @@ class MirroredModule(torch.nn.Module):
                 output = self.__dict__["_replicas"][index](*args, **kwargs)
         if in_replica:
             _after(self, index)
+        elif self.training:  # cross-replica code (`update_bn`): every replica follows
+            self.__dict__["_buffer_sync"].follow_first()
         return output
 
     def no_sync(self) -> Any:
@@ -554,14 +561,6 @@ def _before(self: MirroredModule) -> tuple[int, bool]:
     index = local_replica_index(strategy)
     if index is not None:
         return index, True
-    buffers: BufferSync = state["_buffer_sync"]
-    if self.training and buffers.active and len(state["_replicas"]) > 1:
-        raise RuntimeError(
-            "a mirrored module with buffers that forward passes change was called in "
-            "training mode outside strategy.run: only replica 0's buffers would change. "
-            "Call model.eval() before evaluating outside strategy.run, or call the model "
-            "inside strategy.run"
-        )
     return 0, False
 
 
