@@ -68,6 +68,15 @@ def global_batches(torch: Any, steps: int, features: int = 6, classes: int = 3) 
     ]
 
 
+def replica_batch(torch: Any) -> tuple[Any, Any]:
+    """A quarter of the first global batch: what one of 4 replicas gets, for steps run
+    without a distributed dataset. (A replica given the whole global batch and the
+    `global_loss` would compute a local mean: the replicas' gradients add up to N times
+    plain torch's, and the DDP-loss warning says so.)"""
+    x, y = global_batches(torch, 1)[0]
+    return x[: GLOBAL_BATCH // 4], y[: GLOBAL_BATCH // 4]
+
+
 def mlp(torch: Any) -> Any:
     """A small seeded MLP (6 -> 8 -> 3)."""
     torch.manual_seed(0)

@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 
 import crossdevice as cd
-from tests.frameworks.helpers import assert_trains_like, global_batches, global_loss, mirrored, mlp
+from tests.frameworks.helpers import (
+    assert_trains_like,
+    global_batches,
+    global_loss,
+    mirrored,
+    mlp,
+    replica_batch,
+)
 from tests.strategies.conftest import replica_execution
 
 MODES = ["threads", "cooperative"]
@@ -46,7 +53,7 @@ SKIPPED = {
 def test_a_call_skipped_by_one_replica_is_an_error_naming_it(
     torch: Any, cdt: Any, mode: str, shared: bool, skipped: str
 ) -> None:
-    (x, y), *_ = global_batches(torch, 1)
+    x, y = replica_batch(torch)
     with replica_execution(mode):
         strategy = mirrored(2)
         model, optimizer = _adam(torch, cdt, strategy, shared)
@@ -116,7 +123,7 @@ def test_state_changed_between_runs_reaches_every_replica(
 def test_state_loaded_or_read_between_runs_is_copied_only_when_changed(
     torch: Any, cdt: Any
 ) -> None:
-    (x, y), *_ = global_batches(torch, 1)
+    x, y = replica_batch(torch)
     strategy = mirrored(2)
     model, optimizer = _adam(torch, cdt, strategy, shared=False)
 

@@ -20,6 +20,7 @@ from tests.frameworks.helpers import (
     load_example,
     mirrored,
     mlp,
+    replica_batch,
 )
 from tests.strategies.conftest import replica_execution
 
@@ -101,12 +102,12 @@ def test_shared_storage_trains_bitwise_like_per_replica_copies(
 
 
 def _sgd_on_two_replicas(torch: Any, cdt: Any) -> tuple[Any, Any, Any, Any]:
-    """A prepared MLP and SGD on 2 replicas sharing storage, and one global batch."""
+    """A prepared MLP and SGD on 2 replicas sharing storage, and one replica's batch."""
     strategy = mirrored(2)
     with strategy.scope():
         net = mlp(torch)
         model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    return strategy, model, optimizer, global_batches(torch, 1)[0]
+    return strategy, model, optimizer, replica_batch(torch)
 
 
 @pytest.mark.parametrize("mode", MODES)

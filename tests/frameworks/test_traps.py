@@ -20,6 +20,7 @@ from tests.frameworks.helpers import (
     global_loss,
     mirrored,
     mlp,
+    replica_batch,
     run_on_replicas,
 )
 from tests.strategies.conftest import replica_execution
@@ -213,7 +214,7 @@ def test_a_step_never_applies_an_unreduced_gradient(torch: Any, cdt: Any, mode: 
     with replica_execution(mode):
         strategy = mirrored(2)
         model, optimizer = _prepared(torch, cdt, strategy)
-        x, y = global_batches(torch, 1)[0]
+        x, y = replica_batch(torch)
         before = [p.detach().clone() for p in model.replicas[1].parameters()]
 
         def only_no_sync() -> None:
