@@ -51,7 +51,7 @@ import torch
 
 from crossdevice._core.environment import env_switch
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._frameworks.torch import buckets, pass_reduce
+from crossdevice._frameworks.torch import buckets, owners, pass_reduce
 from crossdevice._frameworks.torch.buckets import FlatPlan
 from crossdevice._frameworks.torch.gradient_state import Layout, ReplicaState, make_layout
 from crossdevice._frameworks.torch.pass_reduce import PassReduce
@@ -132,11 +132,7 @@ class GradientSync:
         if self.enabled:
             for replica in range(len(self._params)):
                 self._hook_trainable(replica)
-        if self.shared:
-            for replica_params in self._params:
-                for index, param in enumerate(replica_params):
-                    _SHARED[id(param)] = (weakref.ref(self), index)
-                    weakref.finalize(param, _SHARED.pop, id(param), None)
+        owners.register(self, self._params)  # for code given parameters by hand
 
     @property
     def op(self) -> ReduceOp:
@@ -562,28 +558,6 @@ class GradientSync:
             grad = params[index].grad
             if grad is not None and grad is state.produced[index]():
                 state.produced_version[index] = grad._version
-
-
-# id(parameter) -> (its GradientSync, index) for the parameters of replicas that keep one
-# reduced gradient (`canonical`).
-_SHARED: dict[int, tuple[weakref.ref[GradientSync], int]] = {}
-
-
-def canonical(params: Sequence[Any]) -> list[torch.nn.Parameter] | None:
-    """Replica 0's parameters for `params`, if every one keeps a shared gradient, else None.
-
-    Code that changes gradients in place once for all replicas (`once.py`'s gradient
-    clipping) applies it to replica 0's parameters, whose gradients every replica sees.
-    """
-    found = []
-    for param in params:
-        entry = _SHARED.get(id(param))
-        sync = entry[0]() if entry is not None else None
-        if sync is None:
-            return None
-        assert entry is not None
-        found.append(sync.params(0)[entry[1]])
-    return found if found else None
 
 
 class _NoSync:

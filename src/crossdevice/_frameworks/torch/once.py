@@ -34,7 +34,7 @@ import torch
 
 from crossdevice._arrays import torch_patches
 from crossdevice._core import context, nest
-from crossdevice._frameworks.torch.gradients import canonical
+from crossdevice._frameworks.torch.owners import canonical, own_copies
 from crossdevice._sync.call import digest
 from crossdevice._values.values import PerReplica
 
@@ -195,6 +195,9 @@ def _clip_once(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(parameters, *args, **kwargs)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         shared = canonical(params)
+        replica = frame.local_replica_id
+        if shared is None and replica is not None:  # a copy per replica: each its own
+            return original(own_copies(params, replica), *args, **kwargs)
         if shared is None:
             return original(params, *args, **kwargs)
         # The workers' clipping settings are their program's: not compared each step.
