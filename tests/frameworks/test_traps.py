@@ -22,6 +22,7 @@ from tests.frameworks.helpers import (
     mlp,
     replica_batch,
     run_on_replicas,
+    train_plain,
 )
 from tests.strategies.conftest import replica_execution
 
@@ -373,3 +374,56 @@ def test_torch_compile_compiles_the_replicas_and_trains_like_plain_torch(
     assert not breaks, breaks
     assert not counters["unimplemented"], dict(counters["unimplemented"])
     assert_trains_like(torch, plain, mirrored_model, start, tol=1e-9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("unscale", [True, False], ids=["unscale", "step"])
+def test_a_grad_scaler_not_prepared_is_an_error_naming_prepare(
+    torch: Any, cdt: Any, mode: str, unscale: bool
+) -> None:
+    """A GradScaler left out of `prepare`, shared by the replicas, failed inside torch
+    ("No inf checks were recorded prior to update", "unscale_() has already been
+    called"), by the replicas' timing; now its first call in the step names the fix."""
+    data = global_batches(torch, 1)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            scaler = torch.amp.GradScaler("cpu")
+
+        def step(x: Any, y: Any) -> None:
+            optimizer.zero_grad()
+            scaler.scale(global_loss(torch, model, x, y)).backward()
+            if unscale:
+                scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+
+        called = "unscale_" if unscale else "step"
+        with pytest.raises(RuntimeError, match=rf"GradScaler\.{called}\(\) .* not prepared"):
+            run_on_replicas(strategy, lambda x, y, i: step(x, y), data)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_disabled_grad_scaler_needs_no_prepare(torch: Any, cdt: Any, mode: str) -> None:
+    """`GradScaler(enabled=use_amp)` with AMP off does nothing: shared, it trains alike."""
+    torch.set_default_dtype(torch.float64)
+    data = global_batches(torch, 3)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+
+    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad()
+        scaler.scale(global_loss(torch, model, x, y)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    plain = mlp(torch)
+    start = train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
+    assert_trains_like(torch, plain, model, start)

@@ -13,6 +13,13 @@ state. `unscale_` (which `step` calls when the user has not) all-reduces the inf
 across replicas and workers before anything uses them, so an inf on one replica makes
 every replica skip the step, and every replica's `update` backs off identically: the
 scales, the skipped steps and the parameters stay the same everywhere.
+
+A `GradScaler` not given to `prepare` and used inside `strategy.run` by several local
+replicas failed inside torch, in whichever way the replicas' timing took ("No inf checks
+were recorded prior to update", "unscale_() has already been called on this optimizer"),
+naming nothing of the fix (the bug hunt of session 53): its `unscale_`, `step` and
+`update` there now raise an error that does (`_refuse_shared`). A disabled scaler
+(`GradScaler(enabled=False)`) does nothing and passes.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from crossdevice._arrays import torch_guard, torch_patches
+from crossdevice._core import context
 from crossdevice._frameworks.torch.once import call_once
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer
 from crossdevice._frameworks.torch.replicas import local_replica_index
@@ -203,7 +212,47 @@ def mirror_scaler(scaler: Any, strategy: Strategy, replicas: int) -> MirroredGra
             "it is in the middle of a step"
         )
     inners = [copy.deepcopy(scaler) for _ in range(replicas)]
+    for i, inner in enumerate(inners):
+        torch_guard.mark(inner, strategy, i)  # each replica's own (`_refuse_shared`)
     scaler.__class__ = MirroredGradScaler
     scaler.__dict__["_crossdevice_strategy"] = strategy
     scaler.__dict__["_crossdevice_replicas"] = inners
     return scaler  # type: ignore[return-value]
+
+
+def _refuse_shared(original: Any) -> Any:
+    """`GradScaler.<method>`, refused for a scaler shared by several local replicas."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(self) is not MirroredGradScaler and self.is_enabled():
+            frame = context.current_frame()
+            if (
+                frame is not None
+                and frame.replica_context is not None
+                and torch_guard.mark_of(self) is None
+                and len(frame.strategy.extended.worker_devices) > 1
+            ):
+                local = len(frame.strategy.extended.worker_devices)
+                raise RuntimeError(
+                    f"GradScaler.{original.__name__}() was called inside strategy.run on a "
+                    f"scaler that was not prepared, which the {local} replicas of this "
+                    "process would share: its per-step state takes one replica's unscale_ "
+                    "and inf checks for another's, and update() backs the scale off once "
+                    "per replica. Prepare it with the model and optimizer, "
+                    "`model, optimizer = crossdevice.torch.prepare(model, optimizer, "
+                    "scaler=scaler)`, and keep using it as before"
+                )
+        return original(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = original.__name__
+    method.__doc__ = original.__doc__
+    method.__wrapped__ = original  # type: ignore[attr-defined]
+    return method
+
+
+torch_patches.register(
+    *(
+        torch_patches.Patch(lambda: torch.amp.GradScaler, name, _refuse_shared)
+        for name in ("unscale_", "step", "update")
+    )
+)
