@@ -35,6 +35,7 @@ __all__ = [
     "compile_replicas",
     "compiled_context",
     "copy_replicas",
+    "derived_tensors",
     "make_replicas",
     "recompile_copy",
 ]
@@ -78,9 +79,9 @@ def make_replicas(
     """
     replicas = [module.to(devices[0])]
     for device in devices[1:]:
-        memo: dict[int, Any] = {}
+        memo = derived_tensors(module)
         if shared:
-            memo = {id(p): alias(p) for p in module.parameters()}
+            memo.update({id(p): alias(p) for p in module.parameters()})
         replica = copy.deepcopy(module, memo).to(device)
         recompile_copy(module, replica)
         replicas.append(replica)
@@ -94,10 +95,12 @@ def copy_replicas(
 
     With `shared`, the copies' parameters alias the first copy's, as the originals did.
     """
+    memo.update(derived_tensors(replicas[0]))
     first = copy.deepcopy(replicas[0], memo)
     recompile_copy(replicas[0], first)
     copies = [first]
     for replica in replicas[1:]:
+        memo.update(derived_tensors(replica))
         if shared:
             for own, new in zip(replica.parameters(), first.parameters(), strict=True):
                 memo[id(own)] = alias(new)
@@ -105,6 +108,24 @@ def copy_replicas(
         recompile_copy(replica, duplicate)
         copies.append(duplicate)
     return copies
+
+
+def derived_tensors(module: torch.nn.Module) -> dict[int, Any]:
+    """A `copy.deepcopy` memo: each tensor attribute of a submodule that a graph made, detached.
+
+    The deprecated `torch.nn.utils.weight_norm` keeps `weight` as a plain attribute
+    computed from `weight_g` and `weight_v` (by a forward pre-hook, at every forward);
+    `deepcopy` refuses such a tensor ("Only Tensors created explicitly by the user
+    (graph leaves) support the deepcopy protocol"), so `prepare` failed where DDP, which
+    copies nothing, runs (the bug hunt of session 53). A copy takes it detached: a value
+    derived from parameters, which its module computes again from the copy's own.
+    """
+    memo: dict[int, Any] = {}
+    for submodule in module.modules():
+        for value in vars(submodule).values():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                memo[id(value)] = value.detach().clone()
+    return memo
 
 
 def alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
