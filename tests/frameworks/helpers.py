@@ -139,6 +139,24 @@ def run_on_replicas(strategy: Any, step: Any, batches: list[Any]) -> list[Any]:
     return out
 
 
+def assert_mlp_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str, data: list[Any], step: Any
+) -> None:
+    """`step(model, optimizer, x, y, i)` trains `mlp` with SGD (lr 0.5) on 4 replicas
+    (`mode`: replica threads or cooperative) as plain torch does on the global batches."""
+    from tests.strategies.conftest import replica_execution
+
+    plain = mlp(torch)
+    start = train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
+    assert_trains_like(torch, plain, model, start)
+
+
 def assert_trains_like(
     torch: Any, plain: Any, mirrored_model: Any, start: list[Any], tol: float = 1e-12
 ) -> None:

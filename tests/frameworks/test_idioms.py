@@ -22,6 +22,7 @@ import pytest
 import crossdevice as cd
 from tests.frameworks.helpers import (
     GLOBAL_BATCH,
+    assert_mlp_trains_like_plain_torch,
     assert_trains_like,
     fp16_run,
     global_batches,
@@ -385,15 +386,7 @@ def test_torch_func_gradients_are_reduced_at_step(torch: Any, cdt: Any, mode: st
             param.grad = grads[name]  # set by hand: no backward saw it
         optimizer.step()
 
-    plain = mlp(torch)
-    start = train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
-    with replica_execution(mode):
-        strategy = mirrored(4)
-        with strategy.scope():
-            net = mlp(torch)
-            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
-        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
-    assert_trains_like(torch, plain, model, start)
+    assert_mlp_trains_like_plain_torch(torch, cdt, mode, data, step)
 
 
 # --- buffers: a declared aggregation ------------------------------------------------------------
@@ -490,15 +483,7 @@ def test_gradient_penalty_with_autograd_grad_trains_like_plain_torch(
         (loss + 0.5 * slope.pow(2).sum()).backward()
         optimizer.step()
 
-    plain = mlp(torch)
-    start = train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
-    with replica_execution(mode):
-        strategy = mirrored(4)
-        with strategy.scope():
-            net = mlp(torch)
-            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
-        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
-    assert_trains_like(torch, plain, model, start)
+    assert_mlp_trains_like_plain_torch(torch, cdt, mode, data, step)
 
 
 # --- mixed precision: replicas agree on the loss scale -------------------------------------------

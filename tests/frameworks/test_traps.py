@@ -15,6 +15,7 @@ import pytest
 
 import crossdevice as cd
 from tests.frameworks.helpers import (
+    assert_mlp_trains_like_plain_torch,
     assert_trains_like,
     global_batches,
     global_loss,
@@ -22,7 +23,6 @@ from tests.frameworks.helpers import (
     mlp,
     replica_batch,
     run_on_replicas,
-    train_plain,
 )
 from tests.strategies.conftest import replica_execution
 
@@ -418,12 +418,4 @@ def test_a_disabled_grad_scaler_needs_no_prepare(torch: Any, cdt: Any, mode: str
         scaler.step(optimizer)
         scaler.update()
 
-    plain = mlp(torch)
-    start = train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
-    with replica_execution(mode):
-        strategy = mirrored(4)
-        with strategy.scope():
-            net = mlp(torch)
-            model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
-        run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
-    assert_trains_like(torch, plain, model, start)
+    assert_mlp_trains_like_plain_torch(torch, cdt, mode, data, step)
