@@ -6,11 +6,10 @@ worker is about to do: sequence number, kind, reduce op, local replica count, nu
 buffers, byte count, digests of the dtypes, shapes, value structure and buffer layout,
 a state the caller asks every worker to share (`purpose.agreeing`: the gradients'
 optimizer hyperparameters), and (for all_gather and broadcast) the one value's rank,
-dtype and shape. Because the
-header has the same size on every worker, Gloo never sees buffers of different sizes;
-the result is used only after every worker has checked every other worker's header, so
-a mismatch is an error on every worker alike (`CollectiveMismatchError`), never a
-SIGABRT in Gloo or a silently wrong sum.
+dtype and shape. Because the header has the same size on every worker, Gloo never sees
+buffers of different sizes; the result is used only after every worker has checked every
+other worker's header, so a mismatch is an error on every worker alike
+(`CollectiveMismatchError`), never a SIGABRT in Gloo or a silently wrong sum.
 
 All_gather and broadcast need this exchange anyway (to size their buffers). An
 all_reduce whose buffer layout every worker can predict from the collectives they
