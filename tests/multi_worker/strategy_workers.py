@@ -82,6 +82,11 @@ def scenarios(rank: int, world_size: int, local: int, use_torch: bool) -> dict[s
     )
     out["reduce_sum_none"] = _np(strategy.reduce("sum", scalar, axis=None))
     out["gather_cross_replica"] = _np(strategy.gather(value, axis=0))
+    # What `run` returns (a plain value with one replica per worker), gathered.
+    predicted = strategy.run(
+        lambda: make(np.full(2, float(cd.get_replica_context().replica_id_in_sync_group)))
+    )
+    out["gather_run"] = _np(strategy.gather(predicted, axis=0))
     out["plain_sum"] = _np(strategy.reduce("sum", make(np.float32(1.0)), axis=None))
 
     # Variables start from the chief's value; replica updates aggregate over all workers.

@@ -71,6 +71,8 @@ def test_collectives_match_numpy(
         assert out["reduce_sum_none"] == float(ids.sum())
         expected = np.concatenate([np.full(r + 1, float(r)) for r in ids])
         np.testing.assert_array_equal(out["gather_cross_replica"], expected)
+        # Every worker's, also where `run` returned a plain value (one replica per worker).
+        np.testing.assert_array_equal(out["gather_run"], np.repeat(ids.astype(float), 2))
         assert out["plain_sum"] == float(world_size)  # a true cross-worker reduce (TF)
         # Variables start from the chief's value (7) on every worker and replica.
         assert out["initial"] == [[7.0, 7.0]] * local

@@ -392,6 +392,20 @@ class MultiWorkerMirroredStrategy(Strategy):
         assert isinstance(extended, _MultiWorkerExtended)
         return super().reduce(reduce_op, extended._as_per_worker(value), axis)
 
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate every worker's replicas' values along `axis` (see `Strategy.gather`).
+
+        With one replica per worker, `run` returns a plain value: this worker's own, so
+        it is gathered across workers too (TF's `CollectiveAllReduce` wraps it as a
+        per-replica value). It came back as it was: each worker's own predictions only,
+        silently (the bug hunt of session 53).
+        """
+        extended = self._extended
+        assert isinstance(extended, _MultiWorkerExtended)
+        if len(extended.worker_devices) == 1:
+            value = extended._as_per_worker(value)
+        return super().gather(value, axis)
+
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
         """Split each global batch across every worker's replicas (see `Strategy`).
 
