@@ -143,6 +143,28 @@ def stall_in_all_reduce(rank: int, world_size: int, culprit: int, how: str) -> A
     return {"type": None, "elapsed": time.monotonic() - start}
 
 
+def raised_outside_run(rank: int, world_size: int, where: str) -> dict[str, Any]:
+    """Worker 1 raises outside `run` (its dataset, or `strategy.reduce` refusing its value)
+    where worker 0 waits for it in a collective; each worker's error type and text."""
+    del world_size
+
+    strategy = _strategy(1, timeout=60.0)  # a hang would show as a timeout a minute on
+
+    def batches() -> Any:
+        for i in range(3):
+            if rank == 1 and i == 1 and where == "dataset":
+                raise OSError("disk gone")
+            yield np.arange(4.0) + i
+
+    try:
+        for x in strategy.experimental_distribute_dataset(batches()):
+            value = strategy.run(lambda x: x * 2.0, args=(x,))
+            strategy.reduce("sum", value, axis=3 if rank == 1 and where == "reduce" else 0)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None}
+
+
 def sync_on_read_on_chief_only(rank: int, world_size: int, local: int) -> dict[str, Any]:
     """A metric (a SyncOnRead variable) read on the chief only, as a user logging it might;
     the other workers go on to the next step, whose dataset check is a collective too."""

@@ -11,6 +11,7 @@ from tests.multi_worker.harness import run_workers
 from tests.multi_worker.strategy_workers import (
     has_data_in_flight,
     has_data_per_pass,
+    raised_outside_run,
     scenarios,
     stall_in_all_reduce,
     sync_on_read_on_chief_only,
@@ -174,3 +175,16 @@ def test_a_dataset_whose_len_lies_is_an_error_not_a_silent_step() -> None:
     for out in results:
         assert out["type"] == "RuntimeError", out
         assert "yielded more than its len() of 3 batches" in out["message"], out["message"]
+
+
+@pytest.mark.parametrize("where", ["dataset", "reduce"])
+def test_an_error_outside_run_on_one_worker_reaches_the_other(where: str) -> None:
+    """Worker 1's dataset raises, or its `strategy.reduce` refuses its value, where worker
+    0 waits in the step's agreement or the reduction: worker 0 waited until its timeout
+    (600 s by default), learning nothing (bug hunt, session 53); now it raises at once,
+    naming worker 1's error."""
+    outs = [r.unwrap() for r in run_workers(raised_outside_run, 2, args=(where,), timeout=45)]
+    expected = "OSError: disk gone" if where == "dataset" else "ValueError"
+    assert outs[1]["type"] == expected.split(":", maxsplit=1)[0], outs[1]
+    assert outs[0]["type"] == "WorkerFailedError", outs[0]
+    assert f"rank 1 (global replicas [1]) raised {expected}" in outs[0]["message"], outs[0]

@@ -45,6 +45,9 @@ class StepSync(Protocol):
         agreement completes.
         """
 
+    def failed(self, error: BaseException) -> None:
+        """This worker's step input raised `error`: tell the other workers (they may wait)."""
+
     def skip(self, size: int | None) -> bool:
         """Count this step's agreement as made, without a collective, if that is safe.
 

@@ -214,21 +214,44 @@ class DistributedIterator:
     same data continues at the next global batch, on any layout.
     """
 
-    def __init__(self, next_step: Callable[[], Any], tracker: Pass | None = None) -> None:
+    def __init__(
+        self,
+        next_step: Callable[[], Any],
+        tracker: Pass | None = None,
+        sync: StepSync | None = None,
+    ) -> None:
         self._next_step = next_step
         self._pass = tracker if tracker is not None else Pass(0, 0, None)
+        self._sync = sync
 
     def __iter__(self) -> DistributedIterator:
         return self
 
     def __next__(self) -> Any:
         _check_outside_replica_fn()
-        return self._next_step()
+        return self._step()
 
     def get_next(self) -> Any:
         """The next step's per-replica values (TF's `DistributedIterator.get_next`)."""
         _check_outside_replica_fn()
-        return self._next_step()
+        return self._step()
+
+    def _step(self) -> Any:
+        """One step; an error here reaches the other workers (`StepSync.failed`).
+
+        A worker whose pipeline raised (an I/O error in its dataset, a batch this
+        library refuses) left its peers waiting in the step's agreement until their
+        timeout (600 s by default), learning nothing of the error (the bug hunt of
+        session 53); they now raise `WorkerFailedError` naming it at once.
+        """
+        try:
+            return self._next_step()
+        except StopIteration:
+            raise
+        except BaseException as err:
+            if self._sync is not None:
+                self._sync.failed(err)
+            raise
 
     def get_next_as_optional(self) -> Optional[Any]:
         """The next step's per-replica values as an `Optional`, empty at the end.
@@ -244,7 +267,7 @@ class DistributedIterator:
         """
         _check_outside_replica_fn()
         try:
-            return Optional.from_value(self._next_step())
+            return Optional.from_value(self._step())
         except StopIteration:
             return Optional.empty()
 
@@ -407,7 +430,7 @@ class DistributedDataset:
                 tracker.advance(size)
             return layout.regroup_leaves(structure, sliced)
 
-        return DistributedIterator(next_step, tracker)
+        return DistributedIterator(next_step, tracker, self._step_sync)
 
     def __repr__(self) -> str:
         return (
@@ -562,7 +585,7 @@ class DistributedDatasetsFromFunction:
             ]
             return layout.regroup(per_replica)
 
-        return DistributedIterator(next_step, tracker)
+        return DistributedIterator(next_step, tracker, self._step_sync)
 
     def __repr__(self) -> str:
         return (

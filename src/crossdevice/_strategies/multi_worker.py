@@ -386,11 +386,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         A plain value (what `run` returns with one local replica) is this worker's own,
         so it is reduced across workers too, with or without an axis: MEAN along the
         batch axis divides by the number of examples on all workers (TF's rule), not by
-        this worker's alone.
+        this worker's alone. An error here on this worker (a value it refuses) reaches the
+        other workers, waiting in the reduction, as `WorkerFailedError` naming it.
         """
         extended = self._extended
         assert isinstance(extended, _MultiWorkerExtended)
-        return super().reduce(reduce_op, extended._as_per_worker(value), axis)
+        try:
+            return super().reduce(reduce_op, extended._as_per_worker(value), axis)
+        except BaseException as err:  # (a value refused here: the peers wait for it)
+            extended._tell_workers(err)
+            raise
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every worker's replicas' values along `axis` (see `Strategy.gather`).
@@ -404,7 +409,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         assert isinstance(extended, _MultiWorkerExtended)
         if len(extended.worker_devices) == 1:
             value = extended._as_per_worker(value)
-        return super().gather(value, axis)
+        try:
+            return super().gather(value, axis)
+        except BaseException as err:  # (a value refused here: the peers wait for it)
+            extended._tell_workers(err)
+            raise
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
         """Split each global batch across every worker's replicas (see `Strategy`).
@@ -498,6 +507,9 @@ class _StepSync:
         # what it found.
         self._extended._has_data_pending = pending
         return True, None if steps is None else lambda: pending.wait()[1]
+
+    def failed(self, error: BaseException) -> None:
+        self._extended._tell_workers(error)
 
     def skip(self, size: int | None) -> bool:
         communicator = self._communicator
