@@ -101,6 +101,20 @@ def scenarios(rank: int, world_size: int, local: int, use_torch: bool) -> dict[s
     strategy.run(update)
     out["updated"] = [_np(c.numpy()) for c in v.values]
 
+    # ONLY_FIRST_REPLICA: the first replica of all (worker 0's), on every worker.
+    first = cd.VariableAggregation.ONLY_FIRST_REPLICA
+    with strategy.scope():
+        w = cd.Variable(make(np.float32(10.0)), aggregation=first)
+        m = cd.Variable(make(np.float32(0.0)), synchronization="ON_READ", aggregation=first)
+
+    def update_first() -> None:
+        r = cd.get_replica_context().replica_id_in_sync_group
+        w.assign_add(make(np.float32(r + 1.0)))
+        m.assign(make(np.float32(r + 1.0)))
+
+    strategy.run(update_first)
+    out["first_replica"] = [float(_np(w.numpy())), float(_np(m.numpy()))]
+
     # Dataset sharding: every worker reads the same global batches, keeps its replicas'.
     batches = [np.arange(14)[i : i + 8] for i in (0, 8)]
     shards = []

@@ -78,6 +78,8 @@ def test_collectives_match_numpy(
         # Variables start from the chief's value (7) on every worker and replica.
         assert out["initial"] == [[7.0, 7.0]] * local
         assert out["updated"] == [[7.0 + float(np.sum(ids + 1))] * 2] * local
+        # ONLY_FIRST_REPLICA: replica 0's update (+1) and value (1) on every worker.
+        assert out["first_replica"] == [11.0, 1.0]
         # Sharding: each global batch is split over all n replicas; this worker keeps its own.
         for step, batch in enumerate([np.arange(0, 8), np.arange(8, 14)]):
             assert out["shards"][step] == _split(batch, n)[rank * local : (rank + 1) * local]

@@ -490,6 +490,15 @@ class StrategyExtended(NonSlotMethods):
         mine: Pending = self._merge_call_checked(replica_id, merge_fn, arrays, call)
         return Then([mine], lambda merged: nest.unflatten(structure, list(merged)))
 
+    def _from_first_replica(self, value: Any, what: str) -> Any:
+        """Global replica 0's `value` (ONLY_FIRST_REPLICA), given this worker's first.
+
+        One process holds replica 0: it is `value`. Across workers, worker 0's
+        (`_MultiWorkerExtended` broadcasts it; `what` names the call in its errors).
+        """
+        del what
+        return value
+
     def _local_results(self, value: Any) -> tuple[Any, ...]:
         if isinstance(value, DistributedValues):
             return value.values

@@ -251,6 +251,20 @@ class _MultiWorkerExtended(ReplicatedExtended):
         if communicator is not None and not isinstance(err, _SHARED_ERRORS):
             communicator.abort(err)
 
+    def _from_first_replica(self, value: Any, what: str) -> Any:
+        """Worker 0's first replica's `value`, on every worker (a broadcast).
+
+        ONLY_FIRST_REPLICA means the first replica of all (TF's documentation; replica
+        0's, as one process has it): each worker's own first replica made workers
+        disagree silently (a variable 11 on one worker, 12 on the other: the bug hunt of
+        session 53).
+        """
+        communicator = self._worker_communicator
+        if communicator is None:
+            return value
+        with purpose(what):
+            return communicator.broadcast(value, root=0)
+
     def _input_workers(self) -> tuple[int, int]:
         return self._num_workers, self._worker_index
 

@@ -126,6 +126,14 @@ class DistributedVariable(AssignMethods, ArrayOperators, DistributedValues):
         """The primary component's name."""
         return self._primary.name
 
+    def _first_purpose(self) -> str:
+        """What taking replica 0's value across workers is for, in its errors."""
+        return (
+            f"the first replica's value of ONLY_FIRST_REPLICA variable {self.name!r}, sent "
+            "from worker 0 to every worker: a collective every worker must make at the same "
+            "point (read or update it on every worker)"
+        )
+
     @property
     def dtype(self) -> Any:
         """The dtype of the components."""
@@ -225,6 +233,7 @@ class MirroredVariable(DistributedVariable):
         def merge_fn(strategy: Any, value: Any) -> None:
             if aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
                 first = value.values[0] if isinstance(value, PerReplica) else value
+                first = strategy.extended._from_first_replica(first, self._first_purpose())
                 self._update_all(method, first)
                 return
             # (MEAN of a non-floating variable cannot happen: refused at creation, TF.)
@@ -256,7 +265,9 @@ class SyncOnReadVariable(DistributedVariable):
             assert replica is not None
             return self._values[replica]._value
         if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
-            return self._primary._value
+            return self._strategy.extended._from_first_replica(
+                self._primary._value, self._first_purpose()
+            )
         if self._aggregation == VariableAggregation.NONE:
             raise ValueError(
                 f"Could not convert from VariableAggregation.NONE to a reduce op: reading "
@@ -370,6 +381,7 @@ class AggregatingVariable(DistributedVariable):
         def merge_fn(strategy: Any, value: Any) -> None:
             if aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
                 reduced = value.values[0] if isinstance(value, PerReplica) else value
+                reduced = strategy.extended._from_first_replica(reduced, self._first_purpose())
             else:
                 op = ReduceOp.from_variable_aggregation(aggregation)
                 reduced = strategy.extended.reduce_to(op, value, destinations=self)
