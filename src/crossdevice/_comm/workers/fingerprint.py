@@ -296,6 +296,18 @@ def mismatch_message(
         "cause of a sequence mismatch; workers that read global batches of different sizes "
         "in one step differ in the global batch their step's calls show."
     )
+    if "structure" in fields:
+        lines.append(
+            "The structure differs: the calls came from different lines of the program (each "
+            "worker's detail shows `from file:line`) or reduce values nested differently "
+            "({'a': x} against [x]). Make a collective from one line on every worker, not "
+            "from one line per branch of `if rank == 0:`."
+        )
+    if "shapes" in fields:
+        lines.append(
+            "The shapes differ: the values' shapes, their dtypes, or their array library (a "
+            "NumPy array on one worker, a torch tensor on another) are not the same."
+        )
     if "state" in fields:
         lines.append(
             "The state differs: what every worker's call must share besides (for "
