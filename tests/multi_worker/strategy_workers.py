@@ -81,6 +81,12 @@ def scenarios(rank: int, world_size: int, local: int, use_torch: bool) -> dict[s
         lambda ctx: make(np.float32(ctx.replica_id_in_sync_group))
     )
     out["reduce_sum_none"] = _np(strategy.reduce("sum", scalar, axis=None))
+    # A device string without job or task names this worker's device (TF fills them in).
+    extended = strategy.extended
+    out["reduce_to_cpu0"] = [
+        float(_np(extended.reduce_to("sum", scalar, destinations="CPU:0"))),
+        float(_np(extended.batch_reduce_to("sum", [(scalar, "CPU:0")])[0])),
+    ]
     out["gather_cross_replica"] = _np(strategy.gather(value, axis=0))
     # What `run` returns (a plain value with one replica per worker), gathered.
     predicted = strategy.run(

@@ -70,6 +70,7 @@ def test_collectives_match_numpy(
             float(np.sum(ids * weights) / np.sum(weights))
         )
         assert out["reduce_sum_none"] == float(ids.sum())
+        assert out["reduce_to_cpu0"] == [float(ids.sum())] * 2
         expected = np.concatenate([np.full(r + 1, float(r)) for r in ids])
         np.testing.assert_array_equal(out["gather_cross_replica"], expected)
         # Every worker's, also where `run` returned a plain value (one replica per worker).

@@ -64,6 +64,18 @@ class StrategyExtended(NonSlotMethods):
         # their variables: `base._variable_creator`).
         self._runs_in_default_scope = 0
 
+    def _on_this_worker(self, destinations: Any) -> Any:
+        """A device string with the fields it leaves out taken from this worker's host.
+
+        `"CPU:0"` is this worker's CPU, as TF's `device_util.canonicalize` makes it from
+        the worker's own device: under `MultiWorkerMirroredStrategy` it read as
+        `/job:localhost/...` and was refused, where ported TF code runs (the bug hunt of
+        session 53). One process: the same as before (its host is `/job:localhost`).
+        """
+        if isinstance(destinations, str) and destinations.strip():
+            return canonicalize(destinations, default=self._host_device)
+        return destinations
+
     def _check_destinations_are_local(self, destinations: Any) -> None:
         """A device string must name a device of this worker: results land here."""
         if not isinstance(destinations, str):
@@ -177,6 +189,7 @@ class StrategyExtended(NonSlotMethods):
             )
         op = as_reduce_op(reduce_op)
         validate.reducible(value, "StrategyExtended.reduce_to")
+        destinations = self._on_this_worker(destinations)
         self._check_destinations_are_local(destinations)
         validate.fits_strategy(value, self._container_strategy_ref, "StrategyExtended.reduce_to")
         return self._reduce_to(op, value, destinations, _check_options(options))
@@ -206,7 +219,7 @@ class StrategyExtended(NonSlotMethods):
         """
         context.require_cross_replica(self._container_strategy_ref)
         op = as_reduce_op(reduce_op)
-        pairs = _check_pairs(value_destination_pairs)
+        pairs = [(v, self._on_this_worker(d)) for v, d in _check_pairs(value_destination_pairs)]
         values = [v for v, _ in pairs]
         for _, destinations in pairs:
             self._check_destinations_are_local(destinations)
