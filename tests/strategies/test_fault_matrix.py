@@ -10,6 +10,7 @@ cooperative replicas.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -177,6 +178,12 @@ def _outcome(strategy: Any, step: Callable[[], Any]) -> tuple[str, str]:
     return "ok", ""
 
 
+def _without_report(outcome: tuple[str, str]) -> tuple[str, str]:
+    """An outcome without the flight recorder's line end (where its report went)."""
+    kind, message = outcome
+    return kind, re.sub(r" Flight recorder[^\n]*$", "", message)
+
+
 def _works(strategy: Any) -> None:
     n = strategy.num_replicas_in_sync
     result = strategy.run(lambda: cd.get_replica_context().all_reduce("sum", np.float32(1)))
@@ -218,7 +225,10 @@ def test_every_fault_ends_clearly_and_the_same_way_in_every_mode(
     for step, on_threads, cooperatively in zip(
         RAISING + DISAGREEING, threads, outcomes["cooperative"], strict=True
     ):
-        assert on_threads == cooperatively, step.__name__
+        # Each mode's flight recorder report has a name of its own (its time, its
+        # number), and the process's quota may run out between the modes ("no more"):
+        # run alone, the test compared those and failed.
+        assert _without_report(on_threads) == _without_report(cooperatively), step.__name__
 
 
 def test_the_matrix_covers_each_reported_case() -> None:
