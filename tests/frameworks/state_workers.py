@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 #: What each case does differently on worker 1 (rank 1), at which step.
-CASES = ("alike", "chief_scheduler", "lr_by_hand", "skipped_zero_grad", "cleared_accumulation")
+CASES = (
+    "alike",
+    "chief_scheduler",
+    "lr_by_hand",
+    "numpy_lr",
+    "skipped_zero_grad",
+    "cleared_accumulation",
+)
 STEPS = 4
 #: The batches before whose backward `zero_grad()` is called, and after which the
 #: optimizer steps: batch 2's gradients add to batch 1's (accumulation), and so on.
@@ -21,6 +28,7 @@ STEPPED = (0, 2, 3)
 
 def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any]:
     """Train 4 steps (see the module doc); the error or the parameters and rates."""
+    import numpy as np
     import torch
 
     import crossdevice.torch as cdt
@@ -62,6 +70,8 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
                 schedule.step()
             if case == "lr_by_hand" and odd and i == 1:
                 optimizer.param_groups[0]["lr"] = 0.3
+            if case == "numpy_lr" and i == 1:  # a rate computed with NumPy, per worker
+                optimizer.param_groups[0]["lr"] = np.float64(0.3 if odd else 0.2)
             rates.append(optimizer.param_groups[0]["lr"])
     except Exception as err:  # the worker's outcome, returned
         return {"error": f"{type(err).__name__}: {err}", "rates": rates}

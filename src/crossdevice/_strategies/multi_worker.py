@@ -10,8 +10,9 @@ or torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
 from __future__ import annotations
 
 import atexit
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final, final
 
 import numpy as np
@@ -251,6 +252,19 @@ class _MultiWorkerExtended(ReplicatedExtended):
         if communicator is not None and not isinstance(err, _SHARED_ERRORS):
             communicator.abort(err)
 
+    @contextlib.contextmanager
+    def _telling_workers(self) -> Iterator[None]:
+        """Inside, an error raised on this worker reaches the others (`_tell_workers`).
+
+        For cross-replica calls that meet the other workers (`reduce`, `gather`,
+        `crossdevice.torch.prepare`); `run` tells them itself, without a frame more.
+        """
+        try:
+            yield
+        except BaseException as err:
+            self._tell_workers(err)
+            raise
+
     def _from_first_replica(self, value: Any, what: str) -> Any:
         """Worker 0's first replica's `value`, on every worker (a broadcast).
 
@@ -405,11 +419,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         """
         extended = self._extended
         assert isinstance(extended, _MultiWorkerExtended)
-        try:
+        with extended._telling_workers():  # (a value refused here: the peers wait for it)
             return super().reduce(reduce_op, extended._as_per_worker(value), axis)
-        except BaseException as err:  # (a value refused here: the peers wait for it)
-            extended._tell_workers(err)
-            raise
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every worker's replicas' values along `axis` (see `Strategy.gather`).
@@ -423,11 +434,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         assert isinstance(extended, _MultiWorkerExtended)
         if len(extended.worker_devices) == 1:
             value = extended._as_per_worker(value)
-        try:
+        with extended._telling_workers():  # (a value refused here: the peers wait for it)
             return super().gather(value, axis)
-        except BaseException as err:  # (a value refused here: the peers wait for it)
-            extended._tell_workers(err)
-            raise
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
         """Split each global batch across every worker's replicas (see `Strategy`).

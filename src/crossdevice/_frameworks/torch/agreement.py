@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -32,28 +32,30 @@ import torch
 from crossdevice._strategies.base import Strategy
 from crossdevice._train.job import gather_texts, sum_over_workers, worker_position
 
-__all__ = ["check_workers_agree", "describe_module", "describe_optimizer", "failing_together"]
+__all__ = [
+    "PLAIN",
+    "check_workers_agree",
+    "describe_module",
+    "describe_optimizer",
+    "failing_together",
+]
 
-_PLAIN: Final = (int, float, bool, str, type(None))
+#: Setting values compared (and written) as they are: their `repr` is alike in every process.
+PLAIN: Final = (int, float, bool, str, type(None))
 
 
-@contextlib.contextmanager
-def failing_together(strategy: Strategy) -> Iterator[None]:
+def failing_together(strategy: Strategy) -> Any:
     """Inside, an exception on this worker reaches its peers as itself (`prepare`).
 
     `prepare` meets the other workers (this module's comparison, the chief's values): a
     worker whose `prepare` raised before (a bad argument on that worker only) left its
     peers waiting there until its process was gone, reported as a death 5 s later
     without its error. Now its communicator aborts with the error (as a step that
-    raises does): its peers raise `WorkerFailedError` naming it and its error at once.
+    raises does; `_MultiWorkerExtended._telling_workers`): its peers raise
+    `WorkerFailedError` naming it and its error at once. One process: nothing to tell.
     """
-    try:
-        yield
-    except BaseException as err:
-        tell = getattr(strategy.extended, "_tell_workers", None)
-        if tell is not None:
-            tell(err)
-        raise
+    telling = getattr(strategy.extended, "_telling_workers", None)
+    return contextlib.nullcontext() if telling is None else telling()
 
 
 def describe_module(module: torch.nn.Module) -> list[str]:
@@ -131,8 +133,8 @@ def _setting(value: Any) -> str:
     """A group setting as text: exact for numbers, a tensor's value, else its type."""
     if isinstance(value, torch.Tensor):
         return repr(value.item()) if value.numel() == 1 else f"tensor {_tensor(value)}"
-    if isinstance(value, _PLAIN):
+    if isinstance(value, PLAIN):
         return repr(value)
-    if isinstance(value, tuple | list) and all(isinstance(v, _PLAIN) for v in value):
+    if isinstance(value, tuple | list) and all(isinstance(v, PLAIN) for v in value):
         return repr(tuple(value))
     return type(value).__qualname__

@@ -34,7 +34,7 @@ from crossdevice._arrays import torch_guard, torch_patches
 from crossdevice._core import context
 from crossdevice._frameworks.torch.once import call_once
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer
-from crossdevice._frameworks.torch.replicas import local_replica_index
+from crossdevice._frameworks.torch.replicas import local_replica_index, local_replicas
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
 
@@ -226,13 +226,10 @@ def _refuse_shared(original: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if type(self) is not MirroredGradScaler and self.is_enabled():
             frame = context.current_frame()
-            if (
-                frame is not None
-                and frame.replica_context is not None
-                and torch_guard.mark_of(self) is None
-                and len(frame.strategy.extended.worker_devices) > 1
-            ):
-                local = len(frame.strategy.extended.worker_devices)
+            local = 0
+            if frame is not None and frame.replica_context is not None:
+                local = local_replicas(frame.strategy)
+            if local > 1 and torch_guard.mark_of(self) is None:
                 raise RuntimeError(
                     f"GradScaler.{original.__name__}() was called inside strategy.run on a "
                     f"scaler that was not prepared, which the {local} replicas of this "

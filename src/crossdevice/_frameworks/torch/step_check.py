@@ -30,6 +30,7 @@ from typing import Any, Final
 
 import torch
 
+from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
 from crossdevice._strategies.replica import in_section
@@ -39,7 +40,6 @@ from crossdevice._values.values import PerReplica
 __all__ = ["StepCheck", "fingerprint"]
 
 _STEP_CALL: Final = CallSignature("MirroredOptimizer.step()")
-_PLAIN: Final = (int, float, bool, str, type(None))
 _TENSOR: Final = torch.Tensor
 
 
@@ -158,6 +158,6 @@ def fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
             append(id(value))
             if isinstance(value, _TENSOR):
                 append(value._version)
-            elif isinstance(value, _PLAIN):
+            elif isinstance(value, PLAIN):
                 append(value)
     return out

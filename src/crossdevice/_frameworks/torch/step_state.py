@@ -37,12 +37,11 @@ from typing import Any, Final
 import torch
 
 from crossdevice._core import purpose
+from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._sync.call import digest
 
 __all__ = ["register", "stepped", "workers_agree", "zeroed"]
 
-#: Values compared as they are (their `repr` is the same in every process).
-_PLAIN: Final = (bool, int, float, str, type(None))
 #: Longest text of one worker's state in a mismatch message (the detail is cut at 300).
 _TEXT_MAX: Final = 240
 
@@ -121,7 +120,7 @@ def _values(sync: Any, replica: int) -> tuple[Any, ...]:
 
 def _plain(value: Any) -> Any:
     """`value` as something whose `repr` every process writes alike."""
-    if type(value) in _PLAIN:
+    if isinstance(value, PLAIN):  # (NumPy's float64 too: a scheduler's numpy rate)
         return value
     if isinstance(value, torch.Tensor):
         # A tensor learning rate (capturable optimizers): its value where reading it costs
