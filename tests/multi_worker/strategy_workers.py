@@ -94,6 +94,11 @@ def scenarios(rank: int, world_size: int, local: int, use_torch: bool) -> dict[s
     )
     out["gather_run"] = _np(strategy.gather(predicted, axis=0))
     out["plain_sum"] = _np(strategy.reduce("sum", make(np.float32(1.0)), axis=None))
+    # Along an axis a plain value counts once per replica in sync, as TF's `run` gives it
+    # to every replica before the sum (MEAN: every worker's examples, each worker alike).
+    mine = make(np.full(3, rank + 1.0))
+    out["plain_sum_axis0"] = _np(strategy.reduce("sum", mine, axis=0))
+    out["plain_mean_axis0"] = _np(strategy.reduce("mean", mine, axis=0))
 
     # Variables start from the chief's value; replica updates aggregate over all workers.
     with strategy.scope():

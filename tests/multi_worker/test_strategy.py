@@ -76,6 +76,9 @@ def test_collectives_match_numpy(
         # Every worker's, also where `run` returned a plain value (one replica per worker).
         np.testing.assert_array_equal(out["gather_run"], np.repeat(ids.astype(float), 2))
         assert out["plain_sum"] == float(world_size)  # a true cross-worker reduce (TF)
+        workers = np.arange(world_size) + 1.0  # worker w's plain value: 3 of w + 1
+        assert out["plain_sum_axis0"] == float(3 * local * workers.sum())
+        assert out["plain_mean_axis0"] == pytest.approx(float(workers.mean()))
         # Variables start from the chief's value (7) on every worker and replica.
         assert out["initial"] == [[7.0, 7.0]] * local
         assert out["updated"] == [[7.0 + float(np.sum(ids + 1))] * 2] * local

@@ -28,7 +28,7 @@ from crossdevice._core.errors import (
 )
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.purpose import purpose, site_tag
-from crossdevice._core.reduce_op import ReduceOp
+from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._cross_device.call_site import call_site
 from crossdevice._cross_device.collective import CollectiveAllReduce
 from crossdevice._input.agreement import Agreed
@@ -282,20 +282,22 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _input_workers(self) -> tuple[int, int]:
         return self._num_workers, self._worker_index
 
-    def _as_per_worker(self, value: Any) -> Any:
-        """Plain leaves as one-component values.
+    def _as_per_worker(self, value: Any, every_replica: bool = False) -> Any:
+        """Plain leaves as one-component values (`every_replica`: one per local replica).
 
         On several workers a plain value is each worker's own, and reducing it is a true
         cross-worker reduce (TF: 1. on two workers SUMs to 2.), not the single-worker
-        non-distributed rule.
+        non-distributed rule. `every_replica` gives each local replica the value, as
+        TF's `run` does before a reduce along an axis.
         """
         if self._num_workers == 1:
             return value
+        devices = list(self._devices) if every_replica else [self._devices[0]]
 
         def wrap(leaf: Any) -> Any:
             if isinstance(leaf, DistributedValues):
                 return leaf
-            return PerReplica([leaf], devices=[self._devices[0]])
+            return PerReplica([leaf] * len(devices), devices=devices)
 
         return nest.map_structure(wrap, value)
 
@@ -414,13 +416,19 @@ class MultiWorkerMirroredStrategy(Strategy):
         A plain value (what `run` returns with one local replica) is this worker's own,
         so it is reduced across workers too, with or without an axis: MEAN along the
         batch axis divides by the number of examples on all workers (TF's rule), not by
-        this worker's alone. An error here on this worker (a value it refuses) reaches the
-        other workers, waiting in the reduction, as `WorkerFailedError` naming it.
+        this worker's alone. SUM along an axis counts it once per replica in sync, as TF
+        does (it runs the axis's sum in every replica, then sums the replicas): with 2
+        local replicas on each of 2 workers, each worker's value counts twice. Without
+        an axis it counts once per worker (TF's cross-worker reduce of a plain tensor).
+        An error here on this worker (a value it refuses) reaches the other workers,
+        waiting in the reduction, as `WorkerFailedError` naming it.
         """
         extended = self._extended
         assert isinstance(extended, _MultiWorkerExtended)
         with extended._telling_workers():  # (a value refused here: the peers wait for it)
-            return super().reduce(reduce_op, extended._as_per_worker(value), axis)
+            every_replica = axis is not None and as_reduce_op(reduce_op) == ReduceOp.SUM
+            value = extended._as_per_worker(value, every_replica)
+            return super().reduce(reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every worker's replicas' values along `axis` (see `Strategy.gather`).
