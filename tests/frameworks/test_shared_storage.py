@@ -279,3 +279,46 @@ def test_clipping_parameters_taken_before_prepare_trains_like_plain_torch(
         for x, y in strategy.experimental_distribute_dataset(data):
             strategy.run(step, args=(model, optimizer, params, x, y))
     assert_trains_like(torch, plain, model, start)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_total_norm_of_gradients_taken_before_prepare_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    """Torch's two-step clipping over parameters taken before `prepare`, with a copy per
+    replica: `get_total_norm([p.grad for p in params])` read replica 0's gradients on
+    every replica, so a replica later than replica 0 (cooperative turns; here a sleep)
+    took the norm of gradients replica 0 had clipped already, and did not clip its own
+    (the bug hunt of session 53). Each now reads its own copy's gradients."""
+    import time
+
+    from tests.frameworks.helpers import assert_trains_like
+
+    torch.set_default_dtype(torch.float64)
+    data = global_batches(torch, 6)
+
+    def step(model: Any, optimizer: Any, params: list[Any], x: Any, y: Any) -> None:
+        optimizer.zero_grad()
+        global_loss(torch, model, x, y).backward()
+        ctx = cd.get_replica_context()
+        if ctx is not None and ctx.replica_id_in_sync_group > 0:
+            time.sleep(0.02)  # replica 0 clips first
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, 0.05, norm)
+        optimizer.step()
+
+    plain = mlp(torch)
+    start = [p.detach().clone() for p in plain.parameters()]
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
+    for x, y in data:
+        step(plain, plain_optimizer, list(plain.parameters()), x, y)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            net = mlp(torch)
+            params = list(net.parameters())  # the original's: replica 0's
+            sgd = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+            model, optimizer = cdt.prepare(net, sgd, share_storage=False)
+        for x, y in strategy.experimental_distribute_dataset(data):
+            strategy.run(step, args=(model, optimizer, params, x, y))
+    assert_trains_like(torch, plain, model, start)

@@ -14,7 +14,8 @@ strategy with several replicas is in use (`torch_patches`):
   second half of torch's two-step clipping, after `get_total_norm`) over the parameters
   of replicas that keep one reduced gradient (storage shared on the host): clipped once,
   on replica 0's parameters, whose gradients every replica sees. These are torch.nn.utils'
-  helpers that change gradients in place; `get_total_norm` only reads them.
+  helpers that change gradients in place; `get_total_norm` only reads them (with a copy
+  per replica, the running replica's own: `owners.own_gradients`).
 
 Inside a replica, every replica must make the call (it is a rendezvous, like
 `merge_call`); it runs once, and every replica gets its result. Its arguments must agree
@@ -34,7 +35,7 @@ import torch
 
 from crossdevice._arrays import torch_patches
 from crossdevice._core import context, nest
-from crossdevice._frameworks.torch.owners import canonical, own_copies
+from crossdevice._frameworks.torch.owners import canonical, own_copies, own_gradients
 from crossdevice._sync.call import digest
 from crossdevice._values.values import PerReplica
 
@@ -209,6 +210,21 @@ def _clip_once(original: Callable[..., Any]) -> Callable[..., Any]:
     return clip
 
 
+def _own_norm(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_total_norm(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        frame = context.current_frame()
+        in_replica = frame is not None and frame.replica_context is not None
+        replica = frame.local_replica_id if in_replica and frame is not None else None
+        if replica is None or _is_compiling():
+            return original(tensors, *args, **kwargs)
+        given = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        return original(own_gradients(given, replica), *args, **kwargs)
+
+    get_total_norm.__doc__ = original.__doc__
+    get_total_norm.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_total_norm
+
+
 def _scheduler_classes() -> list[type]:
     base = torch.optim.lr_scheduler.LRScheduler
     found: list[type] = []
@@ -278,6 +294,7 @@ torch_patches.register(
     ),
     # torch.nn.utils' name only: in clip_grad it is the private helper clip_grad_norm_ calls.
     torch_patches.Patch(lambda: torch.nn.utils, "clip_grads_with_norm_", _clip_once),
+    torch_patches.Patch(lambda: torch.nn.utils, "get_total_norm", _own_norm),
     torch_patches.Patch(hook=lambda: _SchedulerSteps().install()),
     torch_patches.Patch(lambda: torch.optim.swa_utils.AveragedModel, "update_parameters", _once),
 )
