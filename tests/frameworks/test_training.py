@@ -229,6 +229,29 @@ def test_batchnorm_buffers_are_the_mean_of_the_replicas(torch: Any, cdt: Any) ->
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_batchnorm_mean_leaves_out_a_replica_with_an_empty_slice(
+    torch: Any, cdt: Any, mode: str
+) -> None:
+    """A last batch of 6 over 4 replicas is 2/2/2/0: the empty replica's statistics did not
+    move, and averaging them in diluted the update to 3/4 of plain torch's (bug hunt of
+    session 52). Equal slices of the others: their mean is the global batch's mean."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    batches = [torch.randn(8, 3) * 3 + 1, torch.randn(6, 3) * 2 - 4]
+    plain = torch.nn.BatchNorm1d(3, momentum=0.5)
+    for batch in batches:
+        plain(batch)
+    with replica_execution(mode):
+        strategy = mirrored(4)
+        with strategy.scope():
+            model = cdt.MirroredModule(torch.nn.BatchNorm1d(3, momentum=0.5))
+        for batch in strategy.experimental_distribute_dataset(batches):
+            strategy.run(model, args=(batch,))
+    for replica in model.replicas:
+        torch.testing.assert_close(replica.running_mean, plain.running_mean, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_no_sync_accumulates_then_reduces_the_sum(torch: Any, cdt: Any, mode: str) -> None:
     with replica_execution(mode):
         strategy = mirrored(2)

@@ -40,7 +40,7 @@ from crossdevice._core.coerce import coerce_enum
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._strategies.context import get_replica_context
 
-__all__ = ["AGGREGATIONS", "BufferSync", "resolve_aggregations"]
+__all__ = ["AGGREGATIONS", "BufferSync", "no_examples", "resolve_aggregations"]
 
 
 #: The aggregations a buffer can declare.
@@ -197,12 +197,14 @@ class BufferSync:
         ]
         return changed, now
 
-    def after_forward(self, replica: int, training: bool) -> None:
+    def after_forward(self, replica: int, training: bool, empty: bool = False) -> None:
         """Combine the declared buffers (training mode), refuse undeclared changes.
 
         An undeclared floating buffer that every replica changed to bitwise the same
         value (spectral norm's power iteration) depends on no replica's slice of the
-        batch: it is kept as it is.
+        batch: it is kept as it is. A replica whose batch was `empty` (a last batch
+        smaller than the replica count) updated no statistic: "mean" buffers average the
+        other replicas' only (its unchanged value diluted the update).
         """
         if self._watched:
             changed, now = self._changed_watched(replica)
@@ -233,8 +235,15 @@ class BufferSync:
         values: dict[int, torch.Tensor] = {}
         if "mean" in groups:
             ks = groups["mean"]
-            reduced = ctx.all_reduce(ReduceOp.MEAN, [self._buffer(replica, k) for k in ks])
-            values.update(zip(ks, reduced, strict=True))
+            mine = [self._buffer(replica, k) for k in ks]
+            if empty:
+                mine = [torch.zeros_like(b) for b in mine]
+            # SUM, then divide by the replicas that saw examples (MEAN's own division
+            # when every replica did); the count stays on the device (no sync).
+            seen = (torch.zeros if empty else torch.ones)((), device=mine[0].device)
+            *sums, count = ctx.all_reduce(ReduceOp.SUM, [*mine, seen])
+            if not empty or float(count) > 0:  # (every batch empty: nothing changed)
+                values.update((k, t / count) for k, t in zip(ks, sums, strict=True))
         if "sum" in groups:
             ks = groups["sum"]
             agreed = self._agreed[replica]
@@ -390,6 +399,18 @@ class BufferSync:
         """Buffers were set from outside (a copy from replica 0): watch from here."""
         self._seen[replica] = self._marks(replica, self._watched)
         self._keep_agreed(replica)
+
+
+def no_examples(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    """Whether a forward's first tensor argument is an empty batch.
+
+    A last batch smaller than the replica count leaves some replicas an empty slice: their
+    BatchNorm statistics do not move.
+    """
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.ndim > 0 and value.shape[0] == 0
+    return False
 
 
 def _ordinary(value: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from crossdevice._frameworks.torch import (  # noqa: F401 - backward, embedding,
     once,
     step_state,
 )
-from crossdevice._frameworks.torch.buffers import BufferSync, resolve_aggregations
+from crossdevice._frameworks.torch.buffers import BufferSync, no_examples, resolve_aggregations
 from crossdevice._frameworks.torch.gradients import (
     DEFAULT_BUCKET_CAP_BYTES,
     SHARED_BUCKET_CAP_BYTES,
@@ -238,7 +238,7 @@ class MirroredModule(torch.nn.Module):
             with torch.autocast(devices[index].type, dtype=dtype):
                 output = self.__dict__["_replicas"][index](*args, **kwargs)
         if in_replica:
-            _after(self, index)
+            _after(self, index, no_examples(args, kwargs))
         elif self.training:  # cross-replica code (`update_bn`): every replica follows
             self.__dict__["_buffer_sync"].follow_first()
         return output
@@ -564,10 +564,10 @@ def _before(self: MirroredModule) -> tuple[int, bool]:
     return 0, False
 
 
-def _after(self: MirroredModule, index: int) -> None:
+def _after(self: MirroredModule, index: int, empty: bool) -> None:
     # The replica's own mode: another replica may be in eval mode meanwhile.
     replica = self.__dict__["_replicas"][index]
-    self.__dict__["_buffer_sync"].after_forward(index, replica.training)
+    self.__dict__["_buffer_sync"].after_forward(index, replica.training, empty)
 
 
 def _own_hooks(sync: GradientSync) -> list[int]:
