@@ -376,6 +376,51 @@ def test_torch_compile_compiles_the_replicas_and_trains_like_plain_torch(
     assert_trains_like(torch, plain, mirrored_model, start, tol=1e-9)
 
 
+@pytest.mark.slow
+# torch's own, as dynamo compiles the optimizer's step (plain torch's too):
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("share_storage", [None, False], ids=["default", "copies"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_compiled_training_step_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str, share_storage: Any
+) -> None:
+    """`@torch.compile` around the whole step (zero_grad, forward, backward, step): dynamo
+    traced the patched backward (TypeError on its weak references) and the optimizer's
+    zero_grad count (replica 0's index baked in): the bug hunt of session 54. They run
+    eagerly now, the replica's module and optimizer step compiled."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    data = global_batches(torch, 3)
+
+    def make_step(model: Any, optimizer: Any) -> Any:
+        @torch.compile
+        def step(x: Any, y: Any) -> Any:
+            optimizer.zero_grad()
+            loss = global_loss(torch, model, x, y)
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+
+        return step
+
+    plain = _Net.make(torch)
+    start = [p.detach().clone() for p in plain.parameters()]
+    plain_step = make_step(plain, torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9))
+    for x, y in data:
+        plain_step(x, y)
+    with replica_execution(mode):
+        strategy = mirrored(2)
+        with strategy.scope():
+            net = _Net.make(torch)
+            sgd = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+            model, optimizer = cdt.prepare(net, sgd, share_storage=share_storage)
+        step = make_step(model, optimizer)
+        for x, y in strategy.experimental_distribute_dataset(data):
+            strategy.run(step, args=(x, y))
+    assert_trains_like(torch, plain, model, start, tol=1e-9)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("unscale", [True, False], ids=["unscale", "step"])
 def test_a_grad_scaler_not_prepared_is_an_error_naming_prepare(

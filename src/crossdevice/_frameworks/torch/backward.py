@@ -72,49 +72,77 @@ def register(strategy: Any, sync: GradientSync) -> None:
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(*args: Any, **kwargs: Any) -> Any:
-        if _PASS.depth:
-            _PASS.depth += 1  # a nested pass (reentrant checkpoint) is the outermost's
-            try:
-                return original(*args, **kwargs)
-            finally:
-                _PASS.depth -= 1
-        frame = context.current_frame()
-        if frame is None or frame.replica_context is None:
-            return original(*args, **kwargs)
-        replica = frame.local_replica_id
-        assert replica is not None
-        syncs = [
-            s for ref in _SYNCS.get(frame.strategy, ()) if (s := ref()) is not None and s.enabled
-        ]
-        if syncs:
-            tensors = args[0] if args else kwargs.get("tensors")
-            _warn_local_mean(tensors, syncs, frame.strategy, replica)
-        for sync in syncs:
-            sync.begin_pass(replica)
-        _PASS.depth = 1
-        threads = torch._C._is_multithreading_enabled()
-        torch._C._set_multithreading_enabled(False)
-        try:
-            # Across workers the pass's gradients carry its optimizers' state (`step_state`).
-            with step_state.workers_agree(frame.strategy, syncs, replica):
-                try:
-                    result = original(*args, **kwargs)
-                finally:
-                    _PASS.depth = 0
-                    torch._C._set_multithreading_enabled(threads)
-                for sync in syncs:  # every module's last buckets go before any waits
-                    sync.flush_pass(replica)
-                for sync in syncs:  # collectives: cooperative replicas may switch here
-                    sync.end_pass(replica)
-        except BaseException as err:
-            for sync in syncs:  # (a pass that ended already: nothing to do)
-                sync.abort_pass(replica, err)
-            raise
-        return result
+        return _backward(original, args, kwargs)
 
     backward.__doc__ = original.__doc__
     backward.__wrapped__ = original  # type: ignore[attr-defined]
+    torch_patches.on_dynamo(lambda: _skipped(backward))
     return backward
+
+
+def _backward(original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    if _PASS.depth:
+        _PASS.depth += 1  # a nested pass (reentrant checkpoint) is the outermost's
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _PASS.depth -= 1
+    frame = context.current_frame()
+    if frame is None or frame.replica_context is None:
+        return original(*args, **kwargs)
+    replica = frame.local_replica_id
+    assert replica is not None
+    syncs = [s for ref in _SYNCS.get(frame.strategy, ()) if (s := ref()) is not None and s.enabled]
+    if syncs:
+        tensors = args[0] if args else kwargs.get("tensors")
+        _warn_local_mean(tensors, syncs, frame.strategy, replica)
+    for sync in syncs:
+        sync.begin_pass(replica)
+    _PASS.depth = 1
+    threads = torch._C._is_multithreading_enabled()
+    torch._C._set_multithreading_enabled(False)
+    try:
+        # Across workers the pass's gradients carry its optimizers' state (`step_state`).
+        with step_state.workers_agree(frame.strategy, syncs, replica):
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                _PASS.depth = 0
+                torch._C._set_multithreading_enabled(threads)
+            for sync in syncs:  # every module's last buckets go before any waits
+                sync.flush_pass(replica)
+            for sync in syncs:  # collectives: cooperative replicas may switch here
+                sync.end_pass(replica)
+    except BaseException as err:
+        for sync in syncs:  # (a pass that ended already: nothing to do)
+            sync.abort_pass(replica, err)
+        raise
+    return result
+
+
+def _skipped(backward: Callable[..., Any]) -> None:
+    import torch._dynamo
+
+    torch._dynamo.decorators.skip(backward)
+
+
+def _ready_for_dynamo() -> None:
+    """Keep backward passes of a compiled step out of torch.compile's graphs.
+
+    A compiled training step (`@torch.compile` around zero_grad, forward, `backward()`
+    and the optimizer's step) calls the patched `torch.autograd.backward` from traced
+    code. It reads this thread's replica and runs collectives, and its gradient hooks
+    do too: dynamo skips the patch's frame and runs the pass eagerly, hooks included
+    (traced, it failed on the weak references: the bug hunt of session 54). A compiled
+    model's own backward graph still runs compiled, inside the pass.
+    """
+    global _backward
+    import torch._dynamo
+
+    _backward = torch._dynamo.disable(_backward)  # type: ignore[no-untyped-call]
+
+
+torch_patches.on_dynamo(_ready_for_dynamo)
 
 
 #: Taken to mark a model warned: "once per model" with several replica threads.

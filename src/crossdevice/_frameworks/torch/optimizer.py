@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import torch
 
-from crossdevice._arrays import torch_guard
+from crossdevice._arrays import torch_guard, torch_patches
 from crossdevice._frameworks.torch import step_state
 from crossdevice._frameworks.torch.agreement import check_workers_agree, describe_optimizer
 from crossdevice._frameworks.torch.gradients import GradientSync
@@ -268,54 +268,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 another local replica did not step too, or called `zero_grad()` a
                 different number of times.
         """
-        index = self._index()
-        optimizers = self.__dict__["_optimizers"]
-        strategy: Strategy = self.__dict__["_strategy"]
-        meet = index is not None and local_replicas(strategy) > 1
-        if index is None:
-            if strategy.num_replicas_in_sync > 1:
-                raise RuntimeError(
-                    "MirroredOptimizer.step() was called outside strategy.run with "
-                    f"{strategy.num_replicas_in_sync} replicas in sync; call it inside the "
-                    "step function, after backward (gradients are all-reduced there)"
-                )
-            index = 0
-        optimizer = optimizers[index]
-        check: StepCheck = self.__dict__["_check"]
-        shared = self.__dict__["_shared"]
-        if meet and not shared:
-            # Before anything changes: a replica that skipped the step fails the round.
-            check.meet(strategy, index)
-        if index and not shared:
-            # Schedulers change replica 0's groups; every replica follows them.
-            for source, target in zip(
-                optimizers[0].param_groups, optimizer.param_groups, strict=True
-            ):
-                for key, value in source.items():
-                    if key != "params":
-                        target[key] = value
-        groups = self._by_sync()
-        for sync, indices in groups.items():
-            if sync.enabled:
-                by_hand = sync.check_step(index, indices)
-                if by_hand:
-                    sync.reduce_by_hand(index, by_hand)
-        if shared and meet:
-            if closure is not None:
-                raise RuntimeError(
-                    "a step closure evaluates the model on each replica, and these replicas "
-                    "store their parameters once (one step for all): prepare the model "
-                    "with share_storage=False to step with a closure"
-                )
-            result = check.meet(strategy, index, lambda: _step_once(optimizer))
-        else:
-            if closure is not None and strategy.num_replicas_in_sync > 1:
-                closure = _reduced_closure(closure, next(iter(groups)).op)
-            result = optimizer.step(closure)
-        for sync, indices in groups.items():
-            sync.new_step(index, indices)
-            sync.steps[index] += 1
-            step_state.stepped(sync, index)
+        optimizer, closure, once, index, groups = _before_step(self, closure)
+        # The replica's own optimizer step is what torch.compile may compile (as plain
+        # torch's); around it, the checks and collectives run eagerly (`_ready_for_dynamo`).
+        result = _meet_once(self, optimizer, index) if once else optimizer.step(closure)
+        _after_step(groups, index)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -475,3 +432,89 @@ def _reduced_closure(closure: Callable[[], Any], op: Any) -> Callable[[], Any]:
         return ctx.all_reduce(op, value)
 
     return reduced
+
+
+def _before_step(
+    self: MirroredOptimizer, closure: Callable[[], Any] | None
+) -> tuple[Any, Callable[[], Any] | None, bool, int, dict[GradientSync, list[int]]]:
+    """Checks and by-hand reductions before a step: (optimizer, closure, once, index, groups).
+
+    `once`: the replicas store their parameters once and meet to step once.
+    """
+    index = self._index()
+    optimizers = self.__dict__["_optimizers"]
+    strategy: Strategy = self.__dict__["_strategy"]
+    meet = index is not None and local_replicas(strategy) > 1
+    if index is None:
+        if strategy.num_replicas_in_sync > 1:
+            raise RuntimeError(
+                "MirroredOptimizer.step() was called outside strategy.run with "
+                f"{strategy.num_replicas_in_sync} replicas in sync; call it inside the "
+                "step function, after backward (gradients are all-reduced there)"
+            )
+        index = 0
+    optimizer = optimizers[index]
+    check: StepCheck = self.__dict__["_check"]
+    shared = self.__dict__["_shared"]
+    if meet and not shared:
+        # Before anything changes: a replica that skipped the step fails the round.
+        check.meet(strategy, index)
+    if index and not shared:
+        # Schedulers change replica 0's groups; every replica follows them.
+        for source, target in zip(optimizers[0].param_groups, optimizer.param_groups, strict=True):
+            for key, value in source.items():
+                if key != "params":
+                    target[key] = value
+    groups = self._by_sync()
+    for sync, indices in groups.items():
+        if sync.enabled:
+            by_hand = sync.check_step(index, indices)
+            if by_hand:
+                sync.reduce_by_hand(index, by_hand)
+    if shared and meet:
+        if closure is not None:
+            raise RuntimeError(
+                "a step closure evaluates the model on each replica, and these replicas "
+                "store their parameters once (one step for all): prepare the model "
+                "with share_storage=False to step with a closure"
+            )
+        return optimizer, None, True, index, groups
+    if closure is not None and strategy.num_replicas_in_sync > 1:
+        closure = _reduced_closure(closure, next(iter(groups)).op)
+    return optimizer, closure, False, index, groups
+
+
+def _meet_once(self: MirroredOptimizer, optimizer: torch.optim.Optimizer, index: int) -> Any:
+    """The one step of replicas that store their parameters once: they meet for it."""
+    check: StepCheck = self.__dict__["_check"]
+    return check.meet(self.__dict__["_strategy"], index, lambda: _step_once(optimizer))
+
+
+def _after_step(groups: dict[GradientSync, list[int]], index: int) -> None:
+    """Count the step: each module's buckets start a new step."""
+    for sync, indices in groups.items():
+        sync.new_step(index, indices)
+        sync.steps[index] += 1
+        step_state.stepped(sync, index)
+
+
+def _ready_for_dynamo() -> None:
+    """Keep `MirroredOptimizer`'s checks and collectives out of torch.compile's graphs.
+
+    A compiled training step calls `step()` and `zero_grad()` from traced code: they read
+    this thread's replica and meet the other replicas, so dynamo runs them eagerly
+    (traced, the first replica's index was baked in and the counts went astray: the bug
+    hunt of session 54), but still compiles the replica's own optimizer step.
+    """
+    global _before_step, _meet_once, _after_step
+    import torch._dynamo
+
+    torch._dynamo.decorators.skip(MirroredOptimizer.step)
+    _before_step = torch._dynamo.disable(_before_step)  # type: ignore[no-untyped-call]
+    _meet_once = torch._dynamo.disable(_meet_once)  # type: ignore[no-untyped-call]
+    _after_step = torch._dynamo.disable(_after_step)  # type: ignore[no-untyped-call]
+    zero_grad = torch._dynamo.disable(MirroredOptimizer.zero_grad)  # type: ignore[no-untyped-call]
+    MirroredOptimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+torch_patches.on_dynamo(_ready_for_dynamo)
