@@ -286,18 +286,16 @@ class DistributedIterator:
             >>> {k: it.state_dict()[k] for k in ("epoch", "steps", "examples")}
             {'epoch': 0, 'steps': 1, 'examples': 4}
         """
-        tracker = self._pass
-        if tracker.resume is not None and not tracker.started:
-            return tracker.resume.state_dict()
-        return tracker.position.state_dict()
+        return self._pass.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where the saved iterator stopped; call it before the first `next()`.
 
-        The pipeline is recreated under the random state it was first created under (so
-        a shuffling loader gives the same order) and the consumed global batches are read
-        and dropped. A different global batch size is allowed: the position is recomputed
-        from the examples consumed, and a log line says so.
+        The pipeline is recreated under the random state it was first created under, its
+        loader's own generators included (so a shuffling loader gives the same order), and
+        the consumed global batches are read and dropped. A different global batch size
+        is allowed: the position is recomputed from the examples consumed, and a log line
+        says so.
         """
         self._pass.load(state)
 
@@ -369,7 +367,7 @@ class DistributedDataset:
         )
         self._dataset = dataset
         self._step_sync: StepSync | None = None
-        self._epochs = EpochCounter(0, lambda: _length(dataset))
+        self._epochs = EpochCounter(0, lambda: _length(dataset), (dataset,))
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -500,7 +498,7 @@ class DistributedDatasetsFromFunction:
         self._datasets = tuple(self._call(dataset_fn, ctx) for ctx in self._input_contexts)
         self._step_sync: StepSync | None = None
         pipelines = num_workers if len(self._datasets) == 1 else layout.num_global
-        self._epochs = EpochCounter(pipelines, lambda: None)
+        self._epochs = EpochCounter(pipelines, lambda: None, self._datasets)
 
     @staticmethod
     def _call(dataset_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext) -> Any:

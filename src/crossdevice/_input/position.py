@@ -14,6 +14,15 @@ order again. Restoring a mid-epoch position replays it: the pipeline is recreate
 the saved state and the consumed prefix is read and dropped (fast-forwarded), then the
 random state the checkpoint restored is put back.
 
+A loader may draw from generators of its own instead (`DataLoader(generator=g)`, a
+`RandomSampler(generator=g)`; `crossdevice._input.generators`), which advance once per
+epoch. A pass remembers their states at the same moment, and a position also holds their
+states when it was taken (`state_dict()`). Restoring a position sets them to the latter
+at once, as restoring a tracked `torch.Generator` would, so that the next epochs draw what
+they would have drawn, tracked or not; a mid-epoch replay runs under the former and then
+puts the generators back. A saved mid-epoch position without their states (written
+before they were kept) cannot be replayed: that is an error, not repeated examples.
+
 With `distribute_datasets_from_function` the elements are per-replica batches of each
 worker's own pipeline, so the position is a number of steps, exact when the number of
 input pipelines is unchanged.
@@ -24,12 +33,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
 
 from crossdevice._arrays import global_random
+from crossdevice._input import generators
 from crossdevice._input.batching import batch_size_of
 
 __all__ = ["DataPosition", "EpochCounter", "Pass", "skip_examples"]
@@ -51,6 +61,8 @@ class DataPosition:
         input_pipelines: the number of input pipelines (datasets from a function), or 0.
         exhausted: the pass ran to its end.
         random: the global random state when its pipeline was created, if it was.
+        generators: the states of the dataset's own generators (`generators.find`) then.
+        generators_now: their states when the position was taken (`state_dict()`).
     """
 
     epoch: int = 0
@@ -60,12 +72,16 @@ class DataPosition:
     input_pipelines: int = 0
     exhausted: bool = False
     random: dict[str, np.ndarray] | None = None
+    generators: dict[str, np.ndarray] | None = None
+    generators_now: dict[str, np.ndarray] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The position as plain values (ints, a bool, uint8 arrays)."""
         state: dict[str, Any] = {name: getattr(self, name) for name in _FIELDS}
         state["exhausted"] = self.exhausted
-        state["random"] = dict(self.random) if self.random is not None else None
+        for name in ("random", "generators", "generators_now"):
+            value = getattr(self, name)
+            state[name] = dict(value) if value is not None else None
         return state
 
     @classmethod
@@ -80,7 +96,7 @@ class DataPosition:
                 f"a distributed dataset's or iterator's state_dict() returns, got keys "
                 f"{sorted(state)!r}"
             )
-        values = {}
+        values: dict[str, Any] = {}
         for name in _FIELDS:
             value = state[name]
             if isinstance(value, np.ndarray | np.generic) and np.ndim(value) == 0:
@@ -90,14 +106,13 @@ class DataPosition:
                     f"{what}: the saved data position's {name!r} must be an int >= 0, got {value!r}"
                 )
             values[name] = value
-        random = state.get("random")
-        if random is not None and not isinstance(random, Mapping):
-            raise ValueError(f"{what}: the saved 'random' state must be a dict, got {random!r}")
-        return cls(
-            **values,
-            exhausted=bool(state["exhausted"]),
-            random=None if random is None else {k: np.asarray(v) for k, v in random.items()},
-        )
+        states: dict[str, Any] = {}
+        for name in ("random", "generators", "generators_now"):  # optional: older positions
+            value = state.get(name)
+            if value is not None and not isinstance(value, Mapping):
+                raise ValueError(f"{what}: the saved {name!r} state must be a dict, got {value!r}")
+            states[name] = None if value is None else {k: np.asarray(v) for k, v in value.items()}
+        return cls(**values, exhausted=bool(state["exhausted"]), **states)
 
 
 def skip_examples(
@@ -160,12 +175,31 @@ class Pass:
         epoch: the pass's epoch number.
         input_pipelines: recorded in the position (datasets from a function), else 0.
         resume: a restored position to fast-forward to when the pipeline is made.
+        datasets: what the pipeline iterates, searched for generators of its own.
+        length: the number of global batches a pass has (`len()`), or None when unknown
+            (then the pipeline may be anything, not only an iterator of batches).
     """
 
-    def __init__(self, epoch: int, input_pipelines: int, resume: DataPosition | None) -> None:
+    def __init__(
+        self,
+        epoch: int,
+        input_pipelines: int,
+        resume: DataPosition | None,
+        datasets: Sequence[Any] = (),
+        length: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self.position = DataPosition(epoch=epoch, input_pipelines=input_pipelines)
         self.resume = resume
         self.started = False
+        self._datasets = datasets
+        self._length = length
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this pass stands (its restored position until it starts), as plain values."""
+        position = self.position
+        if self.resume is not None and not self.started:
+            position = self.resume
+        return _taken(position, self._datasets)
 
     def load(self, state: Mapping[str, Any]) -> None:
         """Fast-forward this not yet started pass to a saved position (`load_state_dict`)."""
@@ -175,7 +209,9 @@ class Pass:
                 f"{self.position.steps} steps already. Call it on a new iter(dataset) before "
                 "its first next(), or restore the dataset instead"
             )
-        saved = DataPosition.from_state(state, "DistributedIterator.load_state_dict")
+        what = "DistributedIterator.load_state_dict"
+        saved = DataPosition.from_state(state, what)
+        _restore_generators(saved, generators.find(self._datasets), what)
         self.position.epoch = saved.epoch
         self.resume = saved
 
@@ -188,9 +224,11 @@ class Pass:
         self.started = True
         saved = self.resume
         position = self.position
+        own = generators.find(self._datasets)
         if saved is None or (saved.random is None and saved.steps == 0):
             position.random = global_random.capture()
-            return make()
+            position.generators = generators.capture(own)
+            return self._read_end_early(make(), own)
         if saved.exhausted:
             position.steps, position.examples = saved.steps, saved.examples
             position.global_batch_size = saved.global_batch_size
@@ -205,12 +243,33 @@ class Pass:
                 position.input_pipelines,
                 saved.steps,
             )
-        with global_random.replayed(saved.random):
+        # The epoch's order comes from the generators' states when it began; after the
+        # replay, they are put back to the states the restore gave them.
+        what = "resuming a distributed dataset"
+        with global_random.replayed(saved.random), generators.replayed(own, saved.generators, what):
             position.random = saved.random if saved.random is not None else global_random.capture()
-            iterator, steps, examples, first = skip(make(), saved)
+            position.generators = saved.generators
+            if saved.generators is None:
+                position.generators = generators.capture(own)
+            iterator, steps, examples, first = skip(self._read_end_early(make(), own), saved)
         position.steps, position.examples = steps, examples
         position.global_batch_size = first
         return iterator
+
+    def _read_end_early(self, batches: Any, own: Sequence[Any]) -> Any:
+        """`batches`, read to its end as soon as the pass's last batch is handed out.
+
+        A position taken after an epoch's last step is the start of the next epoch, and
+        holds the generators' states of that moment. But a loader with generators of its
+        own draws from them once more when it is read to its end (a `RandomSampler`
+        draws the empty tail of its permutation), so their states are the next epoch's
+        only after that read: done at once, they are in the position too. A replay reads
+        the end where the saved pass read it, before the generators are put back.
+        """
+        length = self._length()
+        if not own or length is None or length < 1:
+            return batches
+        return _ending_early(batches, length)
 
     def advance(self, examples: int) -> None:
         """Count one step that handed out `examples` global examples."""
@@ -225,17 +284,77 @@ class Pass:
         self.position.exhausted = True
 
 
+def _ending_early(batches: Iterator[Any], steps: int) -> Iterator[Any]:
+    """The elements of `batches`; the one after the `steps`-th is read before that is handed out."""
+    for count, batch in enumerate(batches, 1):
+        if count == steps:
+            after = next(batches, _END)
+            yield batch
+            if after is not _END:  # longer than its len(): hand the rest out as it comes
+                yield after
+                yield from batches
+            return
+        yield batch
+
+
+def _taken(position: DataPosition, datasets: Sequence[Any]) -> dict[str, Any]:
+    """`position.state_dict()` with the states the datasets' own generators have now."""
+    now = generators.capture(generators.find(datasets))
+    return dataclasses.replace(position, generators_now=now).state_dict()
+
+
+def _restore_generators(saved: DataPosition, own: Sequence[Any], what: str) -> None:
+    """Set the dataset's own generators to their states in `saved`, after checking them.
+
+    A position without them (written before they were kept) is an error mid-epoch: the
+    epoch's order cannot be drawn again, and resuming would repeat and skip examples.
+    """
+    if saved.generators is not None:
+        generators.check(own, saved.generators, what)
+    if saved.generators_now is not None:
+        generators.restore(own, saved.generators_now, what)
+    if not own or saved.generators is not None or saved.generators_now is not None:
+        return
+    if saved.steps and not saved.exhausted:
+        raise ValueError(
+            f"{what}: the saved data position is {saved.steps} steps into epoch "
+            f"{saved.epoch}, and this dataset's pipeline draws its order from "
+            f"{len(own)} random generator(s) of its own (the generator= of a DataLoader or "
+            "sampler), but the position holds no state of them (it was written before "
+            "crossdevice kept them, or by a dataset without them): the epoch cannot be "
+            "replayed, and resuming would repeat and skip examples. Expected a position "
+            "saved by this dataset; restore a checkpoint written at an epoch's end, or "
+            "restart the epoch with load_state_dict({**state, 'steps': 0, 'examples': 0})"
+        )
+    if saved.epoch or saved.exhausted:
+        _LOG.warning(
+            "the restored data position (epoch %d) holds no state of the %d random "
+            "generator(s) of this dataset's own (the generator= of a DataLoader or sampler): "
+            "the epoch draws its order from their current state, which is the uninterrupted "
+            "run's only if they are tracked in the checkpoint too",
+            saved.epoch,
+            len(own),
+        )
+
+
 class EpochCounter:
     """A distributed dataset's epochs: the next one to start, the latest pass, a resume.
 
     Args:
         input_pipelines: recorded in every position (datasets from a function), else 0.
         length: the number of steps an epoch has, when the dataset knows it (`len()`).
+        datasets: what each pass iterates, searched for generators of its own.
     """
 
-    def __init__(self, input_pipelines: int, length: Callable[[], int | None]) -> None:
+    def __init__(
+        self,
+        input_pipelines: int,
+        length: Callable[[], int | None],
+        datasets: Sequence[Any] = (),
+    ) -> None:
         self._input_pipelines = input_pipelines
         self._length = length
+        self._datasets = datasets
         self.next_epoch = 0
         self._latest: Pass | None = None
         self._pending: DataPosition | None = None
@@ -245,29 +364,31 @@ class EpochCounter:
         pending, self._pending = self._pending, None
         epoch = pending.epoch if pending is not None else self.next_epoch
         self.next_epoch = epoch + 1
-        self._latest = Pass(epoch, self._input_pipelines, pending)
+        self._latest = Pass(epoch, self._input_pipelines, pending, self._datasets, self._length)
         return self._latest
 
     def state_dict(self) -> dict[str, Any]:
         """Where the dataset stands: its latest pass, moved to the next epoch once complete."""
         if self._pending is not None:
-            return self._pending.state_dict()
+            return _taken(self._pending, self._datasets)
         latest = self._latest
         if latest is None:
-            return DataPosition(self.next_epoch, input_pipelines=self._input_pipelines).state_dict()
+            start = DataPosition(self.next_epoch, input_pipelines=self._input_pipelines)
+            return _taken(start, self._datasets)
         position = latest.position
         if latest.resume is not None and not latest.started:
             position = latest.resume
         length = self._length()
         if position.exhausted or (length is not None and position.steps >= length):
-            return DataPosition(
-                position.epoch + 1, input_pipelines=self._input_pipelines
-            ).state_dict()
-        return position.state_dict()
+            start = DataPosition(position.epoch + 1, input_pipelines=self._input_pipelines)
+            return _taken(start, self._datasets)
+        return _taken(position, self._datasets)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The next `iter()` resumes the saved position (the next epoch if it had ended)."""
-        saved = DataPosition.from_state(state, "load_state_dict of a distributed dataset")
+        what = "load_state_dict of a distributed dataset"
+        saved = DataPosition.from_state(state, what)
+        _restore_generators(saved, generators.find(self._datasets), what)
         if saved.exhausted:
             saved = DataPosition(saved.epoch + 1, input_pipelines=saved.input_pipelines)
         self._pending = saved
