@@ -40,7 +40,12 @@ from crossdevice._arrays import global_random, is_torch
 from crossdevice._core import context
 from crossdevice._strategies.context import get_strategy, has_strategy
 from crossdevice._train import job, storage, trackable, tree
-from crossdevice._train.state_file import CheckpointState, read_state, write_state
+from crossdevice._train.state_file import (
+    CheckpointState,
+    latest_checkpoint,
+    read_state,
+    write_state,
+)
 from crossdevice._train.status import CheckpointLoadStatus, InitializationOnlyStatus
 from crossdevice._train.writer import BackgroundWriter, Stager, wait_for_path
 from crossdevice._values.variables import Variable
@@ -53,6 +58,21 @@ _RANDOM: Final = "_crossdevice_random"
 _RESERVED: Final = frozenset({"save_counter", "save", "write", "restore", "read", "sync"})
 
 PathLike = str | os.PathLike[str]
+
+
+def check_between_steps(call: str) -> None:
+    """Raise unless in cross-replica context: a checkpoint is saved and restored between steps.
+
+    Called first, before anything is changed (a counter, a variable, a file): inside
+    `strategy.run` each replica would save or restore on its own.
+    """
+    frame = context.current_frame()
+    if frame is not None and frame.replica_context is not None:
+        raise RuntimeError(
+            f"{call} was called inside strategy.run (in a replica context, once per "
+            f"replica); expected between steps, once per worker: call {call} outside "
+            "strategy.run, after the step returns. Nothing was saved or restored"
+        )
 
 
 class _Counter(Variable):
@@ -164,6 +184,7 @@ class Checkpoint:
             The checkpoint's path.
         """
         del options
+        check_between_steps("save()")
         self._writer.wait()
         counter = int(self.save_counter.numpy()) + 1
         self.save_counter.assign(np.int64(counter), read_value=False)
@@ -181,6 +202,7 @@ class Checkpoint:
             The checkpoint's path.
         """
         del options
+        check_between_steps("write()")
         return self._save(Path(os.fspath(file_prefix)), None)
 
     def sync(self) -> None:
@@ -189,11 +211,7 @@ class Checkpoint:
 
     def _save(self, path: Path, after: Callable[[], None] | None) -> str:
         """Save to `path` (all workers); the chief's writer runs `after` once it is durable."""
-        frame = context.current_frame()
-        if frame is not None and frame.replica_context is not None:
-            raise RuntimeError(
-                "a checkpoint is saved between steps: call save() outside strategy.run"
-            )
+        check_between_steps("save()")
         self._writer.wait()
         strategy = self._strategy()
         workers, index = job.worker_position(strategy)
@@ -270,6 +288,7 @@ class Checkpoint:
                 or another worker could not restore (names each worker's checkpoint).
         """
         del options
+        check_between_steps("restore()")
         if save_path is None:
             self._agree(None, None, None)
             return InitializationOnlyStatus()
@@ -278,12 +297,14 @@ class Checkpoint:
     def read(self, save_path: PathLike, options: Any = None) -> CheckpointLoadStatus:
         """Restore from a checkpoint `write` made (see `restore`)."""
         del options
+        check_between_steps("read()")
         return self._restore(Path(os.fspath(save_path)))
 
     def _restore(self, path: Path) -> CheckpointLoadStatus:
         self._writer.wait()
+        wait_for_path(str(path))
+        existed = path.is_dir()
         try:
-            wait_for_path(str(path))
             index = storage.read_index(path)
             arrays = storage.read_arrays(path, index, index.get("arrays", {}))
             saved = {
@@ -294,6 +315,10 @@ class Checkpoint:
             for name in present:
                 trackable.validate(self._objects[name], saved[name], name)
         except Exception as err:
+            if existed and not path.is_dir():  # retention deleted it under the read
+                deleted = _deleted_while_read(path, err)
+                self._agree(path, None, deleted)
+                raise deleted from err
             self._agree(path, None, err)
             raise
         self._agree(path, index, None)
@@ -318,11 +343,6 @@ class Checkpoint:
         workers, worker = job.worker_position(strategy)
         if workers == 1:
             return
-        frame = context.current_frame()
-        if frame is not None and frame.replica_context is not None:
-            raise RuntimeError(
-                "a checkpoint is restored between steps: call restore() outside strategy.run"
-            )
         if error is not None:
             what = "failed"
         elif path is None or index is None:
@@ -368,6 +388,21 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(self._objects)})"
+
+
+def _deleted_while_read(path: Path, error: Exception) -> FileNotFoundError:
+    """The error of a read whose checkpoint vanished under it (not a damaged checkpoint)."""
+    try:
+        newer = latest_checkpoint(path.parent)
+    except ValueError:  # a damaged `checkpoint` file: the advice below still holds
+        newer = None
+    now = f"latest_checkpoint() now names {newer!r}" if newer else "see latest_checkpoint()"
+    return FileNotFoundError(
+        f"the checkpoint {str(path)!r} was deleted while it was being read (expected it to "
+        f"stay until read; the read failed with {type(error).__name__}): a CheckpointManager "
+        "that saves into that directory deletes checkpoints beyond max_to_keep. Restore a "
+        f"newer checkpoint ({now}), or read while no job saves there"
+    )
 
 
 def _record(path: Path) -> None:

@@ -11,34 +11,60 @@ Only the chief writes and records; on the other workers the manager computes the
 paths. A directory has one writer: the chief's manager holds a lock on
 `<directory>/.lock` (`flock`, released by the kernel when the process dies, so a crashed
 job leaves no stale lock), and a second manager on the directory is an error that names
-the holder. Unfinished writes a crash left behind (hidden `.ckpt-N.tmp-*` directories)
-are removed when the lock is taken.
+the holder (in this process: the live manager to close or to reuse). Unfinished writes a
+crash left behind (hidden `.ckpt-N.tmp-*` directories, `.checkpoint.tmp-*` files) are
+removed when the lock is taken.
+
+Every manager, on every worker, reads the directory the same way at construction (so
+every worker's `checkpoints` is the chief's, and each save updates them alike). The
+rename of a checkpoint into place is its commit, so a complete `ckpt-N` on disk newer
+than every listed one (a crash after the rename, before the `checkpoint` file recorded
+it; or a lost `checkpoint` file) is listed again and becomes the latest, with a log
+line. A listed checkpoint without its index is skipped with a log line, and a save of
+its number moves it aside (`ckpt-N.incomplete-<time>`) rather than failing forever.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
+import logging
 import os
 import re
 import shutil
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
 from crossdevice._train import job, storage
-from crossdevice._train.checkpoint import Checkpoint, PathLike
-from crossdevice._train.state_file import CheckpointState, is_complete, read_state, write_state
+from crossdevice._train.checkpoint import Checkpoint, PathLike, check_between_steps
+from crossdevice._train.recovery import Listing, index_time, scan, set_aside
+from crossdevice._train.state_file import STATE_FILE, CheckpointState, read_state, write_state
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "live_manager"]
 
+_LOG: Final = logging.getLogger("crossdevice")
 _LOCK_FILE: Final = ".lock"
+#: The open managers of this process, by resolved directory (the newest one of each).
+_MANAGERS: weakref.WeakValueDictionary[str, CheckpointManager] = weakref.WeakValueDictionary()
 
 
-def _lock(directory: Path) -> int:
-    """Take the directory's writer lock; the file descriptor holds it."""
+def _key(directory: Path) -> str:
+    return str(directory.resolve())
+
+
+def live_manager(directory: PathLike, checkpoint: Checkpoint) -> CheckpointManager | None:
+    """This process's open manager of `checkpoint` in `directory`, if there is one."""
+    manager = _MANAGERS.get(_key(Path(os.fspath(directory))))
+    return manager if manager is not None and manager.checkpoint is checkpoint else None
+
+
+def _try_lock(directory: Path) -> int | str:
+    """Take the directory's writer lock: the file descriptor holding it, or the holder."""
     path = directory / _LOCK_FILE
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -50,14 +76,52 @@ def _lock(directory: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise RuntimeError(
-            f"the checkpoint directory {str(directory)!r} is in use by another "
-            f"CheckpointManager ({holder}): two jobs writing one directory would delete each "
-            "other's checkpoints. Give each job its own directory, or stop the other job"
-        ) from None
+        return holder
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
     return fd
+
+
+def _lock(directory: Path) -> int:
+    """Take the directory's writer lock; the file descriptor holds it."""
+    got = _try_lock(directory)
+    if isinstance(got, int):
+        return got
+    if _key(directory) in _MANAGERS:  # held in this process
+        # A manager nothing refers to any more, not yet collected (a reference cycle),
+        # lets go when it is: a notebook cell run again after `del manager`.
+        gc.collect()
+        got = _try_lock(directory)
+        if isinstance(got, int):
+            return got
+        other = _MANAGERS.get(_key(directory))
+        if other is not None:
+            raise RuntimeError(
+                f"the checkpoint directory {str(directory)!r} is in use by another "
+                f"CheckpointManager of this process (pid {os.getpid()}: {other!r}, still "
+                "open); expected one manager per directory, since two would delete each "
+                "other's checkpoints. Use that manager (PreemptionCheckpointHandler(None, "
+                "manager) takes it, and so does PreemptionCheckpointHandler(None, checkpoint, "
+                "checkpoint_dir) for the same Checkpoint), or call close() on it first (when "
+                "running a notebook cell again: close the old manager before making a new one)"
+            )
+    raise RuntimeError(
+        f"the checkpoint directory {str(directory)!r} is in use by another "
+        f"CheckpointManager ({got}): two jobs writing one directory would delete each "
+        "other's checkpoints. Give each job its own directory, or stop the other job"
+    )
+
+
+def _clear_leftovers(directory: Path) -> None:
+    """Remove what a crash left: hidden write directories and `checkpoint` temp files."""
+    state_tmp = re.compile(rf"^\.{re.escape(STATE_FILE)}\.tmp-\d+$")
+    own = f".{STATE_FILE}.tmp-{os.getpid()}"
+    for stale in directory.iterdir():
+        if storage.TMP_PATTERN.match(stale.name) and stale.is_dir():
+            storage.discard(stale)
+        elif state_tmp.match(stale.name) and stale.name != own and stale.is_file():
+            with contextlib.suppress(OSError):
+                stale.unlink()
 
 
 def _positive_or_none(value: Any, name: str) -> None:
@@ -131,16 +195,47 @@ class CheckpointManager:
         self._lock_fd: int | None = None
         if self._writer:
             self._lock_fd = _lock(self._directory)
-            for stale in self._directory.iterdir():
-                if storage.TMP_PATTERN.match(stale.name) and stale.is_dir():
-                    storage.discard(stale)
-        state = read_state(self._directory) or CheckpointState()
-        kept = [p for p in state.paths if is_complete(p)]
-        times = dict(zip(state.paths, state.timestamps, strict=False))
-        self._kept: list[tuple[str, float]] = [(p, times.get(p, time.time())) for p in kept]
-        self._last_preserved = state.last_preserved or time.time()
-        latest = state.latest if state.latest and is_complete(state.latest) else None
-        self._latest = latest or (kept[-1] if kept else None)
+            _clear_leftovers(self._directory)
+        # Every worker reads the directory alike: the same checkpoints, the same latest.
+        listing = scan(self._directory, checkpoint_name, read_state(self._directory), max_to_keep)
+        self._kept: list[tuple[str, float]] = listing.kept
+        self._last_preserved = listing.last_preserved
+        self._latest = listing.latest
+        if self._writer:
+            self._report(listing)
+        _MANAGERS[_key(self._directory)] = self
+
+    def _report(self, listing: Listing) -> None:
+        """Log what the directory's reading repaired, and record the checkpoints found."""
+        state_file = str(self._directory / STATE_FILE)
+        for path in listing.skipped:
+            _LOG.warning(
+                "crossdevice: the checkpoint %s is listed in %s but %s: skipped, the latest "
+                "is %s. A save of its number moves it aside",
+                path,
+                state_file,
+                f"its {storage.INDEX_FILE} is missing or unreadable (incomplete or damaged)"
+                if Path(path).exists()
+                else "is gone (deleted?)",
+                self._latest,
+            )
+        if listing.adopted:
+            why = (
+                "it is missing (deleted?)"
+                if listing.state_missing
+                else "they are complete but were not recorded (a crash after the write, "
+                "before the record)"
+            )
+            _LOG.warning(
+                "crossdevice: found checkpoints %s in %s that %s does not list: %s; listed "
+                "them again, the latest is now %s",
+                [Path(p).name for p in listing.adopted],
+                self._directory,
+                state_file,
+                why,
+                self._latest,
+            )
+            self._write_state()
 
     # --- what is there --------------------------------------------------------------------
     @property
@@ -191,6 +286,7 @@ class CheckpointManager:
             The new checkpoint's path, or None when the interval says not yet.
         """
         del options
+        check_between_steps("CheckpointManager.save()")
         if self._interval is not None:
             step = int(self._step_counter)
             if self._last_step is not None and (
@@ -206,23 +302,47 @@ class CheckpointManager:
         number = int(counter.numpy()) if checkpoint_number is None else int(checkpoint_number)
         path = f"{self._prefix}-{number}"
         if self._writer and Path(path).exists():
-            raise FileExistsError(
-                f"cannot save {path!r}: it exists already (checkpoints are never overwritten). "
-                f"The directory holds an earlier run's checkpoints, the latest "
-                f"{self._latest!r}: call restore_or_initialize() first to continue that run, "
-                "or save into another directory"
-            )
-        if not self._writer:
-            self._latest = path
-            return checkpoint._save(Path(path), None)
+            self._make_room(Path(path), number)
         when = time.time()
+        if not self._writer:
+            saved = checkpoint._save(Path(path), None)
+            # The chief's `_record`, without the files: every worker lists the same.
+            self._add(path, when)
+            self._retain()
+            return saved
         return checkpoint._save(Path(path), lambda: self._record(path, when))
 
-    def _record(self, path: str, now: float) -> None:
-        """After the write: record, delete what is beyond `max_to_keep`, record again."""
+    def _make_room(self, path: Path, number: int) -> None:
+        """`path` exists: move it aside if it is no checkpoint, else refuse to overwrite it."""
+        if path.is_dir() and index_time(str(path)) is None:
+            aside = set_aside(path)
+            _LOG.warning(
+                "crossdevice: %s is no complete checkpoint (its %s is missing or unreadable): "
+                "moved aside to %s to save a new checkpoint under its name; delete it once "
+                "you no longer need it",
+                path,
+                storage.INDEX_FILE,
+                aside,
+            )
+            return
+        if self._latest is None:
+            known = "this manager lists no checkpoint"
+        else:
+            known = f"the latest is {self._latest!r}"
+        raise FileExistsError(
+            f"cannot save {str(path)!r}: it exists already (checkpoints are never overwritten; "
+            f"expected a new number, got {number} from the save_counter). The directory holds "
+            f"an earlier run's checkpoints ({known}): call restore_or_initialize() first to "
+            "continue that run, or save into another directory"
+        )
+
+    def _add(self, path: str, now: float) -> None:
+        """Make `path` the newest kept checkpoint and the latest."""
         self._kept = [(p, t) for p, t in self._kept if p != path] + [(path, now)]
         self._latest = path
-        self._write_state()
+
+    def _retain(self) -> list[str]:
+        """Drop what is beyond `max_to_keep` from the list; return what to delete."""
         doomed = []
         while self._max_to_keep is not None and len(self._kept) > self._max_to_keep:
             old, stamp = self._kept.pop(0)
@@ -233,6 +353,13 @@ class CheckpointManager:
                 self._last_preserved = stamp
                 continue
             doomed.append(old)
+        return doomed
+
+    def _record(self, path: str, now: float) -> None:
+        """After the write: record, delete what is beyond `max_to_keep`, record again."""
+        self._add(path, now)
+        self._write_state()
+        doomed = self._retain()
         if doomed:
             self._write_state()
             for old in doomed:
@@ -256,6 +383,7 @@ class CheckpointManager:
         In a multi-worker job every worker calls it, and the workers check that they
         restore the same checkpoint, or all none (see `Checkpoint.restore`).
         """
+        check_between_steps("restore_or_initialize()")
         latest = self.latest_checkpoint
         # With None too: every worker takes part in the check that they agree.
         self._checkpoint.restore(latest)
@@ -273,6 +401,8 @@ class CheckpointManager:
             self._checkpoint.sync()
         finally:
             fd, self._lock_fd = self._lock_fd, None
+            if _MANAGERS.get(_key(self._directory)) is self:
+                del _MANAGERS[_key(self._directory)]
             if fd is not None:
                 os.close(fd)
 

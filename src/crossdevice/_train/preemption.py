@@ -42,7 +42,7 @@ from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError
 from crossdevice._strategies.context import has_strategy
 from crossdevice._train import job
 from crossdevice._train.checkpoint import Checkpoint
-from crossdevice._train.manager import CheckpointManager
+from crossdevice._train.manager import CheckpointManager, live_manager
 
 __all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "TerminationConfig"]
 
@@ -130,8 +130,9 @@ class PreemptionCheckpointHandler:
             from the strategy, so it is only kept, and may be None).
         checkpoint_or_checkpoint_manager: a `CheckpointManager` (used for the restore at
             construction and for the preemption save; save periodic checkpoints with it
-            too), or a `Checkpoint` (then a manager keeping one checkpoint in
-            `checkpoint_dir` is made).
+            too), or a `Checkpoint` (then the open `CheckpointManager` of this process
+            for that checkpoint in `checkpoint_dir` is used, or else a manager keeping one
+            checkpoint there is made).
         checkpoint_dir: the directory, when a `Checkpoint` is given.
         termination_config: a `TerminationConfig`.
 
@@ -159,7 +160,11 @@ class PreemptionCheckpointHandler:
                     "When a checkpoint is passed, a checkpoint_dir must be passed as well "
                     "(or pass a crossdevice.train.CheckpointManager)"
                 )
-            manager = CheckpointManager(given, checkpoint_dir, max_to_keep=1)
+            # TF's pattern: periodic saves with a manager, and a handler given the same
+            # checkpoint and directory. Two managers on one directory would delete each
+            # other's checkpoints: the handler saves with the open one of this process.
+            live = live_manager(checkpoint_dir, given)
+            manager = live or CheckpointManager(given, checkpoint_dir, max_to_keep=1)
         else:
             raise TypeError(
                 "checkpoint_or_checkpoint_manager must be a crossdevice.train.Checkpoint or "

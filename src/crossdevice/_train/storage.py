@@ -40,6 +40,7 @@ import numpy as np
 from crossdevice._arrays import is_torch
 
 __all__ = [
+    "FORMAT",
     "INDEX_FILE",
     "TMP_PATTERN",
     "discard",
@@ -53,7 +54,7 @@ __all__ = [
 
 INDEX_FILE: Final = "crossdevice.json"
 _NPZ_FILE: Final = "arrays.npz"
-_FORMAT: Final = "crossdevice-checkpoint"
+FORMAT: Final = "crossdevice-checkpoint"
 _VERSION: Final = 1
 #: Bytes read at a time for a file's CRC-32.
 _CRC_CHUNK: Final = 1 << 20
@@ -124,7 +125,7 @@ def write(tmp: Path, path: Path, index: dict[str, Any], arrays: Mapping[str, Any
     try:
         kind = _storage_kind(arrays)
         index = {
-            "format": _FORMAT,
+            "format": FORMAT,
             "version": _VERSION,
             "storage": kind,
             "created": time.time(),
@@ -279,7 +280,7 @@ def read_index(path: Path) -> dict[str, Any]:
             f"the checkpoint index {str(index_path)!r} is damaged ({err}); restore an earlier "
             "checkpoint"
         ) from None
-    if not isinstance(index, dict) or index.get("format") != _FORMAT:
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"{str(index_path)!r} is not a crossdevice checkpoint index")
     if index.get("version", 0) > _VERSION:
         raise ValueError(
