@@ -365,6 +365,47 @@ def test_spectral_norm_trains_like_plain_torch_without_a_declaration(
         assert float((replica[0].weight_u - plain[0].weight_u).abs().max()) <= 1e-12
 
 
+def test_parametrized_spectral_norm_needs_no_declaration(torch: Any, cdt: Any) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(3, 4)),
+        torch.nn.Tanh(),
+        torch.nn.Linear(4, 1),
+    )
+    model, plain = _compare(torch, cdt, net, shared=True)
+    _assert_like(torch, model, plain)
+
+
+def test_an_undeclared_float_counter_alike_on_every_replica_is_an_error(
+    torch: Any, cdt: Any
+) -> None:
+    """A float buffer counting examples (`seen += len(x)`) changes alike on replicas with
+    slices of one size, and was kept so: each replica's count, 1/N of plain torch's,
+    silently (the bug hunt of session 54). Alike says nothing: it must be declared."""
+
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 1)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x: Any) -> Any:
+            self.seen += x.shape[0]
+            return self.lin(x)
+
+    batches = [torch.ones(8, 3), torch.ones(8, 3)]
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = cdt.prepare(Counter())
+    with pytest.raises(RuntimeError, match=r"\['seen'\].*changed them to the same value.*'sum'"):
+        strategy.run(model, args=(next(iter(strategy.experimental_distribute_dataset(batches))),))
+    with strategy.scope():
+        model = cdt.prepare(Counter(), buffer_aggregation={"seen": "sum"})
+    for x in strategy.experimental_distribute_dataset(batches):
+        strategy.run(model, args=(x,))
+    assert [float(r.seen) for r in model.replicas] == [16.0, 16.0]  # plain torch's count
+
+
 def test_an_undeclared_buffer_error_explains_every_choice(torch: Any, cdt: Any) -> None:
     class Stats(torch.nn.Module):
         def __init__(self) -> None:

@@ -17,20 +17,23 @@ has one, applied after every training-mode forward inside `strategy.run`:
 Changes made any other way inside `strategy.run` (a submodule called directly, an
 eval-mode forward) are combined by the same rule when the run ends (`settle`).
 
-A floating buffer that every replica changed to bitwise the same value (spectral norm's
-power iteration) needs no rule. Any other integer or floating buffer with no declared
-aggregation that a forward pass changes is an error naming it: `prepare(...,
-buffer_aggregation={"name": "sum"})` declares it (names as in `named_buffers()`,
-`fnmatch` patterns allowed). Inside one forward a replica reads its own update, as on
-one device of that slice: combining happens after the pass, so a layer that reads a
-statistic it has just updated sees its replica's value, not the global batch's
-(`SyncBatchNorm` computes BatchNorm's over the global batch).
+Spectral norm's `u` and `v` (its power iteration reads only the weight, so every replica
+computes them alike) need no rule. Any other integer or floating buffer with no declared
+aggregation that a forward pass changes is an error naming it, also one every replica
+changed alike (a count of examples in slices of one size is alike, and the global
+batch's count is their sum): `prepare(..., buffer_aggregation={"name": "sum"})`
+declares it (names as in `named_buffers()`, `fnmatch` patterns allowed). Inside one
+forward a replica reads its own update, as on one device of that slice: combining
+happens after the pass, so a layer that reads a statistic it has just updated sees its
+replica's value, not the global batch's (`SyncBatchNorm` computes BatchNorm's over the
+global batch).
 """
 
 from __future__ import annotations
 
 import enum
 import fnmatch
+import importlib
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -158,6 +161,8 @@ class BufferSync:
         self._how = [aggregations[n] for n in self._names]
         self._synced = [k for k, h in enumerate(self._how) if h not in (None, "none")]
         self._watched = [k for k, h in enumerate(self._how) if h is None]
+        # Spectral norm's power iteration reads only the weight: alike on every replica.
+        self._alike = {k for k in self._watched if _spectral_norm_owns(*self._slots[0][k])}
         # Values the replicas agreed on last, to add changes to ("sum").
         self._agreed: list[dict[int, torch.Tensor]] = [{} for _ in replicas]
         self._seen: list[list[tuple[int, int]]] = []
@@ -200,9 +205,8 @@ class BufferSync:
     def after_forward(self, replica: int, training: bool, empty: bool = False) -> None:
         """Combine the declared buffers (training mode), refuse undeclared changes.
 
-        An undeclared floating buffer that every replica changed to bitwise the same
-        value (spectral norm's power iteration) depends on no replica's slice of the
-        batch: it is kept as it is. A replica whose batch was `empty` (a last batch
+        Spectral norm's `u` and `v`, which every replica changes alike (from the weight
+        only), are kept as they are. A replica whose batch was `empty` (a last batch
         smaller than the replica count) updated no statistic: "mean" buffers average the
         other replicas' only (its unchanged value diluted the update).
         """
@@ -224,6 +228,9 @@ class BufferSync:
                 ]
                 if differ:
                     self._undeclared(differ, "different")
+                alike = [k for k in changed if k not in self._alike]
+                if alike and self._in_sync > 1:
+                    self._undeclared(alike, "alike")
                 self._seen[replica] = now
         if not training or not self._synced:
             return
@@ -264,12 +271,15 @@ class BufferSync:
 
     def _undeclared(self, ks: list[int], why: str) -> None:
         names = [self._names[k] for k in ks]
-        reason = (
-            "they hold integers (a count may be of examples or of steps)"
-            if why == "integer"
-            else "the replicas' values differ: each replica changed them from its own "
-            "slice of the batch"
-        )
+        reason = {
+            "integer": "they hold integers (a count may be of examples or of steps)",
+            "different": "the replicas' values differ: each replica changed them from "
+            "its own slice of the batch",
+            "alike": "every replica changed them to the same value, which says nothing: a "
+            "value computed from the parameters or the step count is alike, and so is a "
+            "count of examples when the slices have one size (each replica counted only "
+            "its own: the global batch's count is their sum)",
+        }[why]
         raise RuntimeError(
             f"the forward pass changed buffer(s) {names} of a mirrored module, which have "
             f"no declared aggregation, and {reason}. Declare how the replicas combine "
@@ -315,6 +325,9 @@ class BufferSync:
                 ]
                 if differ:
                     self._undeclared(differ, "different")
+                alike = [k for k in changed if k not in self._alike]
+                if alike and self._in_sync > 1:
+                    self._undeclared(alike, "alike")
                 for r, (_, now) in zip(replicas, changes, strict=True):
                     self._seen[r] = now
         # BatchNorm's kernels update running statistics without a version bump: the
@@ -399,6 +412,19 @@ class BufferSync:
         """Buffers were set from outside (a copy from replica 0): watch from here."""
         self._seen[replica] = self._marks(replica, self._watched)
         self._keep_agreed(replica)
+
+
+def _spectral_norm_owns(module: torch.nn.Module, leaf: str) -> bool:
+    """Whether torch's spectral norm keeps the buffer `leaf` of `module` (its `u`, `v`)."""
+    from torch.nn.utils import parametrizations
+
+    if isinstance(module, parametrizations._SpectralNorm):
+        return leaf in ("_u", "_v")
+    old = importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm
+    return any(
+        isinstance(hook, old) and leaf in (f"{hook.name}_u", f"{hook.name}_v")
+        for hook in module._forward_pre_hooks.values()
+    )
 
 
 def no_examples(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
