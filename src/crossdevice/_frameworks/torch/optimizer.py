@@ -14,6 +14,8 @@ refuses). The step never applies a gradient that was not reduced across replicas
 gradients set by hand (`torch.func`) are reduced at `step()`, and a gradient accumulated
 but never reduced is an error. A step closure's loss (LBFGS calls it several times) is
 reduced across replicas like the gradients, so every replica takes the same decisions.
+Where the replicas store their parameters once and step once, each replica evaluates an
+optional closure (SGD's, Adam's) before the step, as torch's optimizers call it once.
 Every local replica's step meets the others (`step_check`): a replica that skips a step
 or a `zero_grad()` is an error, and state changed in cross-replica context reaches
 every replica.
@@ -59,6 +61,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
     to every replica before the next `run`. `state_dict()` is replica 0's and
     `load_state_dict()` loads every copy. Every replica must call `step()` and
     `zero_grad()` alike: a replica that skips one is an error at the step.
+    `step(closure)` returns the closure's loss reduced across replicas (the global loss).
+    `copy.deepcopy` copies it as plain torch copies an optimizer (see `__deepcopy__`).
 
     Args:
         optimizer: an optimizer built over parameters of `modules` (replica 0's copies,
@@ -92,6 +96,17 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 "the mirrored modules of one optimizer must share one strategy, got "
                 f"{list(strategies.values())!r}"
             )
+        self._setup(optimizer, modules)
+        names = {
+            id(p): f"{k}:{n}"
+            for k, m in enumerate(modules)
+            for n, p in m.replicas[0].named_parameters()
+        }
+        described = describe_optimizer(optimizer, lambda p: names.get(id(p), "?"))
+        check_workers_agree(self.__dict__["_strategy"], "optimizers", described)
+
+    def _setup(self, optimizer: torch.optim.Optimizer, modules: Sequence[MirroredModule]) -> None:
+        """Mirror `optimizer` (replica 0's) over `modules` (checked by the caller)."""
         strategy: Strategy = modules[0].strategy
         where: dict[int, _Where] = {}
         for module in modules:
@@ -122,13 +137,6 @@ class MirroredOptimizer(torch.optim.Optimizer):
         for module in modules:  # `model.zero_grad()` counts as this optimizer's too
             module.__dict__.setdefault("_step_checks", weakref.WeakSet()).add(check)
         self.defaults = optimizer.defaults
-        names = {
-            id(p): f"{k}:{n}"
-            for k, m in enumerate(modules)
-            for n, p in m.replicas[0].named_parameters()
-        }
-        described = describe_optimizer(optimizer, lambda p: names.get(id(p), "?"))
-        check_workers_agree(strategy, "optimizers", described)
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:
         where = self.__dict__["_where"]
@@ -261,6 +269,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
         Gradients set by hand since the last step (`p.grad = ...` without a backward,
         e.g. from `torch.func`) are all-reduced first, as backward would have.
 
+        Args:
+            closure: as torch's: re-evaluates the model (forward and backward) on the
+                replica's slice; its loss is reduced across replicas and returned. Where
+                the replicas store their parameters once, each evaluates it before the
+                one step (an optimizer that needs it inside its step, LBFGS, keeps a
+                copy per replica).
+
         Raises:
             RuntimeError: called outside `strategy.run` while several replicas are in sync
                 (their gradients are reduced only inside `run`), or a gradient was
@@ -268,12 +283,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 another local replica did not step too, or called `zero_grad()` a
                 different number of times.
         """
-        optimizer, closure, once, index, groups = _before_step(self, closure)
+        optimizer, closure, loss, once, index, groups = _before_step(self, closure)
         # The replica's own optimizer step is what torch.compile may compile (as plain
         # torch's); around it, the checks and collectives run eagerly (`_ready_for_dynamo`).
         result = _meet_once(self, optimizer, index) if once else optimizer.step(closure)
         _after_step(groups, index)
-        return result
+        return loss if once else result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: the running replica's, or every replica's outside `run`."""
@@ -332,8 +347,50 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("_groups", None)
         self.__dict__["_check"].loaded()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy as plain torch's: over the copies of the parameters that `memo` makes.
+
+        Plain torch copies an optimizer with its parameters: `copy.deepcopy(optimizer)`
+        alone is over new tensors in no model, and `copy.deepcopy((model, optimizer))`
+        (one memo) over the copied model's. So where this deep copy has copied every
+        mirrored module the optimizer updates before it (the model first in a tuple, a
+        dict, an object), the copy is a `MirroredOptimizer` over those copies, with the
+        state and hyperparameters of replica 0's optimizer. Otherwise it is replica 0's
+        optimizer deep-copied as plain torch copies it: a plain optimizer over copies of
+        replica 0's parameters (or what `memo` maps them to: the copied model's replica 0
+        parameters when the model is copied after it), which `prepare(model, optimizer)`
+        mirrors.
+
+        Raises:
+            RuntimeError: called inside `strategy.run` (as a mirrored module's is).
+        """
+        if self._index() is not None:
+            raise RuntimeError(
+                "copy.deepcopy of a MirroredOptimizer was called inside strategy.run, where "
+                "each replica would copy it; deep-copy it (with its model) outside "
+                "strategy.run"
+            )
+        first = self.__dict__["_optimizers"][0]
+        modules = self.__dict__["_modules"]
+        copies = [c for m in modules if isinstance(c := memo.get(id(m)), MirroredModule)]
+        if len(copies) < len(modules):
+            return copy.deepcopy(first, memo)
+        # torch's protocol (`__getstate__`: defaults, state, param_groups), then what it
+        # leaves out, so that the copy steps as the original does (LBFGS's `_params`);
+        # not a scheduler's wrapper of `step` on the instance.
+        duplicate = copy.deepcopy(first, memo)
+        for name, value in first.__dict__.items():
+            if name not in duplicate.__dict__ and name != "step":
+                duplicate.__dict__[name] = copy.deepcopy(value, memo)
+        new = MirroredOptimizer.__new__(MirroredOptimizer)
+        new._setup(duplicate, copies)  # the copies of agreed objects agree: no collective
+        return new
+
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("a MirroredOptimizer cannot be pickled; save its state_dict()")
+        raise TypeError(
+            "a MirroredOptimizer cannot be pickled (its strategy cannot); save its "
+            "state_dict(), or pickle its replica 0's optimizer, optimizer.replicas[0]"
+        )
 
     def __repr__(self) -> str:
         optimizers = self.__dict__["_optimizers"]
@@ -436,10 +493,13 @@ def _reduced_closure(closure: Callable[[], Any], op: Any) -> Callable[[], Any]:
 
 def _before_step(
     self: MirroredOptimizer, closure: Callable[[], Any] | None
-) -> tuple[Any, Callable[[], Any] | None, bool, int, dict[GradientSync, list[int]]]:
-    """Checks and by-hand reductions before a step: (optimizer, closure, once, index, groups).
+) -> tuple[Any, Callable[[], Any] | None, Any, bool, int, dict[GradientSync, list[int]]]:
+    """Checks and by-hand reductions before a step.
 
-    `once`: the replicas store their parameters once and meet to step once.
+    Returns:
+        (optimizer, closure for its step, loss, once, index, groups). `once`: the replicas
+        store their parameters once and meet to step once, without a closure: each has
+        evaluated it already, and `loss` is what it returned, reduced.
     """
     index = self._index()
     optimizers = self.__dict__["_optimizers"]
@@ -466,22 +526,26 @@ def _before_step(
                 if key != "params":
                     target[key] = value
     groups = self._by_sync()
+    loss = None
+    if shared and meet and closure is not None:
+        # One step for all replicas, so the closure cannot run inside it (it would
+        # evaluate one replica's slice). torch's optimizers that take an optional closure
+        # call it once, under enable_grad, before they update: each replica does that
+        # here (its backward reduces the gradients), then the one step runs without it.
+        # LBFGS, which needs its closure inside the step, keeps a copy per replica.
+        with torch.enable_grad():
+            loss = _reduced_closure(closure, next(iter(groups)).op)()
+        closure = None
     for sync, indices in groups.items():
         if sync.enabled:
             by_hand = sync.check_step(index, indices)
             if by_hand:
                 sync.reduce_by_hand(index, by_hand)
     if shared and meet:
-        if closure is not None:
-            raise RuntimeError(
-                "a step closure evaluates the model on each replica, and these replicas "
-                "store their parameters once (one step for all): prepare the model "
-                "with share_storage=False to step with a closure"
-            )
-        return optimizer, None, True, index, groups
+        return optimizer, None, loss, True, index, groups
     if closure is not None and strategy.num_replicas_in_sync > 1:
         closure = _reduced_closure(closure, next(iter(groups)).op)
-    return optimizer, closure, False, index, groups
+    return optimizer, closure, None, False, index, groups
 
 
 def _meet_once(self: MirroredOptimizer, optimizer: torch.optim.Optimizer, index: int) -> Any:
