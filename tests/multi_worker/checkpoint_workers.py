@@ -115,3 +115,31 @@ def restore_from_each_workers_directory(
             outcomes.append(f"{type(err).__name__}: {err}")
         manager.close()
     return outcomes
+
+
+def save_on_the_chief_only(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Train 3 steps; then only the chief saves (`if rank == 0: save()`), the other ends.
+
+    The other worker's program ends as any does: its exit handlers run (the strategy
+    closes its communicator there), then it exits. Returns the chief's error.
+    """
+    import atexit
+    import time
+
+    import crossdevice as cd
+
+    strategy = _strategy(1)
+    with strategy.scope():
+        w = cd.Variable(np.zeros(2, np.float32))
+    manager = cd.train.CheckpointManager(cd.train.Checkpoint(w=w), directory, max_to_keep=2)
+    for _ in range(3):
+        strategy.run(lambda: w.assign_add(cd.get_replica_context().all_reduce("sum", w + 1)))
+    if rank != 0:
+        atexit._run_exitfuncs()  # what the interpreter does at the end of the program
+        return {}
+    start = time.monotonic()
+    try:
+        manager.save()
+    except Exception as err:
+        return {"type": type(err).__name__, "message": str(err), "at": time.monotonic() - start}
+    return {"type": None, "counter": int(manager.checkpoint.save_counter.numpy())}

@@ -14,6 +14,7 @@ from crossdevice.experimental import RESTART_EXIT_CODE
 from tests.multi_worker.checkpoint_workers import (
     preempted_by_a_dead_peer,
     restore_from_each_workers_directory,
+    save_on_the_chief_only,
     train_save_train,
 )
 from tests.multi_worker.harness import run_workers
@@ -99,3 +100,25 @@ def test_workers_that_would_restore_different_checkpoints_all_fail(tmp_path: Pat
     assert outcomes[0][4].startswith("ValueError: ")
     assert "truncated" in outcomes[0][4]
     assert outcomes[1][4].startswith("RuntimeError: worker(s) [0] could not restore")
+
+
+def test_a_save_on_the_chief_alone_says_the_peer_exited_without_calling_it(
+    tmp_path: Path,
+) -> None:
+    # The other worker's program ended (its communicator closed at exit): it did not die,
+    # and "Fix that worker's failure (see its log)" would send the user to a clean log.
+    results = run_workers(save_on_the_chief_only, 2, args=(str(tmp_path),), timeout=90)
+    assert results[1].unwrap() == {}
+    out = results[0].unwrap()
+    assert out["type"] == "WorkerFailedError", out
+    message = out["message"]
+    assert message.startswith(
+        f"saving the checkpoint {str(tmp_path / 'ckpt-1')!r} did not finish: save() is "
+        "collective, so every worker must call it"
+    ), message
+    assert "rank 1 (global replicas [1]) exited (closed its communicator) after its " in message
+    assert "while this worker waited in all_reduce #" in message, message
+    assert "died" not in message, message
+    assert "Fix that worker" not in message, message
+    assert out["at"] < 5.0  # at the next look at the board, not after a heartbeat timeout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]  # nothing written

@@ -363,3 +363,26 @@ print(w.numpy().tolist(), data.state_dict()["steps"], "torch" in sys.modules)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[0.0,", "1.0,", "2.0]", "1", "False"]
+
+
+def test_a_sync_on_read_variable_restores_its_aggregate_not_its_parts(tmp_path: Path) -> None:
+    # What docs/guides/checkpoints.md promises: the aggregate reads back exactly and the
+    # replicas take equal parts of it (TF's values_util), so integer sums go on exactly.
+    with _mirrored(4).scope():
+        total = cd.Variable(np.float64(0), synchronization="on_read", aggregation="sum")
+        count = cd.Variable(np.int64(0), synchronization="on_read", aggregation="sum")
+    for i, (t, c) in enumerate(zip(total.values, count.values, strict=True)):
+        t.assign(np.float64(np.sin(i) * 1e3))
+        c.assign(np.int64(3 * i + 1))
+    saved_total = total.numpy()
+    path = Checkpoint(total=total, count=count).write(tmp_path / "c")
+    with _mirrored(4).scope():
+        total2 = cd.Variable(np.float64(0), synchronization="on_read", aggregation="sum")
+        count2 = cd.Variable(np.int64(0), synchronization="on_read", aggregation="sum")
+    Checkpoint(total=total2, count=count2).read(path).assert_consumed()
+    assert total2.numpy() == saved_total
+    assert [float(t.numpy()) for t in total2.values] == [float(saved_total) / 4] * 4
+    for c, c2 in zip(count.values, count2.values, strict=True):
+        c.assign_add(np.int64(7))
+        c2.assign_add(np.int64(7))
+    assert int(count2.numpy()) == int(count.numpy())

@@ -294,3 +294,54 @@ def test_an_optimizer_restores_only_into_its_own_class(torch_module: Any, tmp_pa
         ValueError, match=r"the checkpoint holds 1 param groups, the optimizer has 2"
     ):
         restore(two_groups)
+
+
+def test_an_lr_scheduler_restores_only_into_its_own_class(
+    torch_module: Any, tmp_path: Path
+) -> None:
+    # torch's LRScheduler.load_state_dict copies any state into its attributes: a
+    # CosineAnnealingLR given StepLR's keeps its T_max and gains a stray step_size.
+    torch = torch_module
+    schedulers = torch.optim.lr_scheduler
+    strategy = mirrored(2)
+    model, optimizer = _prepared(torch, strategy)
+    scheduler = schedulers.StepLR(optimizer, step_size=2, gamma=0.5)
+    _train(torch, strategy, model, optimizer, _batches(torch, 3), scheduler)
+    ckpt = cd.train.Checkpoint(model=model, optimizer=optimizer, sched=scheduler)
+    path = Path(ckpt.write(tmp_path / "c"))
+    ckpt.sync()
+
+    def restore(make: Any) -> Any:
+        model, optimizer = _prepared(torch, strategy, seed=1)
+        before = [p.detach().clone() for p in model.parameters()]
+        sched = make(optimizer)
+        state = sched.state_dict()
+        try:
+            cd.train.Checkpoint(model=model, optimizer=optimizer, sched=sched).read(path)
+        except ValueError:  # a refused restore loads nothing: model and scheduler as built
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            assert sched.state_dict() == state
+            raise
+        return sched
+
+    for make, name in [
+        (lambda o: schedulers.CosineAnnealingLR(o, T_max=10), "CosineAnnealingLR"),
+        (schedulers.ReduceLROnPlateau, "ReduceLROnPlateau"),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=rf"cannot restore the LR scheduler 'sched': the checkpoint holds the state of "
+            rf"a torch.optim.lr_scheduler.StepLR, and the tracked scheduler is a "
+            rf"torch.optim.lr_scheduler.{name}; .* Build the scheduler as it was",
+        ):
+            restore(make)
+    restored = restore(lambda o: schedulers.StepLR(o, step_size=5))
+    assert restored.state_dict() == scheduler.state_dict()
+    assert restored.step_size == 2
+    assert not hasattr(restored, "scheduler_class")
+
+    # Checkpoints of older versions name no class: not checked, loaded as before.
+    index = json.loads((path / "crossdevice.json").read_text())
+    del index["objects"]["sched"]["scheduler_class"]
+    (path / "crossdevice.json").write_text(json.dumps(index))
+    assert restore(lambda o: schedulers.StepLR(o, step_size=5)).step_size == 2

@@ -27,10 +27,11 @@ check this.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -186,10 +187,24 @@ class Checkpoint:
         del options
         check_between_steps("save()")
         self._writer.wait()
-        counter = int(self.save_counter.numpy()) + 1
-        self.save_counter.assign(np.int64(counter), read_value=False)
-        path = Path(f"{os.fspath(file_prefix)}-{counter}")
-        return self._save(path, lambda: _record(path))
+        with self._next_save() as counter:
+            path = Path(f"{os.fspath(file_prefix)}-{counter}")
+            return self._save(path, lambda: _record(path))
+
+    @contextlib.contextmanager
+    def _next_save(self) -> Iterator[int]:
+        """Add one to `save_counter` for a save; a save that raises takes it back.
+
+        `_save` raises only before its write starts (a refused state, a bad path), so a
+        failed save leaves the counter, like everything else, as it was.
+        """
+        counter = int(self.save_counter.numpy())
+        self.save_counter.assign(np.int64(counter + 1), read_value=False)
+        try:
+            yield counter + 1
+        except BaseException:
+            self.save_counter.assign(np.int64(counter), read_value=False)
+            raise
 
     def write(self, file_prefix: PathLike, options: Any = None) -> str:
         """Save to exactly `file_prefix`, with no counter and no `checkpoint` file (TF's).
@@ -215,22 +230,10 @@ class Checkpoint:
         self._writer.wait()
         strategy = self._strategy()
         workers, index = job.worker_position(strategy)
-        tmp: Path | None = None
-        error: BaseException | None = None
-        if index == 0:
-            try:
-                tmp = storage.prepare(path)
-            except OSError as err:
-                error = err
-        if workers > 1 and job.any_worker(strategy, error is not None) and error is None:
-            raise RuntimeError(
-                f"the chief could not start writing the checkpoint {str(path)!r}; its error "
-                "says why"
-            )
-        if error is not None:
-            raise error
-        try:
-            arrays: dict[str, Any] = {}
+        # The state first: one that cannot be saved (`tree.encode`) fails before any file
+        # or directory is made.
+        arrays: dict[str, Any] = {}
+        with job.collective_call(f"saving the checkpoint {str(path)!r}", "save()"):
             objects = {
                 name: tree.encode(trackable.capture(obj), (name,), arrays)
                 for name, obj in self._objects.items()
@@ -238,12 +241,32 @@ class Checkpoint:
             states = job.gather_states(strategy, global_random.capture())
             randoms = {f"worker_{w}": state for w, state in enumerate(states)}
             random_skeleton = tree.encode(randoms, (_RANDOM,), arrays)
-            if tmp is None:
-                return str(path)
+            tmp: Path | None = None
+            error: BaseException | None = None
+            if index == 0:
+                try:
+                    tmp = storage.prepare(path)
+                except OSError as err:
+                    error = err
+            try:
+                failed = workers > 1 and job.any_worker(strategy, error is not None)
+            except BaseException:
+                if tmp is not None:
+                    storage.discard(tmp)
+                raise
+        if failed and error is None:
+            raise RuntimeError(
+                f"the chief could not start writing the checkpoint {str(path)!r}; its error "
+                "says why"
+            )
+        if error is not None:
+            raise error
+        if tmp is None:
+            return str(path)
+        try:
             staged = self._stager.stage(arrays)
         except BaseException:
-            if tmp is not None:
-                storage.discard(tmp)
+            storage.discard(tmp)
             raise
         index_data = {
             "objects": objects,
@@ -350,7 +373,11 @@ class Checkpoint:
         else:
             saved_id = f", save id {index['id']}" if "id" in index else ""  # older: no id
             what = f"{path.name} (save_counter {index.get('save_counter')!r}{saved_id})"
-        rows = [row.partition("\n") for row in job.gather_texts(strategy, f"{what}\n{path or ''}")]
+        call = "restore(None)" if path is None else f"restore() of {str(path)!r}"
+        with job.collective_call(call, "restore()"):
+            rows = [
+                row.partition("\n") for row in job.gather_texts(strategy, f"{what}\n{path or ''}")
+            ]
         if error is not None:
             return  # the caller raises this worker's own error
         failed = [w for w, (key, _, _) in enumerate(rows) if key == "failed"]

@@ -8,19 +8,22 @@ strategy's public collectives, so that nothing here depends on how workers talk.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 import numpy as np
 
+from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError
 from crossdevice._core.reduce_op import ReduceOp
 
 __all__ = [
     "any_worker",
     "barrier",
+    "collective_call",
     "gather_states",
     "gather_texts",
     "sum_over_workers",
@@ -51,6 +54,24 @@ def torch_world_size() -> int:
         return 1
     dist = torch.distributed
     return int(dist.get_world_size()) if dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def collective_call(call: str, name: str) -> Iterator[None]:
+    """Say, when a peer fails or ends in it, that `call` is collective: all workers make it.
+
+    A worker that left `call` out (a save on the chief only: `if rank == 0: save()`) is
+    seen by the others as a peer that ended or stalled in some all-reduce; the error
+    keeps its type and text, led by what this worker was doing and what to do.
+    """
+    try:
+        yield
+    except (WorkerFailedError, CollectiveTimeoutError) as err:
+        raise type(err)(
+            f"{call} did not finish: {name} is collective, so every worker must call it, at "
+            "the same point of the program (not the chief alone: a peer that skips it leaves "
+            f"this worker waiting in it); here a peer did not take part: {err}"
+        ) from err
 
 
 def sum_over_workers(strategy: Any, array: np.ndarray) -> np.ndarray:

@@ -287,30 +287,33 @@ class CheckpointManager:
         """
         del options
         check_between_steps("CheckpointManager.save()")
+        last_step = self._last_step
         if self._interval is not None:
             step = int(self._step_counter)
-            if self._last_step is not None and (
-                step == self._last_step
-                or (check_interval and step < self._last_step + self._interval)
+            if last_step is not None and (
+                step == last_step or (check_interval and step < last_step + self._interval)
             ):
                 return None
             self._last_step = step
         checkpoint = self._checkpoint
         checkpoint.sync()
-        counter = checkpoint.save_counter
-        counter.assign_add(1, read_value=False)
-        number = int(counter.numpy()) if checkpoint_number is None else int(checkpoint_number)
-        path = f"{self._prefix}-{number}"
-        if self._writer and Path(path).exists():
-            self._make_room(Path(path), number)
-        when = time.time()
+        try:
+            with checkpoint._next_save() as counter:
+                number = counter if checkpoint_number is None else int(checkpoint_number)
+                path = f"{self._prefix}-{number}"
+                if self._writer and Path(path).exists():
+                    self._make_room(Path(path), number)
+                when = time.time()
+                record = None if not self._writer else lambda: self._record(path, when)
+                saved = checkpoint._save(Path(path), record)
+        except BaseException:
+            self._last_step = last_step  # a failed save is no save: the interval still counts
+            raise
         if not self._writer:
-            saved = checkpoint._save(Path(path), None)
             # The chief's `_record`, without the files: every worker lists the same.
             self._add(path, when)
             self._retain()
-            return saved
-        return checkpoint._save(Path(path), lambda: self._record(path, when))
+        return saved
 
     def _make_room(self, path: Path, number: int) -> None:
         """`path` exists: move it aside if it is no checkpoint, else refuse to overwrite it."""

@@ -5,7 +5,10 @@ A checkpoint is a directory (`ckpt-3/`) holding
 * the arrays, in an existing standard format: torch's Distributed Checkpoint (DCP:
   `.metadata` plus `__0_0.distcp`, readable with `torch.distributed.checkpoint.load`)
   whenever the state holds a torch tensor, else NumPy's `.npz` (`arrays.npz`, read with
-  `numpy.load`), so that a NumPy-only install can checkpoint;
+  `numpy.load`), so that a NumPy-only install can checkpoint. A NumPy array that torch
+  cannot hold (strings, bytes, datetimes, structured records, long doubles, another byte
+  order) goes into DCP as its raw bytes, a flat uint8 tensor, with its dtype in the index
+  (`"descr"`, NumPy's `.npy` notation): it reads back bitwise, as `.npz` keeps it;
 * `crossdevice.json`: the index. It holds the state's structure and every non-array
   value (`tree.encode`), each array's shape and dtype, and each file's size.
 
@@ -21,8 +24,10 @@ names the path.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -56,6 +61,17 @@ INDEX_FILE: Final = "crossdevice.json"
 _NPZ_FILE: Final = "arrays.npz"
 FORMAT: Final = "crossdevice-checkpoint"
 _VERSION: Final = 1
+#: The version of a checkpoint with arrays stored as raw bytes (`descr`): a reader of
+#: version 1 would misread them, so it refuses them and asks for an upgrade instead.
+_VERSION_BYTES: Final = 2
+#: The dtypes `torch.from_numpy` takes (in native byte order); others are stored as bytes.
+_TORCH_DTYPES: Final = frozenset(
+    np.dtype(name)
+    for name in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+)  # fmt: skip
 #: Bytes read at a time for a file's CRC-32.
 _CRC_CHUNK: Final = 1 << 20
 #: Hidden directories of writes in progress (or interrupted): `.ckpt-3.tmp-<id>`.
@@ -116,6 +132,23 @@ def _storage_kind(arrays: Mapping[str, Any]) -> str:
     return "dcp" if any(is_torch(a) for a in arrays.values()) else "npz"
 
 
+def _as_bytes(array: Any) -> bool:
+    """Whether DCP stores `array` as raw bytes: a NumPy array of a dtype torch lacks."""
+    return not is_torch(array) and np.asarray(array).dtype not in _TORCH_DTYPES
+
+
+def _array_entry(array: Any, kind: str) -> dict[str, Any]:
+    entry = {
+        "shape": list(array.shape),
+        "dtype": _dtype_name(array),
+        "lib": "torch" if is_torch(array) else "numpy",
+    }
+    if kind == "dcp" and _as_bytes(array):
+        # `.npy`'s own notation (a str, or a list for records), read with literal_eval.
+        entry["descr"] = repr(np.lib.format.dtype_to_descr(array.dtype))
+    return entry
+
+
 def write(tmp: Path, path: Path, index: dict[str, Any], arrays: Mapping[str, Any]) -> None:
     """Write `arrays` and `index` into `tmp`, then rename it to `path` (writer thread).
 
@@ -124,20 +157,14 @@ def write(tmp: Path, path: Path, index: dict[str, Any], arrays: Mapping[str, Any
     """
     try:
         kind = _storage_kind(arrays)
+        entries = {key: _array_entry(array, kind) for key, array in arrays.items()}
         index = {
             "format": FORMAT,
-            "version": _VERSION,
+            "version": _VERSION_BYTES if any("descr" in e for e in entries.values()) else _VERSION,
             "storage": kind,
             "created": time.time(),
             **index,
-            "arrays": {
-                key: {
-                    "shape": list(array.shape),
-                    "dtype": _dtype_name(array),
-                    "lib": "torch" if is_torch(array) else "numpy",
-                }
-                for key, array in arrays.items()
-            },
+            "arrays": entries,
         }
         if kind == "dcp":
             _write_dcp(tmp, arrays)
@@ -201,14 +228,19 @@ def _write_dcp(tmp: Path, arrays: Mapping[str, Any]) -> None:
     import torch
 
     dcp = _dcp()
-    # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
-    tensors = {
-        key: a if is_torch(a) else torch.from_numpy(a if a.flags.c_contiguous else a.copy())
-        for key, a in arrays.items()
-    }
+    tensors = {key: a if is_torch(a) else _numpy_to_torch(torch, a) for key, a in arrays.items()}
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
     with _dcp_errors():
         dcp.save(tensors, storage_writer=writer, no_dist=True)
+
+
+def _numpy_to_torch(torch: Any, array: np.ndarray) -> Any:
+    """A tensor of `array`: its own dtype, or its raw bytes when torch lacks the dtype."""
+    # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
+    contiguous = array if array.flags.c_contiguous else array.copy()
+    if not _as_bytes(contiguous):
+        return torch.from_numpy(contiguous)
+    return torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
 
 
 @contextlib.contextmanager
@@ -282,10 +314,10 @@ def read_index(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"{str(index_path)!r} is not a crossdevice checkpoint index")
-    if index.get("version", 0) > _VERSION:
+    if index.get("version", 0) > _VERSION_BYTES:
         raise ValueError(
             f"the checkpoint {str(path)!r} has format version {index.get('version')!r}, newer "
-            f"than this crossdevice reads ({_VERSION}); upgrade crossdevice"
+            f"than this crossdevice reads ({_VERSION_BYTES}); upgrade crossdevice"
         )
     for name, size in index.get("files", {}).items():
         file = path / name
@@ -334,10 +366,19 @@ def _read_dcp(path: Path, index: Mapping[str, Any], keys: list[str]) -> dict[str
     dcp = _dcp()
     meta = index["arrays"]
     out = {}
+    records = {}
     for key in keys:
-        dtype = getattr(torch, meta[key]["dtype"])
-        out[key] = torch.empty(tuple(meta[key]["shape"]), dtype=dtype)
+        shape = tuple(meta[key]["shape"])
+        if "descr" in meta[key]:  # raw bytes of a NumPy dtype torch lacks (`_as_bytes`)
+            records[key] = np.lib.format.descr_to_dtype(ast.literal_eval(meta[key]["descr"]))
+            size = records[key].itemsize * math.prod(shape)
+            out[key] = torch.empty((size,), dtype=torch.uint8)
+        else:
+            out[key] = torch.empty(shape, dtype=getattr(torch, meta[key]["dtype"]))
     if out:
         with _dcp_errors():
             dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    return out
+    arrays: dict[str, Any] = dict(out)
+    for key, dtype in records.items():
+        arrays[key] = out[key].numpy().view(dtype).reshape(meta[key]["shape"])
+    return arrays

@@ -7,7 +7,9 @@ A `Checkpoint` tracks:
   central-storage variable's one value. On restore a mirrored value goes to every
   component; a `SUM` sync-on-read total is split so that the replicas add up to it
   again (TF divides by the replica count; for integers we spread the remainder instead
-  of truncating it away), on any number of replicas;
+  of truncating it away), on any number of replicas. The replicas' own parts are not
+  saved: a float SUM or MEAN that keeps accumulating after a restore may then differ from
+  an uninterrupted run in the last bits, also on the same layout (docs/guides/checkpoints.md);
 * anything with `state_dict()` and `load_state_dict()`: torch modules and optimizers
   (mirrored ones save replica 0's copy, in the original module's keys, and load every
   replica), LR schedulers, `GradScaler`s, crossdevice's distributed datasets and
@@ -26,7 +28,10 @@ torch's `load_state_dict` takes another class's state without a word, and then s
 with its hyperparameters (Adam's into AdamW: weight_decay 0) or fails at the first step
 (Adam's into SGD: `KeyError: 'momentum'`). `validate` refuses another class and param
 groups whose keys differ. Checkpoints without the class name (older ones) get the key
-check only.
+check only. An LR scheduler's state names its class the same way (`scheduler_class`):
+torch's `load_state_dict` copies any scheduler's state into its attributes, so a
+`CosineAnnealingLR` given a `StepLR`'s keeps its own `T_max` and gains a stray
+`step_size`. `validate` refuses another class; older checkpoints are not checked.
 """
 
 from __future__ import annotations
@@ -70,12 +75,28 @@ def _is_optimizer(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.optim.Optimizer)
 
 
+#: The key of an LR scheduler's class name in its saved state (not torch's own key).
+_SCHEDULER_CLASS = "scheduler_class"
+
+
+def _is_scheduler(obj: Any) -> bool:
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        return False
+    schedulers = torch.optim.lr_scheduler
+    # ReduceLROnPlateau derives from LRScheduler only since torch 2.2.
+    return isinstance(obj, schedulers.LRScheduler | schedulers.ReduceLROnPlateau)
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _optimizer_class(optimizer: Any) -> str:
     """The qualified class name of `optimizer` (of its replicas' for a mirrored one)."""
     if isinstance(getattr(type(optimizer), "replicas", None), property):
         optimizer = optimizer.replicas[0]
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return _qualified_name(type(optimizer))
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -138,6 +159,8 @@ def capture(obj: Any) -> Any:
         return obj.get_state()
     if _is_optimizer(obj):
         return {**obj.state_dict(), _OPTIMIZER_CLASS: _optimizer_class(obj)}
+    if _is_scheduler(obj):
+        return {**obj.state_dict(), _SCHEDULER_CLASS: _qualified_name(type(obj))}
     if _is_stateful(obj):
         return obj.state_dict()
     if isinstance(obj, list | tuple):
@@ -193,6 +216,25 @@ def validate(obj: Any, state: Any, name: str) -> None:
         _validate_module(obj.state_dict(), state, name)
     if _is_optimizer(obj):
         _validate_optimizer(obj, state, name)
+    if _is_scheduler(obj):
+        _validate_scheduler(obj, state, name)
+
+
+def _validate_scheduler(scheduler: Any, state: Any, name: str) -> None:
+    todo = "Build the scheduler as it was when the checkpoint was written (its class and options)"
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"cannot restore the LR scheduler {name!r}: the checkpoint holds no scheduler state "
+            f"there (a {type(state).__name__}). {todo}"
+        )
+    saved_class, have_class = state.get(_SCHEDULER_CLASS), _qualified_name(type(scheduler))
+    if saved_class is not None and saved_class != have_class:
+        raise ValueError(
+            f"cannot restore the LR scheduler {name!r}: the checkpoint holds the state of a "
+            f"{saved_class}, and the tracked scheduler is a {have_class}; torch would load it "
+            f"anyway and schedule the learning rate by neither. {todo}, or restore the other "
+            "objects without it (track it under another name)"
+        )
 
 
 def _validate_optimizer(optimizer: Any, state: Any, name: str) -> None:
@@ -291,6 +333,8 @@ def apply(obj: Any, state: Any) -> None:
         obj.set_state(state)
     elif _is_optimizer(obj):
         obj.load_state_dict({k: v for k, v in state.items() if k != _OPTIMIZER_CLASS})
+    elif _is_scheduler(obj):
+        obj.load_state_dict({k: v for k, v in state.items() if k != _SCHEDULER_CLASS})
     elif _is_stateful(obj):
         obj.load_state_dict(state)
     elif isinstance(obj, list | tuple):

@@ -45,6 +45,15 @@ def encode(state: Any, path: tuple[Any, ...], arrays: dict[str, Any]) -> Any:
     """
     if isinstance(state, np.ndarray | np.generic) or is_torch(state):
         key = format_path(path)
+        if not is_torch(state) and state.dtype.hasobject:
+            # `.npz` would pickle it, and a checkpoint is read without pickle (nor can DCP
+            # hold it): refused here, at save(), rather than found unreadable at restore.
+            raise TypeError(
+                f"cannot checkpoint {key or 'the state'}: a NumPy array of dtype "
+                f"{state.dtype} (Python objects). A checkpoint holds arrays of numbers, bools, "
+                "strings, bytes and datetimes, without pickle; convert it (e.g. "
+                "`.astype(str)`, or a list of its values), or keep it out of the tracked state"
+            )
         if key in arrays:
             raise ValueError(
                 f"two arrays of the checkpoint would both be stored under {key!r}; give the "

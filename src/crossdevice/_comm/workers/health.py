@@ -9,7 +9,10 @@ its communicator):
 * `h<rank>`: a heartbeat counter, bumped every `TUNING.heartbeat_seconds` by a daemon thread.
   It keeps beating while the worker's main thread is busy or asleep in user code, so a
   *stalled* worker looks alive and a *dead* one (killed, crashed, connection gone)
-  stops: its peers report it after `TUNING.dead_after_seconds` whatever the timeout says;
+  stops: its peers report it after `TUNING.dead_after_seconds` whatever the timeout says.
+  A worker that closes its communicator (`stop`: at the end of its program too) leaves
+  `closed <its last collective>` there instead, so its peers, which read the key anyway,
+  report at once that it exited, rather than that it died seconds later;
 * `a<rank>`: why the worker gave up (its step raised `ValueError: ...`), plus a shared
   counter `aborts` so a peer learns of any abort in one store round trip.
 
@@ -61,6 +64,10 @@ __all__ = ["HealthBoard", "PeerFailure"]
 _SILENT_BEATS: Final = 3
 #: Longest text of an abort reason kept (a peer's store value is untrusted input).
 _MAX_REASON: Final = 300
+#: A heartbeat key's last value, once its worker closed its communicator (`stop`).
+_CLOSED: Final = b"closed"
+#: How `check` describes a peer that closed its communicator (an exit, not a death).
+_EXITED: Final = "exited (closed its communicator)"
 
 
 class HealthBoard:
@@ -140,16 +147,29 @@ class HealthBoard:
             pass
 
     def stop(self) -> None:
-        """Stop publishing (waits for the thread at most about one interval)."""
+        """Stop publishing (waits for the thread at most about one interval).
+
+        Then mark the heartbeat `closed`: a peer still waiting in a collective learns that
+        this worker exited (its program ended without that call) instead of taking the
+        silence for a death. A `set` waits for no reply (`bounded_store.py`).
+        """
         self._stop.set()
         self._arrivals.close()  # the helper ends once its last wait does
         self._store.close()
         self._thread.join(timeout=2 * tuning.TUNING.publish_seconds + 1.0)
+        if not self._thread.is_alive():  # else it may still be using `_pub_store`
+            with contextlib.suppress(Exception):
+                self._pub_store.set(f"h{self._rank}", f"closed {self.reached}")
 
     # -- peers -------------------------------------------------------------------------
 
-    def check(self) -> list[PeerFailure]:
-        """Peers known to have failed: aborted, dead (stale heartbeat), or the store host."""
+    def check(self, seq: int | None = None) -> list[PeerFailure]:
+        """Peers known to have failed: aborted, dead (stale heartbeat), or the store host.
+
+        And peers that closed their communicator before collective `seq` (any, for None):
+        one that closed after arriving at `seq` took part in it, and its data may still
+        be on the way.
+        """
         now = time.monotonic()
         try:
             failures = self._aborted()
@@ -161,7 +181,11 @@ class HealthBoard:
                 key = f"h{rank}"
                 beat = self._store.get(key) if self._store.check([key]) else None
                 last, since = self._seen.get(rank, (None, now))
-                if rank not in self._seen or beat != last:
+                if beat is not None and beat.startswith(_CLOSED):
+                    self._seen[rank] = (beat, since)
+                    if seq is None or _closed_after(beat) < seq:
+                        failures.append(PeerFailure(rank, _exited(beat), died=False))
+                elif rank not in self._seen or beat != last:
                     self._seen[rank] = (beat, now)
                 elif now - since >= tuning.TUNING.dead_after_seconds:
                     failures.append(
@@ -185,9 +209,15 @@ class HealthBoard:
                     "went down: its process died or lost its connection",
                     died=True,
                 )
-                for rank, (_, since) in sorted(self._seen.items())
-                if rank != host and now - since >= _SILENT_BEATS * tuning.TUNING.heartbeat_seconds
+                for rank, (beat, since) in sorted(self._seen.items())
+                if rank != host
+                and now - since >= _SILENT_BEATS * tuning.TUNING.heartbeat_seconds
+                and not (beat or b"").startswith(_CLOSED)  # exited: not silent
             ]
+            last = self._seen.get(host, (None, now))[0] if host is not None else None
+            if host is not None and last is not None and last.startswith(_CLOSED):
+                # It closed its communicator, then exited, taking its store with it.
+                return [*silent, PeerFailure(host, _exited(last), died=False)]
             return [
                 *silent,
                 PeerFailure(
@@ -275,7 +305,7 @@ class HealthBoard:
                     raise TimeoutError(f"no reply within {call.timeout:g} s")
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + poll
-                    failures = self.check()
+                    failures = self.check(call.seq)
                     if failures:
                         raise PeersFailedError(failures)
         except (TimeoutError, PeersFailedError) as err:
@@ -363,7 +393,7 @@ class HealthBoard:
         failures = err.failures if isinstance(err, PeersFailedError) else []
         timed_out = isinstance(err, TimeoutError) and not failures
         if not failures and not timed_out:
-            failures = self.check() or self._await_failures(call)
+            failures = self.check(call.seq) or self._await_failures(call)
         if failures:
             named = "; ".join(
                 f"rank {f.rank}{standing.replica_ids([f.rank])} {f.reason}"
@@ -371,10 +401,19 @@ class HealthBoard:
                 else f"the store {f.reason}"
                 for f in failures
             )
-            failed = WorkerFailedError(
-                f"{where}: a peer failed: {named}. Fix that worker's failure (see its log); "
-                f"every worker must then build a new strategy (or communicator)."
-            )
+            if all(f.reason.startswith(_EXITED) for f in failures):
+                failed = WorkerFailedError(
+                    f"{where}: a peer ended: {named}, while this worker waited in "
+                    f"{call.label}. Every worker must make the same collective calls, in the "
+                    "same order, before its program ends: one made on some workers only "
+                    "waits for peers that never come. Build a new strategy (or communicator) "
+                    "on every worker."
+                )
+            else:
+                failed = WorkerFailedError(
+                    f"{where}: a peer failed: {named}. Fix that worker's failure (see its "
+                    f"log); every worker must then build a new strategy (or communicator)."
+                )
             failed.__cause__ = None if isinstance(err, PeersFailedError) else err
             return failed
         if timed_out:
@@ -401,6 +440,17 @@ class HealthBoard:
         )
         failed_run.__cause__ = err
         return failed_run
+
+
+def _closed_after(beat: bytes) -> int:
+    """The last collective of a peer whose heartbeat key says `closed <number>` (or 0)."""
+    count = beat[len(_CLOSED) :].strip()
+    return int(count) if count.isdigit() else 0
+
+
+def _exited(beat: bytes) -> str:
+    """`check`'s reason for a peer whose heartbeat key says `closed <number>`."""
+    return f"{_EXITED} after its collective #{_closed_after(beat)}"
 
 
 def _released(lock: Any, seconds: float) -> bool:
