@@ -18,6 +18,9 @@ CASES = (
     "numpy_lr",
     "skipped_zero_grad",
     "cleared_accumulation",
+    "loaded_on_chief",
+    "edited_in_place",
+    "eval_on_one",
 )
 STEPS = 4
 #: The batches before whose backward `zero_grad()` is called, and after which the
@@ -60,6 +63,7 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
         if i in STEPPED:
             optimizer.step()
 
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     rates = []
     try:
         for i, (x, y) in enumerate(
@@ -72,6 +76,13 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
                 optimizer.param_groups[0]["lr"] = 0.3
             if case == "numpy_lr" and i == 1:  # a rate computed with NumPy, per worker
                 optimizer.param_groups[0]["lr"] = np.float64(0.3 if odd else 0.2)
+            if case == "loaded_on_chief" and rank == 0 and i == 1:
+                model.load_state_dict(snapshot)  # DDP's habit: the chief loads, alone
+            if case == "edited_in_place" and odd and i == 1:
+                with torch.no_grad():
+                    model[0].weight.add_(0.1)
+            if case == "eval_on_one" and odd and i == 1:
+                model.eval()
             rates.append(optimizer.param_groups[0]["lr"])
     except Exception as err:  # the worker's outcome, returned
         return {"error": f"{type(err).__name__}: {err}", "rates": rates}

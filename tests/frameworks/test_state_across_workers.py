@@ -2,7 +2,9 @@
 
 A scheduler stepped on the chief only, a learning rate set by hand on one worker, a
 `zero_grad()` skipped or added on one worker: each worker stepped its own optimizer with
-the summed gradients, so the programs went apart silently (the bug hunt of session 52).
+the summed gradients, so the programs went apart silently (the bug hunt of session 52);
+so did parameters loaded or edited on one worker outside the step, and one worker's
+model in eval mode (session 54).
 Now each backward pass's gradients carry the pass's optimizer settings and `zero_grad()`
 count (`crossdevice/_frameworks/torch/step_state.py`), compared across workers with the
 call: every worker raises `CollectiveMismatchError`, showing each worker's values, before
@@ -28,6 +30,11 @@ FAILS = {
     "numpy_lr": (2, ("lr=0.2", "lr=0.3")),  # NumPy floats: compared by value too
     "skipped_zero_grad": (3, ("zero_grad() 1x", "zero_grad() 0x")),
     "cleared_accumulation": (2, ("zero_grad() 1x", "zero_grad() 2x")),
+    # Parameters changed outside the step on one worker, or its model in eval mode (the
+    # bug hunt of session 54: the workers trained on apart).
+    "loaded_on_chief": (2, ("0 parameter writes", "parameter writes since step()")),
+    "edited_in_place": (2, ("0 parameter writes", "1 parameter writes")),
+    "eval_on_one": (2, ("modules in eval mode",)),
 }
 
 

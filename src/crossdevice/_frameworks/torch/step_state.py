@@ -9,27 +9,36 @@ its own way on one worker trained on silently (found by the bug hunt, session 52
   `g["lr"] = ...` on one worker: from then on each worker updated with its own rate, and
   the "mirrored" parameters went apart;
 * a worker that skipped `zero_grad()` once: its stale gradients went into every
-  worker's sum.
+  worker's sum;
+* parameters changed outside the step on one worker only (`if rank == 0:
+  model.load_state_dict(...)`, an in-place edit under `no_grad`): the workers trained on
+  from different weights with summed gradients (the bug hunt of session 54);
+* one worker's model in eval mode (dropout off): a different objective, silently.
 
 Local replicas already meet in `MirroredOptimizer.step()` (`step_check.py`): their
 `zero_grad()` counts are compared there, and every replica steps with replica 0's
 hyperparameters. Across workers nothing met but the collectives, so each backward pass
 now carries a state (`purpose.agreeing`) with its gradients' all-reduces: a digest of
 the hyperparameters of every optimizer that updates the pass's modules (each parameter
-group's values but its parameters, in order) and the `zero_grad()` calls made inside
-`strategy.run` since the optimizer's last `step()`. The workers' fingerprints compare it
+group's values but its parameters, in order), the `zero_grad()` calls made inside
+`strategy.run` since the optimizer's last `step()`, the writes to the replica's
+parameters since then (their version counters: an optimizer's step, a
+`load_state_dict`, an in-place edit, each counts alike on every worker that makes it)
+and which of its modules are in eval mode. The workers' fingerprints compare it
 with the call (`fingerprint.py`, field `state`): states that differ are a
 `CollectiveMismatchError` on every worker, showing each worker's values, before any
 worker uses the sum, so before any update with it. It is not part of the call's cached
 route: a learning rate that a scheduler changes every step costs nothing more.
 
 Not seen: a hyperparameter changed on one worker between its backward and its `step()`
-(the next pass fails, one update later); optimizer state changed by hand (`opt.state`).
+(the next pass fails, one update later); optimizer state changed by hand (`opt.state`);
+parameters written alike in number but not in value (each worker loading its own file).
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any, Final
@@ -40,20 +49,24 @@ from crossdevice._core import purpose
 from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._sync.call import digest
 
-__all__ = ["register", "stepped", "workers_agree", "zeroed"]
+__all__ = ["register", "stepped", "watch", "workers_agree", "zeroed"]
 
 #: Longest text of one worker's state in a mismatch message (the detail is cut at 300).
 _TEXT_MAX: Final = 240
 
 
 class _State:
-    """One mirrored module's: its optimizers, and each replica's `zero_grad()` count."""
+    """One mirrored module's: its optimizers, each replica's `zero_grad()` count, writes."""
 
-    __slots__ = ("last", "optimizers", "zero_grads")
+    __slots__ = ("last", "modules", "optimizers", "written", "zero_grads")
 
     def __init__(self, replicas: int) -> None:
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.zero_grads = [0] * replicas
+        #: Each replica's parameters' version counters, summed, at its last step.
+        self.written = [0] * replicas
+        #: Each replica's modules (held weakly), for their train / eval modes.
+        self.modules: list[list[weakref.ref[torch.nn.Module]]] = [[] for _ in range(replicas)]
         #: (the values last seen, their digest): a repeat is not digested again.
         self.last: tuple[tuple[Any, ...], int] | None = None
 
@@ -76,14 +89,40 @@ def register(sync: Any, optimizer: torch.optim.Optimizer) -> None:
         refs.append(weakref.ref(optimizer))
 
 
+def watch(sync: Any, replicas: Sequence[torch.nn.Module]) -> None:
+    """`replicas` are `sync`'s module's copies, as prepared (every worker alike)."""
+    state = _state(sync)
+    for r, replica in enumerate(replicas):
+        state.modules[r] = [weakref.ref(m) for m in replica.modules()]
+        state.written[r] = _versions(sync, r)
+
+
+def _versions(sync: Any, replica: int) -> int:
+    """The sum of `replica`'s parameters' version counters (each write adds one).
+
+    Replicas that store their parameters once count every replica's: a write through
+    one replica's tensors (replica 0's, in cross-replica code) changes them all, and
+    only that replica's counters move. Their one step is a meeting, so no replica writes
+    while another reads these counts.
+    """
+    if sync.shared:
+        return sum(sum(map(_VERSION, sync.params(r))) for r in range(len(sync.steps)))
+    return sum(map(_VERSION, sync.params(replica)))
+
+
+_VERSION: Final = operator.attrgetter("_version")
+
+
 def zeroed(sync: Any, replica: int) -> None:
     """`replica` cleared `sync`'s gradients (`zero_grad()`) inside `strategy.run`."""
     _state(sync).zero_grads[replica] += 1
 
 
 def stepped(sync: Any, replica: int) -> None:
-    """`replica` stepped an optimizer over `sync`'s parameters: its count starts again."""
-    _state(sync).zero_grads[replica] = 0
+    """`replica` stepped an optimizer over `sync`'s parameters: its counts start again."""
+    state = _state(sync)
+    state.zero_grads[replica] = 0
+    state.written[replica] = _versions(sync, replica)
 
 
 def workers_agree(strategy: Any, syncs: Sequence[Any], replica: int) -> Any:
@@ -105,9 +144,17 @@ def workers_agree(strategy: Any, syncs: Sequence[Any], replica: int) -> Any:
 
 
 def _values(sync: Any, replica: int) -> tuple[Any, ...]:
-    """`sync`'s state for `replica`: its zero_grad count, then each optimizer's groups."""
+    """`sync`'s state for `replica` (see the module doc).
+
+    Its zero_grad count, the writes to its parameters since the last step, its modules in
+    eval mode, then each optimizer's groups.
+    """
     state = _state(sync)
-    out: list[Any] = [state.zero_grads[replica]]
+    written = _versions(sync, replica) - state.written[replica]
+    evaluating = tuple(
+        i for i, ref in enumerate(state.modules[replica]) if (m := ref()) and not m.training
+    )
+    out: list[Any] = [state.zero_grads[replica], written, evaluating]
     for ref in state.optimizers:
         optimizer = ref()
         if optimizer is None:
@@ -137,8 +184,11 @@ def _describe(values: tuple[tuple[Any, ...], ...]) -> str:
     """One worker's state in words, for the mismatch message."""
     parts = []
     for own in values:
-        zero_grads, rest = own[0], own[1:]
+        zero_grads, written, evaluating, rest = own[0], own[1], own[2], own[3:]
         parts.append(f"zero_grad() {zero_grads}x since step()")
+        parts.append(f"{written} parameter writes since step() (load_state_dict, in-place)")
+        if evaluating:
+            parts.append(f"{len(evaluating)} modules in eval mode (#{evaluating[0]} first)")
         name, group = "", 0
         for item in rest:
             if isinstance(item, str):
