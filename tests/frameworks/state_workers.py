@@ -21,6 +21,7 @@ CASES = (
     "loaded_on_chief",
     "edited_in_place",
     "eval_on_one",
+    "frozen_on_one",
 )
 STEPS = 4
 #: The batches before whose backward `zero_grad()` is called, and after which the
@@ -83,6 +84,8 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
                     model[0].weight.add_(0.1)
             if case == "eval_on_one" and odd and i == 1:
                 model.eval()
+            if case == "frozen_on_one" and odd and i == 1:
+                model[0].bias.requires_grad_(False)
             rates.append(optimizer.param_groups[0]["lr"])
     except Exception as err:  # the worker's outcome, returned
         return {"error": f"{type(err).__name__}: {err}", "rates": rates}

@@ -141,7 +141,12 @@ def identical_layers(rank: int, world_size: int, steps: int, epochs: int = 1) ->
 
 
 def compressed_gradients_of_mixed_rules(rank: int, world_size: int) -> None:
-    """Worker 0 SUMs, worker 1 averages (`gradient_reduction`), with bf16 gradients."""
+    """Worker 0 SUMs, worker 1 averages, with bf16 gradients.
+
+    `prepare` refuses different `gradient_reduction`s itself (it compares its options);
+    worker 1's rule is changed after it, so that the collective's own check is what
+    meets the difference.
+    """
     del world_size
     import torch
 
@@ -151,11 +156,9 @@ def compressed_gradients_of_mixed_rules(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     strategy = crossdevice.MultiWorkerMirroredStrategy()
     with strategy.scope():
-        model = cdt.prepare(
-            torch.nn.Linear(8, 4),
-            gradient_dtype=torch.bfloat16,
-            gradient_reduction="sum" if rank == 0 else "mean",
-        )
+        model = cdt.prepare(torch.nn.Linear(8, 4), gradient_dtype=torch.bfloat16)
+    if rank == 1:
+        model.__dict__["_gradients"]._op = crossdevice.ReduceOp.MEAN
     strategy.run(lambda: model(torch.ones(2, 8)).sum().backward())
 
 
@@ -380,8 +383,13 @@ def different_setups(
         lr = 0.2 if odd and what == "lr" else 0.1
         kind = torch.optim.AdamW if odd and what == "class" else torch.optim.Adam
         optimizer = kind(net.parameters(), lr=lr)
+        if odd and what == "frozen":
+            net[0].bias.requires_grad_(False)
+        cap = 1024 if odd and what == "bucket" else None
         precision = "fp8" if odd and what == "argument" else None  # refused on worker 1
-        return _failure(lambda: cdt.prepare(net, optimizer, mixed_precision=precision))
+        return _failure(
+            lambda: cdt.prepare(net, optimizer, mixed_precision=precision, bucket_cap_bytes=cap)
+        )
 
 
 def batch_sizes(

@@ -59,8 +59,11 @@ def failing_together(strategy: Strategy) -> Any:
 
 
 def describe_module(module: torch.nn.Module) -> list[str]:
-    """One line per parameter and buffer: kind, name, dtype and shape."""
-    lines = [f"parameter {n}: {_tensor(t)}" for n, t in module.named_parameters()]
+    """One line per parameter and buffer: kind, name, dtype and shape (frozen or not)."""
+    lines = [
+        f"parameter {n}: {_tensor(t)}{'' if t.requires_grad else ' frozen'}"
+        for n, t in module.named_parameters()
+    ]
     lines += [f"buffer {n}: {_tensor(t)}" for n, t in module.named_buffers()]
     return lines
 

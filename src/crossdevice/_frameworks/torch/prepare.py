@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from crossdevice._arrays import heap, torch_guard
-from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._frameworks.torch.agreement import failing_together
+from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+from crossdevice._frameworks.torch.agreement import check_workers_agree, failing_together
 from crossdevice._frameworks.torch.module import MirroredModule
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer, needs_closure
 from crossdevice._frameworks.torch.replicas import strategy_or_current
@@ -104,6 +104,24 @@ def prepare(
         heap.wanted()  # a bad CROSSDEVICE_KEEP_HEAP raises here, before anything is wrapped
         autocast = _autocast_dtype(mixed_precision)
         _check_gradient_dtype(gradient_dtype, strategy)
+        # Buckets cut, or gradients sent, differently on one worker failed later as a
+        # call of other shapes: compare the options first (threads are the host's own).
+        aggregation: Any = buffer_aggregation
+        if isinstance(aggregation, Mapping):  # (anything else: MirroredModule's error)
+            aggregation = sorted(aggregation.items(), key=repr)
+        check_workers_agree(
+            strategy,
+            "prepare() options",
+            [
+                f"gradient_reduction: {as_reduce_op(gradient_reduction).value}",
+                f"bucket_cap_bytes: {bucket_cap_bytes}",
+                f"sync_buffers: {sync_buffers}",
+                f"buffer_aggregation: {aggregation}",
+                f"mixed_precision: {mixed_precision}",
+                f"share_storage: {share_storage}",
+                f"gradient_dtype: {gradient_dtype}",
+            ],
+        )
         scalers = [o for o in objects if isinstance(o, torch.amp.GradScaler)]
         if scaler is not None:
             scalers.append(scaler)

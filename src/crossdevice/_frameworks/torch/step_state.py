@@ -23,12 +23,14 @@ the hyperparameters of every optimizer that updates the pass's modules (each par
 group's values but its parameters, in order), the `zero_grad()` calls made inside
 `strategy.run` since the optimizer's last `step()`, the writes to the replica's
 parameters since then (their version counters: an optimizer's step, a
-`load_state_dict`, an in-place edit, each counts alike on every worker that makes it)
-and which of its modules are in eval mode. The workers' fingerprints compare it
-with the call (`fingerprint.py`, field `state`): states that differ are a
-`CollectiveMismatchError` on every worker, showing each worker's values, before any
-worker uses the sum, so before any update with it. It is not part of the call's cached
-route: a learning rate that a scheduler changes every step costs nothing more.
+`load_state_dict`, an in-place edit, each counts alike on every worker that makes it),
+which of its modules are in eval mode, and which parameters are frozen (a layer frozen
+on one worker cut other buckets: a mismatch of shapes, not naming the cause). The
+workers' fingerprints compare it with the call (`fingerprint.py`, field `state`):
+states that differ are a `CollectiveMismatchError` on every worker, showing each
+worker's values, before any worker uses the sum, so before any update with it. It is
+not part of the call's cached route: a learning rate that a scheduler changes every
+step costs nothing more.
 
 Not seen: a hyperparameter changed on one worker between its backward and its `step()`
 (the next pass fails, one update later); optimizer state changed by hand (`opt.state`);
@@ -147,14 +149,15 @@ def _values(sync: Any, replica: int) -> tuple[Any, ...]:
     """`sync`'s state for `replica` (see the module doc).
 
     Its zero_grad count, the writes to its parameters since the last step, its modules in
-    eval mode, then each optimizer's groups.
+    eval mode, its frozen parameters, then each optimizer's groups.
     """
     state = _state(sync)
     written = _versions(sync, replica) - state.written[replica]
     evaluating = tuple(
         i for i, ref in enumerate(state.modules[replica]) if (m := ref()) and not m.training
     )
-    out: list[Any] = [state.zero_grads[replica], written, evaluating]
+    frozen = tuple(i for i, p in enumerate(sync.params(replica)) if not p.requires_grad)
+    out: list[Any] = [state.zero_grads[replica], written, evaluating, frozen]
     for ref in state.optimizers:
         optimizer = ref()
         if optimizer is None:
@@ -184,11 +187,13 @@ def _describe(values: tuple[tuple[Any, ...], ...]) -> str:
     """One worker's state in words, for the mismatch message."""
     parts = []
     for own in values:
-        zero_grads, written, evaluating, rest = own[0], own[1], own[2], own[3:]
+        zero_grads, written, evaluating, frozen, rest = own[0], own[1], own[2], own[3], own[4:]
         parts.append(f"zero_grad() {zero_grads}x since step()")
         parts.append(f"{written} parameter writes since step() (load_state_dict, in-place)")
         if evaluating:
             parts.append(f"{len(evaluating)} modules in eval mode (#{evaluating[0]} first)")
+        if frozen:
+            parts.append(f"{len(frozen)} parameters frozen (requires_grad False: #{frozen[0]})")
         name, group = "", 0
         for item in rest:
             if isinstance(item, str):
