@@ -277,3 +277,40 @@ def uneven_shards(rank: int, world_size: int, local: int) -> dict[str, Any]:
         values = strategy.run(step, args=(batch,))
         out["dataset"].append(float(strategy.reduce("mean", values, axis=0)))
     return out
+
+
+def frozen_then_resumed(
+    rank: int, world_size: int, culprit: int, freeze: float, done: str
+) -> dict[str, Any]:
+    """`culprit` freezes (SIGSTOP) between steps for `freeze` s, longer than its peers'
+    patience (`dead_after_seconds`, shortened to 2.5 s here), then resumes and runs the
+    step its peers gave up on. The survivors close their communicator once they failed
+    (a program that ends) but keep running until the culprit is done (`done` appears),
+    rank 0 keeping the c10d store up."""
+    import subprocess
+
+    import crossdevice as cd
+    from crossdevice._core import tuning
+
+    tuning.set_tuning(dead_after_seconds=2.5)
+    strategy = _strategy(1, timeout=25.0)
+
+    def step() -> Any:
+        return cd.get_replica_context().all_reduce("sum", np.float32(1))
+
+    strategy.run(step)
+    if rank == culprit:
+        # A stopped process cannot wake itself: a helper sends SIGCONT.
+        waker = subprocess.Popen(["sh", "-c", f"sleep {freeze}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        waker.wait()
+        out = _outcome(lambda: strategy.run(step))
+        with open(done, "w"):
+            pass
+        return out
+    out = _outcome(lambda: strategy.run(step))
+    strategy.extended._worker_communicator.close()
+    deadline = time.monotonic() + 60.0
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return out

@@ -87,6 +87,8 @@ class PeerFailure:
     rank: int
     reason: str  # "raised ValueError: ..." or "stopped sending heartbeats ..."
     died: bool  # dead (no heartbeat, store gone) rather than aborted by an exception
+    #: It gave up on *this* worker, which it declared dead (`HealthBoard.give_up`).
+    gave_up_on_us: bool = False
 
 
 class PeersFailedError(Exception):

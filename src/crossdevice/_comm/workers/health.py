@@ -14,7 +14,11 @@ its communicator):
   `closed <its last collective>` there instead, so its peers, which read the key anyway,
   report at once that it exited, rather than that it died seconds later;
 * `a<rank>`: why the worker gave up (its step raised `ValueError: ...`), plus a shared
-  counter `aborts` so a peer learns of any abort in one store round trip.
+  counter `aborts` so a peer learns of any abort in one store round trip. A worker whose
+  collective failed because peers died (`give_up`) leaves `gave up on rank(s) [1] in ...`
+  there: a peer it took for dead that was only frozen or too slow (SIGSTOP, a debugger,
+  an overloaded host) learns on resuming, within a poll, that it was declared dead,
+  instead of waiting out its collective's timeout for workers that left it.
 
 A waiting worker polls `check()` only when its collective did not finish within a
 poll interval, so the fast path costs nothing but the publisher thread's integer reads.
@@ -68,6 +72,8 @@ _MAX_REASON: Final = 300
 _CLOSED: Final = b"closed"
 #: How `check` describes a peer that closed its communicator (an exit, not a death).
 _EXITED: Final = "exited (closed its communicator)"
+#: How an abort record of a worker that gave up on dead peers begins (`give_up`).
+_GAVE_UP: Final = "gave up on rank(s) ["
 
 
 class HealthBoard:
@@ -99,6 +105,10 @@ class HealthBoard:
         self._beat = 0
         self._stop = threading.Event()
         self._seen: dict[int, tuple[bytes | None, float]] = {}
+        #: This worker's `give_up` record, until the publisher thread posted it.
+        self._gave_up: str | None = None
+        #: Peers' `give_up` records naming other workers than this one, by rank.
+        self._given_up: dict[int, str] = {}
         self._pub_store.set(f"h{rank}", "0")
         self._thread = threading.Thread(
             target=self._publish_loop, name=f"crossdevice-health-r{rank}", daemon=True
@@ -128,8 +138,13 @@ class HealthBoard:
 
     def _publish_loop(self) -> None:
         next_beat = time.monotonic()
-        while not self._stop.wait(tuning.TUNING.publish_seconds):
+        stopping = False
+        while not stopping:
+            stopping = self._stop.wait(tuning.TUNING.publish_seconds)
             try:
+                self._post_gave_up()  # a record given up just before `stop` too
+                if stopping:
+                    return
                 self._publish()
                 if time.monotonic() >= next_beat:
                     self._beat += 1
@@ -137,6 +152,41 @@ class HealthBoard:
                     next_beat = time.monotonic() + tuning.TUNING.heartbeat_seconds
             except Exception:  # the store is gone: a waiting collective will report it
                 return
+
+    def _post_gave_up(self) -> None:
+        """Post this worker's `give_up` record, if one waits (on the publisher's thread).
+
+        Not through `post_abort`'s bounded client: when the store's host froze, that
+        client is stuck on its unanswered read. This one's `set` waits for no reply and
+        its `add` waits until the host resumes, and reads the record.
+        """
+        record = self._gave_up
+        if record is not None:
+            self._gave_up = None
+            self._pub_store.set(f"a{self._rank}", record)
+            self._pub_store.add("aborts", 1)
+
+    def give_up(self, call: Call, failures: Sequence[PeerFailure], standing: Standing) -> None:
+        """Tell the peers that this worker gave up on `call` because `failures` died.
+
+        Those taken for dead may only have been frozen or too slow: one that resumes
+        reads the record (`_aborted`) and raises at once, saying that it was declared
+        dead, instead of waiting for peers that left. Posted by the publisher thread
+        within `TUNING.publish_seconds` (best effort); nothing for peers that raised or
+        exited (they know), nor when this worker itself was given up on.
+        """
+        dead = sorted({f.rank for f in failures if f.died and f.rank >= 0})
+        if not dead or any(f.gave_up_on_us for f in failures):
+            return
+        named = "; ".join(
+            f"rank {f.rank}{standing.replica_ids([f.rank])} {f.reason}"
+            for f in failures
+            if f.rank in dead
+        )
+        record = f"{_GAVE_UP}{', '.join(map(str, dead))}] in {call.label}: {named}"
+        if len(record) > _MAX_REASON:  # keep the ranks and the end of the label
+            record = record[: _MAX_REASON - 3] + "..."
+        self._gave_up = record
 
     def post_abort(self, reason: str) -> None:
         """Tell every peer that this worker gave up, and why (best effort)."""
@@ -183,7 +233,10 @@ class HealthBoard:
                 last, since = self._seen.get(rank, (None, now))
                 if beat is not None and beat.startswith(_CLOSED):
                     self._seen[rank] = (beat, since)
-                    if seq is None or _closed_after(beat) < seq:
+                    if rank in self._given_up:  # it ended because other peers died
+                        reason = f"{self._given_up[rank]}; then it {_exited(beat)}"
+                        failures.append(PeerFailure(rank, reason, died=False))
+                    elif seq is None or _closed_after(beat) < seq:
                         failures.append(PeerFailure(rank, _exited(beat), died=False))
                 elif rank not in self._seen or beat != last:
                     self._seen[rank] = (beat, now)
@@ -234,8 +287,17 @@ class HealthBoard:
         failures = []
         for rank in range(self._world_size):
             text = self._abort_text(rank) if rank != self._rank else None
-            if text is not None:
+            if text is None:
+                continue
+            on = _gave_up_on(text)
+            if on is None:
                 failures.append(PeerFailure(rank, f"raised {text}", died=False))
+            elif self._rank in on:
+                failures.append(PeerFailure(rank, text, died=False, gave_up_on_us=True))
+            else:
+                # It took other peers for dead: this worker finds them itself (or their
+                # own records), and names this one when it closes (`check`).
+                self._given_up[rank] = text
         return failures
 
     def _abort_text(self, rank: int) -> str | None:
@@ -395,13 +457,16 @@ class HealthBoard:
         if not failures and not timed_out:
             failures = self.check(call.seq) or self._await_failures(call)
         if failures:
+            self.give_up(call, failures, standing)
             named = "; ".join(
                 f"rank {f.rank}{standing.replica_ids([f.rank])} {f.reason}"
                 if f.rank >= 0
                 else f"the store {f.reason}"
                 for f in failures
             )
-            if all(f.reason.startswith(_EXITED) for f in failures):
+            if any(f.gave_up_on_us for f in failures):
+                failed = _declared_dead(where, standing, failures)
+            elif all(f.reason.startswith(_EXITED) for f in failures):
                 failed = WorkerFailedError(
                     f"{where}: a peer ended: {named}, while this worker waited in "
                     f"{call.label}. Every worker must make the same collective calls, in the "
@@ -440,6 +505,36 @@ class HealthBoard:
         )
         failed_run.__cause__ = err
         return failed_run
+
+
+def _gave_up_on(text: str) -> set[int] | None:
+    """The ranks a peer's abort record says it gave up on (`give_up`); None: it raised."""
+    if not text.startswith(_GAVE_UP):
+        return None
+    ranks = text[len(_GAVE_UP) :].partition("]")[0].split(",")
+    return {int(r) for r in ranks if r.strip().isdigit()}
+
+
+def _declared_dead(
+    where: str, standing: Standing, failures: Sequence[PeerFailure]
+) -> WorkerFailedError:
+    """The error of a worker whose peers declared it dead, then gave up on it (`give_up`)."""
+    named = "; ".join(
+        f"rank {f.rank}{standing.replica_ids([f.rank])} {f.reason}"
+        for f in failures
+        if f.gave_up_on_us
+    )
+    patience = tuning.TUNING.dead_after_seconds
+    return WorkerFailedError(
+        f"{where}: the other workers gave up on this worker: {named}. They declared this "
+        f"worker dead because it was silent (no heartbeat, or no reply from the store it "
+        f"serves) for {patience:g} s (TUNING.dead_after_seconds), while it was frozen, "
+        "suspended (SIGSTOP, a debugger, a paused VM) or too slow to run (an overloaded or "
+        "swapping host); it resumed after they had left. Avoid stalls that long, or give "
+        "the workers more patience, on every worker before building the strategy "
+        "(`crossdevice._core.tuning.set_tuning(dead_after_seconds=...)`); every worker "
+        "must then build a new strategy (or communicator)."
+    )
 
 
 def _closed_after(beat: bytes) -> int:
