@@ -591,3 +591,46 @@ def norm_net(torch: Any, norm: Any) -> Any:
     """`collectives_in_backward`'s seeded net: 6 -> 8, `norm`, tanh, 8 -> 3."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 8), norm, torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def failed_forward(rank: int, world_size: int, replicas: int) -> dict[str, Any] | None:
+    """BatchNorm on `replicas` local replicas; at step 1 worker 1's last replica raises
+    ValueError before its forward while its others update BatchNorm and wait to combine.
+    What `strategy.run` raised: type, message and the exception it was raised during
+    the handling of (None: none)."""
+    del world_size
+    import torch
+
+    import crossdevice as cd
+    import crossdevice.torch as cdt
+
+    strategy = worker_strategy(replicas)
+    torch.manual_seed(0)
+    with strategy.scope():
+        net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+        )
+        model, optimizer = cdt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = torch.randn(8 * replicas, 4), torch.randint(0, 2, (8 * replicas,))
+
+    def step(k: int) -> None:
+        ctx = cd.get_replica_context()
+        if rank == 1 and k == 1 and ctx.replica_id_in_sync_group % replicas == replicas - 1:
+            raise ValueError("user error in step on worker 1")
+        index = ctx.replica_id_in_sync_group % replicas
+        xb, yb = x[index::replicas], y[index::replicas]
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+
+    for k in range(3):
+        try:
+            strategy.run(step, args=(k,))
+        except Exception as e:  # what the test compares: the type, text and context
+            context = e.__context__
+            return {
+                "type": type(e).__name__,
+                "message": str(e),
+                "context": None if context is None else type(context).__name__,
+            }
+    return None

@@ -344,6 +344,35 @@ class BufferSync:
         for r in replicas:
             self._keep_agreed(r)
 
+    def after_failed_run(self) -> None:
+        """Agree again among the local replicas after a run that raised; never raise.
+
+        The run may have stopped between a replica's update of a buffer and its
+        combining (`after_forward`), so the local replicas' values may differ. Each
+        declared buffer is combined among them by its rule, as `settle` does (BatchNorm's
+        statistics then hold the mean of what the replicas saw, as plain torch keeps the
+        update of a forward that raised after it); each undeclared one that changed
+        takes replica 0's value, and the next forward that changes it is checked as
+        usual. Nothing is exchanged with other workers: their replicas may now differ
+        from these (the run's exception, often a `WorkerFailedError`, says the strategy
+        is broken across workers; after an error every worker raised alike, the next
+        forward's combining brings "mean", "max" and "first_replica" buffers back
+        together, while "sum" ones keep what each worker added).
+        """
+        with torch.no_grad():
+            for k in self._watched:
+                first = self._buffer(0, k)
+                for r in range(1, self._local):
+                    mine = self._buffer(r, k)
+                    if not torch.equal(first, mine.to(first.device)):
+                        module, leaf = self._slots[r][k]
+                        module._buffers[leaf] = first.detach().to(mine.device, copy=True)
+            for k in self._synced:
+                if self._differs(k):
+                    self._combine_locally(k)
+        for r in range(self._local):
+            self.refresh(r)
+
     def _differs(self, k: int) -> bool:
         if self._how[k] == "sum":
             return any(

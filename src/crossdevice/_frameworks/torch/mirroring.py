@@ -13,6 +13,11 @@
   `requires_grad` flags and submodules' training flags. Replicas never run meanwhile.
   Inside `run`, a replica may write its parameters in place only as every replica does
   (with one copy each: the same number of writes; with shared storage: none).
+* A run that raised: its exception reaches the caller as itself (`enter_cross_replica`).
+  The checks above (and `BufferSync.settle`) would find a run cut off halfway (a
+  replica's BatchNorm updated, its combining never reached) and raise their own error
+  during the handling of the real one; instead the local replicas are brought to agreed
+  state without raising (`_after_failed_run`).
 * `compiled_context` / `compile_replicas`: `torch.compile` applied to each replica's
   module, never to the mirrored module's own dispatch code.
 """
@@ -21,11 +26,13 @@ from __future__ import annotations
 
 import copy
 import operator
+import sys
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
+from crossdevice._core import context
 from crossdevice._frameworks.torch.buffers import BufferSync
 from crossdevice._frameworks.torch.hooks import HookMirror
 from crossdevice._frameworks.torch.storage import ParameterCheck, realias
@@ -188,6 +195,10 @@ class ReplicaMirror:
         ]
         self._buffers = buffers
         self._record: tuple[Any, ...] = ()
+        # The exception the caller was handling when the run started (`strategy.run`
+        # called in an `except` block), else None: one handled at the run's end that is
+        # not this one is the run's own (`_run_failed`).
+        self._handling: BaseException | None = None
         self.storage = ParameterCheck(replicas, self._names, self._shared)
         self._hooks = HookMirror(replicas, own_hooks)
         self.enter_cross_replica()
@@ -205,10 +216,16 @@ class ReplicaMirror:
     def enter_cross_replica(self) -> None:
         """Remember replica 0's state (the replicas agree on it now).
 
+        After a run that raised, nothing here raises: the run's exception reaches the
+        caller as itself (`_after_failed_run`).
+
         Raises:
             RuntimeError: with shared storage, code inside `strategy.run` changed a
                 parameter in place.
         """
+        if self._in_run and self._run_failed():
+            self._in_run = False
+            self._after_failed_run()
         if self._in_run and len(self._replicas) == 1:  # alone here, among several workers
             self._in_run = False
             self._buffers.settle()
@@ -222,6 +239,60 @@ class ReplicaMirror:
             self._buffers.settle()
         self._hooks.enter_cross_replica()
         self._record = self._state()
+
+    def _run_failed(self) -> bool:
+        """Whether the run ending now raised (an exception is on its way to the caller).
+
+        `strategy.run` calls `enter_cross_replica` in a `finally` clause: the exception
+        handled there is the run's own, unless the caller called `run` while handling
+        that same exception (an `except` block), as recorded when the run started.
+        """
+        pending = sys.exception()
+        return pending is not None and pending is not self._handling
+
+    def _after_failed_run(self) -> None:
+        """Bring the local replicas to agreed state after a run that raised; never raise.
+
+        The run may have stopped anywhere: a replica's BatchNorm updated its statistics
+        while another raised before its own update or before their combining; a replica
+        wrote a parameter in place that another never reached. Checking that as after a
+        whole run would raise an error about correct code in place of the run's own.
+        Instead each parameter some replicas wrote and others did not takes replica 0's
+        value, and the buffers are combined among the local replicas (`BufferSync.
+        after_failed_run`): the next run starts from values every local replica agrees
+        on, and checks its own changes as usual. A check that fails anyway (a parameter
+        object replaced inside the run) becomes a note on the run's exception.
+        """
+        pending = sys.exception()
+        cleanups = [self._buffers.after_failed_run]
+        if len(self._replicas) > 1:
+            cleanups = [self._realign_parameters, self._follow_first_memory, *cleanups]
+        for cleanup in cleanups:
+            try:
+                cleanup()
+            except Exception as also:  # the run's own exception is the one to raise
+                if pending is not None:
+                    pending.add_note(
+                        "bringing the replicas to agreed state after this failed run "
+                        f"failed too: {also!r}"
+                    )
+        self._running = []
+
+    def _realign_parameters(self) -> None:
+        """Give every replica replica 0's value of each parameter written unequally."""
+        if not self._running or self._shared:  # shared: one tensor, nothing to copy
+            return
+        now, before = self._versions(), self._running
+        writes = [list(map(operator.sub, a, b)) for a, b in zip(now, before, strict=True)]
+        with torch.no_grad():
+            for k in range(len(self._names)):
+                if len({w[k] for w in writes}) > 1:
+                    source = self._params[0][k]
+                    for params in self._params[1:]:
+                        params[k].copy_(source)
+
+    def _follow_first_memory(self) -> None:
+        self.storage.follow_first(in_run=True)
 
     def _versions(self) -> list[list[int]]:
         return [list(map(_VERSION, params)) for params in self._params]
@@ -265,6 +336,8 @@ class ReplicaMirror:
 
     def leave_cross_replica(self) -> None:
         """Copy whatever cross-replica code changed on replica 0 to every other replica."""
+        if not _in_replica():  # a run starts (not a merge_fn's end, whose error is the run's)
+            self._handling = sys.exception()
         if len(self._replicas) == 1:
             self._in_run = True
             return
@@ -335,3 +408,8 @@ class ReplicaMirror:
         for tensor in (*self._params[replica], *self._replicas[replica].buffers()):
             return tensor.device
         return torch.device("cpu")
+
+
+def _in_replica() -> bool:
+    """Whether a replica's code is on this thread's context stack (a merge_fn runs)."""
+    return any(frame.replica_context is not None for frame in context.copy_stack())
