@@ -155,3 +155,24 @@ def test_the_debug_switch_is_read_where_the_store_is_wrapped(value: str, outcome
     assert done.stdout.split()[0] == outcome, done.stdout
     if outcome == "ValueError":
         assert "CROSSDEVICE_DEBUG must be 1 or 0" in done.stdout
+
+
+def test_the_heartbeat_patience_is_a_duration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CROSSDEVICE_DEAD_AFTER_SECONDS` gives peers more patience with a stalled worker
+    (the advice of the error a resumed, declared-dead worker raises)."""
+    pytest.importorskip("torch")
+    from crossdevice._comm.workers import start
+    from crossdevice._core import tuning
+
+    with tuning.overridden():
+        monkeypatch.setenv(start.DEAD_AFTER_ENV, " 20 ")
+        start.patience_from_environment()
+        assert tuning.TUNING.dead_after_seconds == 20.0
+    for bad in ("soon", "0.1", "nan", "-5"):
+        monkeypatch.setenv(start.DEAD_AFTER_ENV, bad)
+        with pytest.raises(ValueError, match=rf"CROSSDEVICE_DEAD_AFTER_SECONDS.*{bad!r}"):
+            start.patience_from_environment()
+    monkeypatch.delenv(start.DEAD_AFTER_ENV)
+    with tuning.overridden():
+        start.patience_from_environment()
+        assert tuning.TUNING.dead_after_seconds == tuning.Tuning().dead_after_seconds

@@ -4,7 +4,8 @@ Two kinds of settings come from the environment: switches (`CROSSDEVICE_NATIVE`,
 `CROSSDEVICE_KEEP_HEAP`, `CROSSDEVICE_SHARED_MEMORY`, `CROSSDEVICE_DEBUG`,
 `CROSSDEVICE_PASS_ALL_REDUCE`) and counts
 (`CROSSDEVICE_LOGICAL_CPUS`, `CROSSDEVICE_LOGICAL_GPUS`,
-`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`, `CROSSDEVICE_TRACE_REPORT_EVERY`). Each is read
+`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`, `CROSSDEVICE_TRACE_REPORT_EVERY`), and one
+duration (`CROSSDEVICE_DEAD_AFTER_SECONDS`). Each is read
 here, alike: unset or blank means the default; surrounding spaces do not count; a switch
 takes `1`/`0` or `true`/`false`, `yes`/`no`, `on`/`off` in any case. Anything else is a
 `ValueError` naming the variable, what it received and what it accepts, never a silent
@@ -13,10 +14,11 @@ default: `CROSSDEVICE_SHARED_MEMORY=off` once meant "on" (only `0` turned it off
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Final
 
-__all__ = ["env_int", "env_switch"]
+__all__ = ["env_int", "env_seconds", "env_switch"]
 
 _ON: Final = frozenset({"1", "true", "yes", "on"})
 _OFF: Final = frozenset({"0", "false", "no", "off"})
@@ -64,5 +66,26 @@ def env_int(name: str, *, minimum: int, what: str = "an integer") -> int | None:
         raise ValueError(
             f"{name} must be {what} >= {minimum}, got {raw!r}; fix it (e.g. {name}="
             f"{max(minimum, 4)}) or unset it for the default"
+        )
+    return value
+
+
+def env_seconds(name: str, *, minimum: float) -> float | None:
+    """The duration in seconds in `name`, at least `minimum`; None when unset or blank.
+
+    Raises:
+        ValueError: not a number, not finite, or below `minimum`.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < minimum:
+        raise ValueError(
+            f"{name} must be a number of seconds >= {minimum:g}, got {raw!r}; fix it (e.g. "
+            f"{name}=20) or unset it for the default"
         )
     return value

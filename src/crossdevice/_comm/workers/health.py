@@ -531,9 +531,8 @@ def _declared_dead(
         f"serves) for {patience:g} s (TUNING.dead_after_seconds), while it was frozen, "
         "suspended (SIGSTOP, a debugger, a paused VM) or too slow to run (an overloaded or "
         "swapping host); it resumed after they had left. Avoid stalls that long, or give "
-        "the workers more patience, on every worker before building the strategy "
-        "(`crossdevice._core.tuning.set_tuning(dead_after_seconds=...)`); every worker "
-        "must then build a new strategy (or communicator)."
+        "the workers more patience: CROSSDEVICE_DEAD_AFTER_SECONDS=20 in every worker's "
+        "environment; every worker must then build a new strategy (or communicator)."
     )
 
 

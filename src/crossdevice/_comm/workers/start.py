@@ -30,7 +30,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.store_watch import watched
-from crossdevice._core import tuning
+from crossdevice._core import environment, tuning
 from crossdevice._core.cluster import Cluster, resolve_cluster
 from crossdevice._core.options import CommunicationImplementation
 
@@ -234,7 +234,9 @@ def connect_groups(
 
     Both talk to the default group's store inside torch (a group's Gloo handshake, the
     board's store clients): a store host that freezes meanwhile ends this with an error.
+    `CROSSDEVICE_DEAD_AFTER_SECONDS` is read first (`patience_from_environment`).
     """
+    patience_from_environment()
 
     def connect() -> tuple[Groups, HealthBoard]:
         groups = Groups(timeout, implementation)
@@ -252,6 +254,24 @@ def connect_groups(
         backstop=_STARTUP_WAITS * timeout + tuning.TUNING.backstop_slack_seconds,
         what=f"creating a communicator's process groups on rank {rank} of {world_size}",
     )
+
+
+#: How long a worker's silence must last before its peers declare it dead (seconds).
+DEAD_AFTER_ENV: Final = "CROSSDEVICE_DEAD_AFTER_SECONDS"
+
+
+def patience_from_environment() -> None:
+    """Take `TUNING.dead_after_seconds` from `CROSSDEVICE_DEAD_AFTER_SECONDS`, when set.
+
+    A worker that stalls longer than that (a debugger, a long pause of a loaded host) is
+    declared dead by its peers; give them more patience on every worker.
+
+    Raises:
+        ValueError: the variable holds no number of seconds >= 0.5.
+    """
+    seconds = environment.env_seconds(DEAD_AFTER_ENV, minimum=0.5)
+    if seconds is not None and seconds != tuning.TUNING.dead_after_seconds:
+        tuning.set_tuning(dead_after_seconds=seconds)
 
 
 def _default_tcp_store() -> Any:
