@@ -187,7 +187,7 @@ class MirroredModule(torch.nn.Module):
         mirror = ReplicaMirror(replicas, buffers, shared, functools.partial(_own_hooks, sync))
         state["_mirror"] = mirror
         backward.register(strategy, sync)
-        step_state.watch(sync, replicas)  # (after the chief's values came: every worker alike)
+        step_state.watch(sync, replicas, strategy)  # (after the chief's values: all alike)
         if strategy.num_replicas_in_sync > 1:  # alone, nothing to keep in step: no per-run calls
             strategy.extended._sections.add(mirror)
         torch_guard.mark(self, strategy, None)

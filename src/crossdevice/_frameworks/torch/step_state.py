@@ -60,13 +60,15 @@ _TEXT_MAX: Final = 240
 class _State:
     """One mirrored module's: its optimizers, each replica's `zero_grad()` count, writes."""
 
-    __slots__ = ("last", "modules", "optimizers", "written", "zero_grads")
+    __slots__ = ("last", "modules", "optimizers", "watched", "written", "zero_grads")
 
     def __init__(self, replicas: int) -> None:
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.zero_grads = [0] * replicas
         #: Each replica's parameters' version counters, summed, at its last step.
         self.written = [0] * replicas
+        #: The module trains across workers: its writes and modes are compared (`watch`).
+        self.watched = False
         #: Each replica's modules (held weakly), for their train / eval modes.
         self.modules: list[list[weakref.ref[torch.nn.Module]]] = [[] for _ in range(replicas)]
         #: (the values last seen, their digest): a repeat is not digested again.
@@ -91,9 +93,16 @@ def register(sync: Any, optimizer: torch.optim.Optimizer) -> None:
         refs.append(weakref.ref(optimizer))
 
 
-def watch(sync: Any, replicas: Sequence[torch.nn.Module]) -> None:
-    """`replicas` are `sync`'s module's copies, as prepared (every worker alike)."""
+def watch(sync: Any, replicas: Sequence[torch.nn.Module], strategy: Any) -> None:
+    """`replicas` are `sync`'s module's copies, as prepared (every worker alike).
+
+    Only across workers: in one process no pass carries a state, and a step need not
+    count its parameters' versions.
+    """
+    if getattr(strategy.extended, "_worker_communicator", None) is None:
+        return
     state = _state(sync)
+    state.watched = True
     for r, replica in enumerate(replicas):
         state.modules[r] = [weakref.ref(m) for m in replica.modules()]
         state.written[r] = _versions(sync, r)
@@ -124,7 +133,8 @@ def stepped(sync: Any, replica: int) -> None:
     """`replica` stepped an optimizer over `sync`'s parameters: its counts start again."""
     state = _state(sync)
     state.zero_grads[replica] = 0
-    state.written[replica] = _versions(sync, replica)
+    if state.watched:
+        state.written[replica] = _versions(sync, replica)
 
 
 def workers_agree(strategy: Any, syncs: Sequence[Any], replica: int) -> Any:
