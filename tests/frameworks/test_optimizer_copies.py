@@ -1,6 +1,6 @@
 """A prepared optimizer deep-copies and steps with a closure as plain torch's does.
 
-Both were refusals where plain torch, DDP and Accelerate run (bug hunt of session 55):
+Both were refusals where plain torch, DDP and Accelerate run (bug hunt of session 54):
 
 * `copy.deepcopy(optimizer)` raised "a MirroredOptimizer cannot be pickled". Plain torch
   copies an optimizer with its parameters: alone, over new tensors in no model; with the
@@ -186,18 +186,7 @@ def test_a_copied_lbfgs_steps_as_the_original_does(
     # Plain torch's copy of LBFGS loses `_params` (its __getstate__ keeps three entries)
     # and fails at its first step; the mirrored copy keeps it and steps as the original.
     data = global_batches(torch, 4)
-
-    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> Any:
-        del i
-
-        def closure() -> Any:
-            optimizer.zero_grad()
-            loss = global_loss(torch, model, x, y)
-            loss.backward()
-            return loss
-
-        return optimizer.step(closure)
-
+    step = _closure_step(torch, stray=False)
     with replica_execution(mode):
         strategy = mirrored(4)
         with strategy.scope():

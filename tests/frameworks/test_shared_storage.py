@@ -245,14 +245,11 @@ def test_two_step_clipping_trains_like_plain_torch(
     assert_trains_like(torch, plain, prepared[0], start)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("shared", [False, True], ids=["copies", "shared"])
-def test_clipping_parameters_taken_before_prepare_trains_like_plain_torch(
-    torch: Any, cdt: Any, mode: str, shared: bool
+def _clipped_by_hand_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str, shared: bool, clip: Any
 ) -> None:
-    """`params = list(net.parameters())` before `prepare` are replica 0's: with a copy per
-    replica, every replica clipped replica 0's gradients (4 times) and left its own
-    unclipped, the replicas 0.5 apart after 6 steps (bug hunt). Each now clips its own."""
+    """SGD with momentum, `clip(params)` after backward over `params`, the parameters of
+    the model taken before `prepare` (replica 0's); equals plain torch's on 4 replicas."""
     from tests.frameworks.helpers import assert_trains_like
 
     torch.set_default_dtype(torch.float64)
@@ -261,7 +258,7 @@ def test_clipping_parameters_taken_before_prepare_trains_like_plain_torch(
     def step(model: Any, optimizer: Any, params: list[Any], x: Any, y: Any) -> None:
         optimizer.zero_grad()
         global_loss(torch, model, x, y).backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.05)
+        clip(params)
         optimizer.step()
 
     plain = mlp(torch)
@@ -282,6 +279,19 @@ def test_clipping_parameters_taken_before_prepare_trains_like_plain_torch(
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shared", [False, True], ids=["copies", "shared"])
+def test_clipping_parameters_taken_before_prepare_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str, shared: bool
+) -> None:
+    """`params = list(net.parameters())` before `prepare` are replica 0's: with a copy per
+    replica, every replica clipped replica 0's gradients (4 times) and left its own
+    unclipped, the replicas 0.5 apart after 6 steps (bug hunt). Each now clips its own."""
+    _clipped_by_hand_trains_like_plain_torch(
+        torch, cdt, mode, shared, lambda params: torch.nn.utils.clip_grad_norm_(params, 0.05)
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_total_norm_of_gradients_taken_before_prepare_trains_like_plain_torch(
     torch: Any, cdt: Any, mode: str
 ) -> None:
@@ -292,33 +302,11 @@ def test_total_norm_of_gradients_taken_before_prepare_trains_like_plain_torch(
     (the bug hunt of session 53). Each now reads its own copy's gradients."""
     import time
 
-    from tests.frameworks.helpers import assert_trains_like
-
-    torch.set_default_dtype(torch.float64)
-    data = global_batches(torch, 6)
-
-    def step(model: Any, optimizer: Any, params: list[Any], x: Any, y: Any) -> None:
-        optimizer.zero_grad()
-        global_loss(torch, model, x, y).backward()
+    def clip(params: list[Any]) -> None:
         ctx = cd.get_replica_context()
         if ctx is not None and ctx.replica_id_in_sync_group > 0:
             time.sleep(0.02)  # replica 0 clips first
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         torch.nn.utils.clip_grads_with_norm_(params, 0.05, norm)
-        optimizer.step()
 
-    plain = mlp(torch)
-    start = [p.detach().clone() for p in plain.parameters()]
-    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
-    for x, y in data:
-        step(plain, plain_optimizer, list(plain.parameters()), x, y)
-    with replica_execution(mode):
-        strategy = mirrored(4)
-        with strategy.scope():
-            net = mlp(torch)
-            params = list(net.parameters())  # the original's: replica 0's
-            sgd = torch.optim.SGD(params, lr=0.5, momentum=0.9)
-            model, optimizer = cdt.prepare(net, sgd, share_storage=False)
-        for x, y in strategy.experimental_distribute_dataset(data):
-            strategy.run(step, args=(model, optimizer, params, x, y))
-    assert_trains_like(torch, plain, model, start)
+    _clipped_by_hand_trains_like_plain_torch(torch, cdt, mode, False, clip)
