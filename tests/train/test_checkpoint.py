@@ -16,6 +16,7 @@ import pytest
 
 import crossdevice as cd
 from crossdevice._train import storage
+from tests.train.helpers import Holder
 
 Checkpoint = cd.train.Checkpoint
 
@@ -141,23 +142,13 @@ def test_statuses_follow_tf(tmp_path: Path) -> None:
 
 
 def test_state_of_every_structure_round_trips(tmp_path: Path) -> None:
-    class Thing:
-        def __init__(self, state: Any) -> None:
-            self.state = state
-
-        def state_dict(self) -> Any:
-            return self.state
-
-        def load_state_dict(self, state: Any) -> None:
-            self.state = state
-
     state = {
         "ints": {0: np.arange(3), 7: [1, 2.5, None, True]},
         "tuple": (np.float32(1.5), "text", b"\x00\xff", float("inf"), float("nan")),
         "$tag": {"nested": [np.zeros((2, 0)), {"a": -3}]},
         "big": 2**100,
     }
-    thing = Thing(state)
+    thing = Holder(state)
     generator = np.random.default_rng(5)  # PCG64
     legacy = np.random.RandomState(6)
     ckpt = Checkpoint(thing=thing, generator=generator, legacy=legacy, both=[cd.Variable(1.0)])

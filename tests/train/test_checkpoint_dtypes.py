@@ -10,20 +10,7 @@ import numpy as np
 import pytest
 
 import crossdevice as cd
-
-
-class _Holder:
-    """Any object with a state_dict: the state it holds is what it saves."""
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-    def state_dict(self) -> Any:
-        return self.state
-
-    def load_state_dict(self, state: Any) -> None:
-        self.state = state
-
+from tests.train.helpers import Holder
 
 #: NumPy arrays whose dtype torch cannot hold (torch.from_numpy refuses each).
 _TORCHLESS = {
@@ -47,13 +34,13 @@ def test_a_dtype_torch_lacks_round_trips_bitwise_next_to_torch_tensors(
 ) -> None:
     torch = torch_module
     value = _TORCHLESS[name]
-    ckpt = cd.train.Checkpoint(held=_Holder({"v": value, "anchor": torch.ones(2)}))
+    ckpt = cd.train.Checkpoint(held=Holder({"v": value, "anchor": torch.ones(2)}))
     path = Path(ckpt.save(tmp_path / "ckpt"))
     ckpt.sync()  # raised torch's "can't convert np.ndarray of type numpy.str_" here
     index = json.loads((path / "crossdevice.json").read_text())
     assert index["storage"] == "dcp"
     assert index["arrays"]["held.v"]["dtype"] == str(np.asarray(value).dtype)
-    restored = _Holder(None)
+    restored = Holder(None)
     cd.train.Checkpoint(held=restored).restore(path).assert_consumed()
     got = restored.state["v"]
     assert type(got) is type(value)
@@ -69,7 +56,7 @@ def test_torch_reads_a_torchless_array_as_its_raw_bytes(torch_module: Any, tmp_p
     import torch.distributed.checkpoint as dcp
 
     words = np.array(["the", "cat"])
-    ckpt = cd.train.Checkpoint(held=_Holder({"v": words, "anchor": torch.ones(1)}))
+    ckpt = cd.train.Checkpoint(held=Holder({"v": words, "anchor": torch.ones(1)}))
     path = ckpt.save(tmp_path / "ckpt")
     ckpt.sync()
     state = {"held.v": torch.empty(words.nbytes, dtype=torch.uint8)}
@@ -85,7 +72,7 @@ def test_an_object_array_is_refused_at_save_and_changes_nothing(
     state: dict[str, Any] = {"v": np.array([1, "a"], dtype=object)}
     if with_torch:
         state["anchor"] = request.getfixturevalue("torch_module").ones(1)
-    ckpt = cd.train.Checkpoint(held=_Holder(state))
+    ckpt = cd.train.Checkpoint(held=Holder(state))
     directory = tmp_path / "run"
     mgr = cd.train.CheckpointManager(ckpt, directory, max_to_keep=2) if manager else None
     save = mgr.save if mgr is not None else lambda: ckpt.save(directory / "ckpt")

@@ -13,18 +13,10 @@ import pytest
 
 import crossdevice as cd
 from crossdevice._train import manager as manager_module
+from tests.train.helpers import manager as _manager
+from tests.train.helpers import names as _names
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _manager(directory: Path, value: Any = None, **kwargs: Any) -> Any:
-    value = cd.Variable(np.float32(0.0)) if value is None else value
-    kwargs.setdefault("max_to_keep", 2)
-    return cd.train.CheckpointManager(cd.train.Checkpoint(value=value), directory, **kwargs)
-
-
-def _names(paths: list[str]) -> list[str]:
-    return [Path(p).name for p in paths]
 
 
 def test_keeps_the_newest_and_records_them(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ error that says what to do, and saving can always go on.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -25,19 +26,14 @@ import crossdevice as cd
 from crossdevice._train import storage
 from crossdevice.experimental import PreemptionCheckpointHandler, TerminationConfig
 from tests.multi_worker.harness import run_workers
+from tests.train import helpers
+from tests.train.helpers import names as _names
 from tests.train.manager_workers import save_four_keep_two
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _manager(directory: Path, value: Any = None, **kwargs: Any) -> Any:
-    value = cd.Variable(np.float32(0.0)) if value is None else value
-    kwargs.setdefault("max_to_keep", 3)
-    return cd.train.CheckpointManager(cd.train.Checkpoint(value=value), directory, **kwargs)
-
-
-def _names(paths: list[str]) -> list[str]:
-    return [Path(p).name for p in paths]
+_manager = functools.partial(helpers.manager, max_to_keep=3)
 
 
 def _save_values(directory: Path, count: int) -> None:
