@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Final
+from typing import Final, TypeVar
 
 __all__ = ["env_int", "env_seconds", "env_switch"]
 
+_N = TypeVar("_N", int, float)
 _ON: Final = frozenset({"1", "true", "yes", "on"})
 _OFF: Final = frozenset({"0", "false", "no", "off"})
 
@@ -55,13 +56,10 @@ def env_int(name: str, *, minimum: int, what: str = "an integer") -> int | None:
     Raises:
         ValueError: not an integer, or below `minimum`.
     """
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
+    got = _number(name, int)
+    if got is None:
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
+    raw, value = got
     if value is None or value < minimum:
         raise ValueError(
             f"{name} must be {what} >= {minimum}, got {raw!r}; fix it (e.g. {name}="
@@ -76,16 +74,27 @@ def env_seconds(name: str, *, minimum: float) -> float | None:
     Raises:
         ValueError: not a number, not finite, or below `minimum`.
     """
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
+    got = _number(name, float)
+    if got is None:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = None
+    raw, value = got
     if value is None or not math.isfinite(value) or value < minimum:
         raise ValueError(
             f"{name} must be a number of seconds >= {minimum:g}, got {raw!r}; fix it (e.g. "
             f"{name}=20) or unset it for the default"
         )
     return value
+
+
+def _number(name: str, kind: type[_N]) -> tuple[str, _N | None] | None:
+    """(the text of `name`, its value as `kind` or None if it is no such number).
+
+    None when the variable is unset or blank.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return raw, kind(raw)
+    except ValueError:
+        return raw, None
