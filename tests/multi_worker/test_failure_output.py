@@ -105,3 +105,29 @@ def test_survivors_of_a_dead_rank_0_print_our_error_only() -> None:
         assert f"on rank {rank} of 3: a peer failed: rank 0" in last, err
         for cpp in ("frame #", "c10::", ".cpp"):
             assert cpp not in err, err
+
+
+@pytest.mark.parametrize(
+    ("how", "code", "told"),
+    [
+        ("raise", 1, "raised ValueError: the config file is unreadable (uncaught outside"),
+        ("sigint", -2, "raised KeyboardInterrupt (uncaught outside strategy.run"),
+        ("exit", 3, "exited (closed its communicator) after its collective #"),
+    ],
+)
+def test_a_worker_ended_between_steps_is_named_with_its_exception(
+    how: str, code: int, told: str
+) -> None:
+    """A worker whose program ends outside `run` (an uncaught exception, Ctrl-C) tells
+    its peers the exception; a deliberate `sys.exit` reads as an exit."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(_start(["tests.multi_worker.ending_worker", how], env))
+    (code0, out, err), (code1, _, err1) = _finish(procs)
+    assert code1 == code, err1
+    assert code0 == 0, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("ERROR WorkerFailedError: all_reduce #"), out
+    assert f"rank 1 (global replicas [1]) {told}" in last, out

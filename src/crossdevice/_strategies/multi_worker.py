@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final, final
@@ -239,7 +240,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
             self._tell_workers(err)
             raise
 
-    def _tell_workers(self, err: BaseException) -> None:
+    def _tell_workers(self, err: BaseException, where: str = "") -> None:
         """This worker raised `err` where its peers may wait for it: tell them (abort).
 
         A step (or `crossdevice.torch.prepare`) that raised on this worker leaves its
@@ -250,7 +251,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
         """
         communicator = self._worker_communicator
         if communicator is not None and not isinstance(err, _SHARED_ERRORS):
-            communicator.abort(err)
+            communicator.abort(err, where)
 
     @contextlib.contextmanager
     def _telling_workers(self) -> Iterator[None]:
@@ -330,7 +331,28 @@ class _MultiWorkerExtended(ReplicatedExtended):
 def _close_at_exit(ref: weakref.ReferenceType[_MultiWorkerExtended]) -> None:
     extended = ref()
     if extended is not None:
+        # A program ended by an exception outside `run` (a KeyboardInterrupt between
+        # steps, a failed file read): its peers learn the exception, not only an exit.
+        error = _uncaught_error()
+        if error is not None:
+            extended._tell_workers(error, _UNCAUGHT)
         extended._close()
+
+
+#: What peers are told of an exception that ended this worker's program (`abort`).
+_UNCAUGHT: Final = " (uncaught outside strategy.run: the worker's program ended)"
+
+
+def _uncaught_error() -> BaseException | None:
+    """The exception that is ending the program, in an `atexit` hook (None if none).
+
+    The interpreter keeps the exception it printed in `sys.last_value`; an interactive
+    session keeps there any it printed, the program going on, so it is not trusted there.
+    """
+    if hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:
+        return None
+    error = getattr(sys, "last_value", None)
+    return error if isinstance(error, BaseException) else None
 
 
 def _local_devices(devices: Sequence[Any] | None, cluster: Cluster | None) -> list[str]:

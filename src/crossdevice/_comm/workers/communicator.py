@@ -497,8 +497,8 @@ class ProcessGroupCommunicator:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def abort(self, error: BaseException) -> None:
-        """Give up: refuse further collectives and tell every peer why.
+    def abort(self, error: BaseException, where: str = "") -> None:
+        """Give up: refuse further collectives and tell every peer why (`error`, `where`).
 
         `MultiWorkerMirroredStrategy` calls this when a step raises on this worker, so
         its peers raise `WorkerFailedError` naming it at once instead of waiting for it.
@@ -513,7 +513,7 @@ class ProcessGroupCommunicator:
         sequencer = self._sequencer
         if sequencer.closed or self._standing.broken is not None:
             return
-        reason = f"{type(error).__name__}: {error}"
+        reason = f"{type(error).__name__}{f': {error}' if str(error) else ''}{where}"
         self._standing.broken = f"this worker's step raised {reason}"
         self._health.post_abort(reason)
         if self._shm is not None:
