@@ -57,12 +57,21 @@ def check_mirrorable(module: Any) -> None:
 
     Raises:
         TypeError: not a torch module.
-        ValueError: a sparse-gradient submodule, or a replica's copy of a mirrored module.
+        ValueError: a sparse-gradient submodule, an uninitialised lazy parameter, or a
+            replica's copy of a mirrored module.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"MirroredModule expects a torch.nn.Module, got {type(module).__name__}: {module!r}"
         )
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if torch.nn.parameter.is_lazy(tensor):
+            raise ValueError(
+                f"{name!r} of {type(module).__name__} is not initialised yet (a lazy module, "
+                f"such as LazyLinear, sets its shape at its first forward): mirroring needs "
+                "every shape. Run one forward on a sample batch before "
+                "crossdevice.torch.prepare (as DDP needs too)"
+            )
     for name, submodule in module.named_modules():
         if getattr(submodule, "sparse", False) is True:
             raise ValueError(
