@@ -79,7 +79,7 @@ def tutorial_step(model: Any, optimizer: Any, size: int) -> Any:
     def step(inputs: Any) -> Any:
         bx, by = inputs
         per_example = torch.nn.functional.cross_entropy(model(bx), by, reduction="none")
-        loss = cdt.compute_average_loss(per_example, size)
+        loss = cdt.compute_average_loss(per_example, global_batch_size=size)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -192,7 +192,9 @@ def train(
         def compute_loss(labels: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
             per_example_loss = loss_object(predictions, labels)
             # TF: tf.nn.compute_average_loss(per_example_loss, global_batch_size=...)
-            return crossdevice.torch.compute_average_loss(per_example_loss, global_batch_size)
+            return crossdevice.torch.compute_average_loss(
+                per_example_loss, global_batch_size=global_batch_size
+            )
 
     with strategy.scope():
         model = create_model()

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> str:
     def step(x: Any, y: Any) -> Any:
         losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
         optimizer.zero_grad()
-        cdt.compute_average_loss(losses, args.batch_size).backward()
+        cdt.compute_average_loss(losses, global_batch_size=args.batch_size).backward()
         optimizer.step()
         return losses.detach()
 

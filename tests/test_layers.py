@@ -37,6 +37,7 @@ LAYERS: dict[str, float] = {
     "experimental": 10,
     "train": 10,
     "datasets": 10,
+    "nn": 10,
     # Frameworks (docs/design.md §2, layer 10): torch training on the strategies.
     "_frameworks": 10,
     "__init__": 11,

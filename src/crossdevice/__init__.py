@@ -24,6 +24,7 @@ from crossdevice import cluster_resolver as cluster_resolver
 from crossdevice import config as config
 from crossdevice import datasets as datasets
 from crossdevice import experimental as experimental
+from crossdevice import nn as nn
 from crossdevice import train as train
 from crossdevice._core.devices import device as device
 from crossdevice._core.errors import CollectiveMismatchError as CollectiveMismatchError
@@ -105,6 +106,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "nn",
     "replica_context",
     "train",
 ]

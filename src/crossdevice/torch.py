@@ -7,7 +7,8 @@
     ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ...     model, optimizer = crossdevice.torch.prepare(model, optimizer)
     >>> def step(x, y):
-    ...     loss = crossdevice.torch.compute_average_loss((model(x) - y).pow(2).squeeze(1), 8)
+    ...     per_example = (model(x) - y).pow(2).squeeze(1)
+    ...     loss = crossdevice.torch.compute_average_loss(per_example, global_batch_size=8)
     ...     optimizer.zero_grad()
     ...     loss.backward()          # gradients are all-reduced across replicas here
     ...     optimizer.step()         # every replica applies the same update
@@ -46,10 +47,6 @@ from crossdevice._frameworks.torch.batchnorm import (
 from crossdevice._frameworks.torch.gradients import (
     DEFAULT_BUCKET_CAP_BYTES as DEFAULT_BUCKET_CAP_BYTES,
 )
-from crossdevice._frameworks.torch.losses import compute_average_loss as compute_average_loss
-from crossdevice._frameworks.torch.losses import (
-    scale_regularization_loss as scale_regularization_loss,
-)
 from crossdevice._frameworks.torch.module import MirroredModule as MirroredModule
 from crossdevice._frameworks.torch.once import call_once as call_once
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer as MirroredOptimizer
@@ -59,6 +56,8 @@ from crossdevice._frameworks.torch.scaler import MirroredGradScaler as MirroredG
 from crossdevice._frameworks.torch.threads import (
     default_threads_per_replica as default_threads_per_replica,
 )
+from crossdevice._strategies.losses import compute_average_loss as compute_average_loss
+from crossdevice._strategies.losses import scale_regularization_loss as scale_regularization_loss
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES",
@@ -77,4 +76,9 @@ __all__ = [
 ]
 
 
-_fix_module_metadata(globals(), __all__, "crossdevice.torch")
+# The loss helpers are `crossdevice.nn`'s (they take NumPy arrays too): they keep its name.
+_fix_module_metadata(
+    globals(),
+    [n for n in __all__ if n not in ("compute_average_loss", "scale_regularization_loss")],
+    "crossdevice.torch",
+)

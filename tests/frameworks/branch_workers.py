@@ -71,7 +71,7 @@ def branch_training(rank: int, world_size: int, replicas: int) -> list[Any]:
             model(x, skips(k, rank)), y, reduction="none"
         )
         optimizer.zero_grad()
-        cdt.compute_average_loss(per_example, global_batch).backward()
+        cdt.compute_average_loss(per_example, global_batch_size=global_batch).backward()
         optimizer.step()
 
     data = batches(torch, global_batch)

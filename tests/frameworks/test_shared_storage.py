@@ -41,7 +41,7 @@ def _train(torch: Any, cdt: Any, make: Any, data: list[Any], mode: str, shared: 
         def step(x: Any, y: Any) -> Any:
             optimizer.zero_grad()
             per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
-            cdt.compute_average_loss(per_example, batch).backward()
+            cdt.compute_average_loss(per_example, global_batch_size=batch).backward()
             optimizer.step()
 
         torch.manual_seed(1)

@@ -145,7 +145,8 @@ def _train(torch: Any, cdt: Any, strategy: Any, steps: int, **prepare: Any) -> l
     def step(inputs: Any) -> Any:
         images, labels = inputs
         loss = cdt.compute_average_loss(
-            torch.nn.functional.cross_entropy(model(images), labels, reduction="none"), batch
+            torch.nn.functional.cross_entropy(model(images), labels, reduction="none"),
+            global_batch_size=batch,
         )
         optimizer.zero_grad()
         loss.backward()

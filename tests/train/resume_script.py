@@ -79,7 +79,7 @@ def _cnn(strategy: Any) -> tuple[dict[str, Any], Any, Callable[[], list[np.ndarr
     def step(images: Any, labels: Any) -> Any:
         losses = torch.nn.functional.cross_entropy(model(images), labels, reduction="none")
         optimizer.zero_grad()
-        cdt.compute_average_loss(losses, BATCH).backward()
+        cdt.compute_average_loss(losses, global_batch_size=BATCH).backward()
         optimizer.step()
         return losses.detach()
 

@@ -45,7 +45,7 @@ def _train(
     def step(x: Any, y: Any) -> None:
         losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
         optimizer.zero_grad()
-        cdt.compute_average_loss(losses, 8).backward()
+        cdt.compute_average_loss(losses, global_batch_size=8).backward()
         optimizer.step()
 
     for x, y in strategy.experimental_distribute_dataset(batches):

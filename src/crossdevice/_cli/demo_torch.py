@@ -104,7 +104,7 @@ def train(
         logits = model(x)
         losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
         optimizer.zero_grad()
-        cdt.compute_average_loss(losses, global_batch).backward()  # type: ignore[no-untyped-call]
+        cdt.compute_average_loss(losses, global_batch_size=global_batch).backward()
         optimizer.step()
         return losses.detach(), (logits.argmax(1) == labels).to(torch.float32)
 
