@@ -15,9 +15,20 @@ def strategy() -> Any:
     return cd.MirroredStrategy(["CPU:0", "CPU:1"])
 
 
-def test_run_args_must_be_a_tuple_or_list(strategy: Any) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [np.float32(1), np.zeros(3), np.zeros(0), np.zeros((2, 2)), {"x": 1}],
+    ids=["scalar", "array", "empty", "matrix", "dict"],
+)
+def test_run_args_must_be_a_tuple_or_list(strategy: Any, args: Any) -> None:
+    # An array's truth value is ambiguous: NumPy's error came first (the TF bug hunt).
     with pytest.raises(ValueError, match="positional args must be a list or tuple, got"):
-        strategy.run(lambda x: x, args=np.float32(1))
+        strategy.run(lambda x: x, args=args)
+
+
+def test_run_args_as_a_tensor_is_refused_clearly(strategy: Any, torch_module: Any) -> None:
+    with pytest.raises(ValueError, match="positional args must be a list or tuple, got"):
+        strategy.run(lambda x: x, args=torch_module.ones(3))
 
 
 def test_gather_in_replica_context(strategy: Any) -> None:

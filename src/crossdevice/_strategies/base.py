@@ -164,16 +164,17 @@ class Strategy:
         """
         del options
         validate.function(fn, "Strategy.run")
-        # The per-step case, `args=(batch,)` of plain arrays: no distributed value to fit.
-        if (args or kwargs) and (kwargs or type(args) is not tuple or not nest.plain_leaves(args)):
-            validate.fits_strategy((args, kwargs), self, "Strategy.run")
-        if not isinstance(args, list | tuple):
+        # Before any truth test: an array's or a tensor's is ambiguous (the bug hunt).
+        if type(args) is not tuple and not isinstance(args, list | tuple):
             raise ValueError(
                 f"positional args must be a list or tuple, got {type(args)}; wrap a single "
                 "argument as args=(x,)"
             )
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"kwargs must be a dict or None, got {type(kwargs)}")
+        # The per-step case, `args=(batch,)` of plain arrays: no distributed value to fit.
+        if (args or kwargs) and (kwargs or type(args) is not tuple or not nest.plain_leaves(args)):
+            validate.fits_strategy((args, kwargs), self, "Strategy.run")
         frame = context.current_frame()
         if frame is not None and frame.replica_context is not None:
             raise RuntimeError(
