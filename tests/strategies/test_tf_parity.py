@@ -302,6 +302,12 @@ def test_aggregation_none_means_none(mirrored: Any) -> None:
         mv = cd.Variable(1.0, aggregation=None, synchronization=None)
     assert isinstance(mv, cd.MirroredVariable)
     assert mv.aggregation == cd.VariableAggregation.NONE
+    # TF resolves AUTO under a mirroring strategy: the variable and its components say
+    # ON_WRITE (TF 2.21; code testing `== ON_WRITE` ports).
+    assert mv.synchronization == cd.VariableSynchronization.ON_WRITE
+    assert mv.values[0].synchronization == cd.VariableSynchronization.ON_WRITE
+    replica_made = mirrored.run(lambda: cd.Variable(1.0, name="made_in_run"))
+    assert replica_made.synchronization == cd.VariableSynchronization.ON_WRITE
 
 
 # --- bug 9: differently structured results raise AssertionError ------------------------------

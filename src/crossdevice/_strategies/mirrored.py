@@ -37,7 +37,8 @@ def create_mirrored_variable(
 ) -> Any:
     """Create one component per local device and wrap them.
 
-    ON_WRITE/AUTO gives a MirroredVariable, ON_READ a SyncOnReadVariable. Replica 0's
+    ON_WRITE/AUTO gives a MirroredVariable (reporting ON_WRITE, as TF's), ON_READ a
+    SyncOnReadVariable. Replica 0's
     initial value is copied to the other components. Inside `run`, replica 0's
     arguments create one variable that every replica gets.
     """
@@ -51,6 +52,8 @@ def create_mirrored_variable(
             "ON_WRITE (mirrored), ON_READ (sync on read) or AUTO, or create the variable "
             "outside the strategy's scope"
         )
+    if sync == VariableSynchronization.AUTO:
+        sync = VariableSynchronization.ON_WRITE  # what TF's mirrored variables report
     strategy = extended._container_strategy_ref
     if frame.replica_context is not None:
         # Created inside strategy.run: replica 0 creates, the others reuse (TF).
