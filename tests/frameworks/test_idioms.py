@@ -92,12 +92,24 @@ def test_every_optimizer_trains_like_plain_torch(
     assert type(optimizer.replicas[1]) is type(optimizer.replicas[0])
 
 
-def test_sparse_gradients_are_refused_at_prepare(torch: Any, cdt: Any) -> None:
+def test_sparse_gradients_are_gathered_from_every_replica(torch: Any, cdt: Any) -> None:
+    """Embedding(sparse=True) trains (test_sparse_gradients.py compares it with torch)."""
     strategy = mirrored(2)
     with strategy.scope():
         net = torch.nn.Embedding(10, 3, sparse=True)
-        with pytest.raises(ValueError, match=r"sparse gradients.*sparse=False"):
-            cdt.prepare(net, torch.optim.SparseAdam(net.parameters()))
+        model, optimizer = cdt.prepare(net, torch.optim.SparseAdam(net.parameters()))
+    ids = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor([ctx.replica_id_in_sync_group])
+    )
+
+    def step(i: Any) -> None:
+        optimizer.zero_grad()
+        model(i).sum().backward()
+        optimizer.step()
+
+    strategy.run(step, args=(ids,))
+    for replica in model.replicas:  # each replica looked up its own row: both rows
+        assert replica.weight.grad._indices().tolist() == [[0, 1]]
 
 
 # --- copies: deepcopy, pickle, torch.save ------------------------------------------------------

@@ -26,8 +26,10 @@ class Layout:
     """The buckets for one set of trainable parameters."""
 
     buckets: list[list[int]]  # positions in the replica's parameter list, reduction order
-    bucket_of: list[int]  # bucket of each parameter, -1 for a frozen one
+    bucket_of: list[int]  # bucket of each parameter, -1 for a frozen or sparse one
     sizes: list[int]  # how many parameters each bucket holds
+    # The trainable parameters with sparse gradients, reduced on their own (`sparse.py`).
+    sparse: tuple[int, ...] = ()
     # (replica, bucket) -> the bucket's flat all-reduce layout, made at its first use.
     flat: dict[tuple[int, int], FlatPlan] = dataclasses.field(default_factory=dict)
     # (replica, bucket) -> the replica's parameters of the bucket, in bucket order.
@@ -40,8 +42,15 @@ class Layout:
     )
 
 
-def make_layout(params: Sequence[torch.nn.Parameter], mask: Sequence[bool], cap: int) -> Layout:
+def make_layout(
+    params: Sequence[torch.nn.Parameter],
+    mask: Sequence[bool],
+    cap: int,
+    sparse: frozenset[int] = frozenset(),
+) -> Layout:
     """The buckets of the trainable parameters: reverse order, cut under `cap` bytes.
+
+    The parameters in `sparse` (sparse gradients) go in no bucket: `Layout.sparse`.
 
     `group_by_size(..., cap=True)`: a bucket never holds more than `cap` bytes unless one
     parameter alone does. Parameters are not grouped by dtype or device first (DDP's
@@ -49,14 +58,15 @@ def make_layout(params: Sequence[torch.nn.Parameter], mask: Sequence[bool], cap:
     `ReplicaContext.all_reduce`'s path (`buckets.flat_reducible`), which packs by dtype
     itself, and grouping would move the bucket boundaries of existing models.
     """
-    order = [index for index in reversed(range(len(params))) if mask[index]]
+    order = [i for i in reversed(range(len(params))) if mask[i] and i not in sparse]
     nbytes = [params[i].numel() * params[i].element_size() for i in order]
     buckets = [[order[k] for k in bucket] for bucket in group_by_size(nbytes, cap, cap=True)]
     bucket_of = [-1] * len(params)
     for b, bucket in enumerate(buckets):
         for index in bucket:
             bucket_of[index] = b
-    return Layout(buckets, bucket_of, [len(b) for b in buckets])
+    trainable_sparse = tuple(i for i in sorted(sparse) if mask[i])
+    return Layout(buckets, bucket_of, [len(b) for b in buckets], trainable_sparse)
 
 
 #: What `produced` holds before any reduction: calling it gives None.

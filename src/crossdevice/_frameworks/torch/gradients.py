@@ -37,6 +37,9 @@ Cooperative replicas take turns on one thread, and torch's autograd engine keeps
 per-thread state: a replica that waited inside backward would let another replica's
 backward run tasks of the first. There the hooks only count, and the buckets are reduced
 when the outermost `backward()` returns, with the same buckets, order and results.
+
+Parameters with sparse gradients (`Embedding(sparse=True)`) are in no bucket: each pass's
+are gathered and coalesced when the outermost pass returns, after the buckets (`sparse.py`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch
 
 from crossdevice._core.environment import env_switch
 from crossdevice._core.reduce_op import ReduceOp
-from crossdevice._frameworks.torch import buckets, owners, pass_reduce
+from crossdevice._frameworks.torch import buckets, owners, pass_reduce, sparse
 from crossdevice._frameworks.torch.buckets import FlatPlan
 from crossdevice._frameworks.torch.gradient_state import Layout, ReplicaState, make_layout
 from crossdevice._frameworks.torch.pass_reduce import PassReduce
@@ -111,6 +114,7 @@ class GradientSync:
         self._replica_index = replica_index
         self.enabled = num_replicas_in_sync > 1
         self._layouts: dict[tuple[bool, ...], Layout] = {}
+        self._sparse = sparse.marked(self._params[0])  # sparse gradients: in no bucket
         self._states = [ReplicaState(len(self._params[0])) for _ in self._params]
         self._no_sync = [0] * len(self._params)
         #: Optimizer steps each replica took on these parameters (compared across workers).
@@ -165,7 +169,7 @@ class GradientSync:
         mask = tuple(map(_REQUIRES_GRAD, params))  # no Python frame per parameter
         layout = self._layouts.get(mask)
         if layout is None:
-            layout = self._layouts[mask] = make_layout(params, mask, self._cap)
+            layout = self._layouts[mask] = make_layout(params, mask, self._cap, self._sparse)
         if self.enabled and layout is not self._states[replica].layout:
             self._hook_trainable(replica)  # a parameter unfrozen since the last pass
         return layout
@@ -213,6 +217,8 @@ class GradientSync:
             if state.hooked and not self._no_sync[replica]:
                 self._reduce_ready(replica, final=True)
                 self._finish(replica)
+                if state.layout is not None and state.layout.sparse:
+                    self._reduce_sparse(replica, state.layout.sparse)
         except BaseException as err:
             self.abort_pass(replica, err)
             raise
@@ -250,6 +256,8 @@ class GradientSync:
     # --- hooks ----------------------------------------------------------------------------
     def _hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         # A partial, not a closure: one Python frame per gradient, not two.
+        if index in self._sparse:
+            return functools.partial(self._on_sparse_grad, replica, index)
         return functools.partial(self._on_grad_ready, replica, index)
 
     def _on_grad_ready(self, replica: int, index: int, param: Any = None) -> None:
@@ -276,6 +284,10 @@ class GradientSync:
             if b < len(sizes) and state.ready[b] >= sizes[b]:
                 self._reduce_ready(replica, final=False)
 
+    def _on_sparse_grad(self, replica: int, index: int, param: Any = None) -> None:
+        """A sparse gradient: counted (`_unusual_gradient`); the pass's end reduces it."""
+        self._unusual_gradient(self._states[replica], replica, index, self._replica_index())
+
     def _unusual_gradient(
         self, state: ReplicaState, replica: int, index: int, current: int | None
     ) -> None:
@@ -301,9 +313,12 @@ class GradientSync:
             )
         if self._no_sync[replica]:
             return  # accumulate only; the next backward outside no_sync reduces it
-        # In a pass, but not on the replica's own thread (None: outside any replica):
-        # counted; the pass's end reduces it.
+        # In a pass, but not on the replica's own thread (None: outside any replica), or
+        # a sparse gradient: counted; the pass's end reduces it.
         assert state.layout is not None
+        if index in state.layout.sparse:
+            state.hooked = True
+            return
         bucket = state.layout.bucket_of[index]
         if bucket < state.next_bucket:
             self._refuse_late_gradient(index, bucket)
@@ -336,7 +351,11 @@ class GradientSync:
             if not final and state.ready[b] < len(buckets[b]):
                 return
             state.next_bucket += 1
-            self._reduce_bucket(replica, b)
+            try:
+                self._reduce_bucket(replica, b)
+            except Exception:
+                sparse.refuse_unmarked(self._names, self._params[replica], buckets[b])
+                raise
 
     def _reduce_bucket(self, replica: int, b: int) -> None:
         """Issue bucket `b`'s all-reduce; `_finish` gives the parameters its results."""
@@ -445,6 +464,11 @@ class GradientSync:
         plan = layout.flat[(replica, b)] = FlatPlan(like)
         return plan
 
+    def _reduce_sparse(self, replica: int, indices: Sequence[int]) -> None:
+        """Gather and reduce the sparse gradients of `indices`; they become `.grad`."""
+        state, params, steps = self._states[replica], self._params[replica], self.steps[replica]
+        sparse.reduce_into(state, params, indices, self._op, steps)
+
     def _finish(self, replica: int) -> None:
         """Wait for the pass's bucket all-reduces, in order; their results become `.grad`."""
         state = self._states[replica]
@@ -537,7 +561,10 @@ class GradientSync:
         state = self._states[replica]
         ctx = get_replica_context()
         assert ctx is not None
-        reduced = ctx.all_reduce(self._op, [params[i].grad for i in indices])
+        if self._sparse:  # every replica's `indices` are alike: so are these
+            self._reduce_sparse(replica, [i for i in indices if i in self._sparse])
+            indices = [i for i in indices if i not in self._sparse]
+        reduced = ctx.all_reduce(self._op, [params[i].grad for i in indices]) if indices else []
         for index, grad in zip(indices, reduced, strict=True):
             params[index].grad = grad
             state.produced[index] = weakref.ref(grad)

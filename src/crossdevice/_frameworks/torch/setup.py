@@ -1,7 +1,7 @@
 """How a module becomes mirrored: the checks, the storage choice, the chief's values.
 
-* `check_mirrorable`: refuse what a mirrored module cannot train (sparse gradients, a
-  module mirrored already or a replica's copy of one).
+* `check_mirrorable`: refuse what a mirrored module cannot train (a module mirrored
+  already or a replica's copy of one, an uninitialised lazy module).
 * `sharing`: whether the replicas store their parameters once (`share_storage`).
 * `unwrap_compiled`: the module inside a `torch.compile`d one, and how it was compiled.
 * `broadcast_from_chief`: every replica of every worker starts from the chief's values.
@@ -51,14 +51,14 @@ def unwrap_compiled(module: Any) -> tuple[Any, Any]:
 
 
 def check_mirrorable(module: Any) -> None:
-    """Refuse a module that is not a torch module, a replica's copy, or sparse gradients.
+    """Refuse a module that is not a torch module or is a replica's copy.
 
     (`MirroredModule` refuses a mirrored module itself before this.)
 
     Raises:
         TypeError: not a torch module.
-        ValueError: a sparse-gradient submodule, an uninitialised lazy parameter, or a
-            replica's copy of a mirrored module.
+        ValueError: an uninitialised lazy parameter, or a replica's copy of a mirrored
+            module.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
@@ -73,13 +73,6 @@ def check_mirrorable(module: Any) -> None:
                 "crossdevice.torch.prepare (as DDP needs too)"
             )
     for name, submodule in module.named_modules():
-        if getattr(submodule, "sparse", False) is True:
-            raise ValueError(
-                f"submodule {name or type(submodule).__name__!r} ({type(submodule).__name__}"
-                "(sparse=True)) makes sparse gradients, which mirrored modules do not "
-                "reduce (their gradient buckets are dense). Build it with sparse=False, and "
-                "use a dense optimizer (Adam rather than SparseAdam)"
-            )
         marked = torch_guard.mark_of(submodule)
         if marked is not None:
             strategy, index = marked
