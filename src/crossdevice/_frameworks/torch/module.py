@@ -29,6 +29,9 @@ from crossdevice._frameworks.torch import (  # noqa: F401 - backward, embedding,
     backward,
     embedding,
     once,
+    once_gradients,
+    replica_zero,
+    sparse,
     step_state,
 )
 from crossdevice._frameworks.torch.buffers import BufferSync, no_examples, resolve_aggregations
@@ -163,8 +166,7 @@ class MirroredModule(torch.nn.Module):
         autocast: torch.dtype | None,
         shared: bool,
     ) -> None:
-        # Plain attributes, not submodules: nn.Module's own traversal would otherwise
-        # list every replica's parameters.
+        # Plain attributes, not submodules (nn.Module would list every replica's parameters).
         state = self.__dict__
         state["_strategy"] = strategy
         state["_replicas"] = replicas
@@ -172,6 +174,7 @@ class MirroredModule(torch.nn.Module):
         state["_shared"] = shared
         state["_autocast"] = None if autocast is None else (torch_devices(strategy), autocast)
         names = [name for name, _ in replicas[0].named_parameters()]
+        sparse.mark(replicas[0])  # its sparse gradients (a deep copy's parameters are new)
         sync = GradientSync(
             [list(r.parameters()) for r in replicas],
             names,
@@ -187,6 +190,7 @@ class MirroredModule(torch.nn.Module):
         mirror = ReplicaMirror(replicas, buffers, shared, functools.partial(_own_hooks, sync))
         state["_mirror"] = mirror
         backward.register(strategy, sync)
+        once_gradients.register(strategy, sync)  # call_once's gradient writes reach all
         step_state.watch(sync, replicas, strategy)  # (after the chief's values: all alike)
         if strategy.num_replicas_in_sync > 1:  # alone, nothing to keep in step: no per-run calls
             strategy.extended._sections.add(mirror)
@@ -351,10 +355,11 @@ class MirroredModule(torch.nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load `state_dict` into every replica's copy (cross-replica context only).
+        """Load `state_dict` once, into replica 0's copy; every replica takes its values.
 
-        `assign=True` is refused: it replaces the parameters that the gradient
-        reduction and the optimizer hold (load values in place, the default).
+        Cross-replica context only; its hooks run once (`replica_zero.py`). `assign=True`
+        is refused: it replaces the parameters that the gradient reduction and the
+        optimizer hold (load values in place, the default).
         """
         self._require_cross_replica("load_state_dict")
         if assign:
@@ -364,11 +369,7 @@ class MirroredModule(torch.nn.Module):
                 "would never train. Load in place (assign=False, the default), or load "
                 "with assign=True before crossdevice.torch.prepare"
             )
-        self.__dict__["_mirror"].sync_now()  # hooks registered on replica 0 load too
-        result = None
-        for replica in self.__dict__["_replicas"]:
-            result = replica.load_state_dict(state_dict, strict=strict, assign=assign)
-        return result
+        return self._once(lambda first: first.load_state_dict(state_dict, strict=strict), True)
 
     def train(self, mode: bool = True) -> MirroredModule:
         """Set training mode: every copy's outside `strategy.run`, the running replica's inside.
@@ -383,8 +384,10 @@ class MirroredModule(torch.nn.Module):
             self.__dict__["_training"] = mode
             return self
         index = local_replica_index(self.__dict__["_strategy"])
-        for replica in replicas if index is None else [replicas[index]]:
-            replica.train(mode)
+        if index is None:  # once, on replica 0's: a submodule's own train() may write
+            self._once(lambda first: first.train(mode), False)
+        else:
+            replicas[index].train(mode)
         return self
 
     @property
@@ -429,21 +432,20 @@ class MirroredModule(torch.nn.Module):
         return self
 
     def apply(self, fn: Any) -> MirroredModule:
-        """Apply `fn` to every replica's modules (cross-replica context only)."""
+        """Apply `fn` as plain torch does, to replica 0's modules; every replica follows.
+
+        Cross-replica context only. An in-place or random `fn` acts as on the original
+        module; every replica (every worker's, from the chief's) then takes the result.
+        """
         self._require_cross_replica("apply")
-        for replica in self.__dict__["_replicas"]:
-            replica.apply(fn)
-        # `fn` may draw random numbers (initialisers): start every replica from replica
-        # 0's values again, and every worker from the chief's.
-        replicas = self.__dict__["_replicas"]
-        with torch.no_grad():
-            source = replicas[0].state_dict()
-            for replica in replicas[1:]:
-                for name, value in replica.state_dict().items():
-                    value.copy_(source[name])
-        broadcast_from_chief(self.__dict__["_strategy"], replicas)
-        fn(self)
+        self._once(lambda first: first.apply(fn), True)
+        broadcast_from_chief(self.__dict__["_strategy"], self.__dict__["_replicas"])
         return self
+
+    def _once(self, call: Any, values: bool) -> Any:
+        s = self.__dict__  # `call(replica 0's module)`, then every replica follows it
+        buffers = s["_buffer_sync"] if values else None
+        return replica_zero.run_once(call, s["_replicas"], s["_mirror"], buffers, s["_shared"])
 
     def _apply(self, fn: Any, recurse: bool = True) -> MirroredModule:
         replicas = self.__dict__.get("_replicas")
@@ -456,9 +458,11 @@ class MirroredModule(torch.nn.Module):
         mirror: ReplicaMirror = self.__dict__["_mirror"]
         if index is None:
             mirror.sync_now()  # replica 0's changes so far reach every replica first
+        each, next_replica = replica_zero.conversion(fn, index is None and self.shares_storage)
         try:
             for replica, device in zip(replicas, devices, strict=True):
-                replica._apply(fn, recurse)
+                replica._apply(each, recurse)
+                next_replica()
                 for tensor in (*replica.parameters(), *replica.buffers()):
                     if tensor.device != device:
                         raise RuntimeError(
@@ -469,9 +473,8 @@ class MirroredModule(torch.nn.Module):
         finally:
             if index is None:
                 # torch gives each parameter new memory (`param.data = fn(param)`): with
-                # shared storage each replica views replica 0's again; the parameter
-                # objects must stay the prepared ones (torch.__future__'s
-                # set_overwrite_module_params_on_conversion(True) replaces them: an error).
+                # shared storage each replica views replica 0's again; the parameters must
+                # stay the prepared objects (torch.__future__'s overwrite option: an error).
                 mirror.settled()
         return self
 
@@ -593,3 +596,5 @@ def _ready_for_dynamo() -> None:
 
 
 torch_patches.on_dynamo(_ready_for_dynamo)
+for _name in replica_zero.STATE_DICT_HOOKS:  # on the module whose state_dict() runs them
+    setattr(MirroredModule, _name, replica_zero.on_running_replica(_name))

@@ -28,6 +28,7 @@ with one replica in all, the call is an ordinary call.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -35,6 +36,7 @@ import torch
 
 from crossdevice._arrays import torch_patches
 from crossdevice._core import context, nest
+from crossdevice._frameworks.torch.once_gradients import GradientWrites
 from crossdevice._frameworks.torch.owners import canonical, own_copies, own_gradients
 from crossdevice._sync.call import digest
 from crossdevice._values.values import PerReplica
@@ -49,7 +51,10 @@ def call_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     Inside `strategy.run` every local replica must call it at the same point of the
     step: `fn` runs once, in cross-replica context (TF's `merge_call`), and each replica
-    gets its result. Elsewhere it calls `fn` directly.
+    gets its result. Elsewhere it calls `fn` directly. `fn` sees replica 0's copy of a
+    mirrored model; what it does to its gradients (in place, replaced, set to None)
+    reaches every replica's `.grad`, bitwise (`once_gradients.py`), as its changes to
+    parameters and optimizer state do.
 
     Args:
         fn: the callable; it changes state that the replicas share.
@@ -63,6 +68,7 @@ def call_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         ValueError: an argument differs between replicas, of this worker or of any
             other (numbers are compared across workers, by a digest in one small
             all-reduce, where the call passes any).
+        RuntimeError: `fn` gave a mirrored parameter a gradient where it had none.
 
     Example:
         >>> import crossdevice, crossdevice.torch
@@ -89,11 +95,27 @@ def _call_once(
         return fn(*args, **kwargs)
 
     def merge_fn(strategy: Any, *merged_args: Any, **merged_kwargs: Any) -> Any:
-        del strategy
         agreed = nest.map_structure(lambda leaf: _agreed(leaf, fn), (merged_args, merged_kwargs))
-        return fn(*agreed[0], **agreed[1])
+        # fn sees replica 0's model: what it does to replica 0's gradients reaches every
+        # replica (the mirror hands on parameter values, not gradients).
+        grads = GradientWrites(strategy)
+        try:
+            return fn(*agreed[0], **agreed[1])
+        finally:
+            _follow(grads, fn)
 
     return frame.replica_context.merge_call(merge_fn, args, kwargs)
+
+
+def _follow(grads: GradientWrites, fn: Callable[..., Any]) -> None:
+    """`grads.follow`; where `fn` raised, its error is the one that reaches the caller."""
+    pending = sys.exception()
+    try:
+        grads.follow(getattr(fn, "__qualname__", repr(fn)))
+    except Exception as also:
+        if pending is None:
+            raise
+        pending.add_note(f"giving every replica replica 0's gradients failed too: {also!r}")
 
 
 def _check_workers_agree(ctx: Any, fn: Callable[..., Any], arguments: Any) -> None:
