@@ -15,7 +15,9 @@ that, and this module is the only place that does it:
   run once per step, the `max_norm` rescaling of embeddings (the rows of every
   replica's batch, on every replica: `embedding.py`), and torch's intra-op thread
   count (lowered while replicas compute in parallel, put back on removal unless the
-  user changed it since).
+  user changed it since), and `torch.nn.Module.__setattr__` / `__delattr__`, which
+  note an attribute set on a prepared model's replica-0 submodule so that every
+  replica follows it (`attributes.py`; torch's own code runs unchanged).
 
 Each replacement calls torch's function unchanged outside `strategy.run`, inside a
 strategy with one replica per process, and while `torch.compile` traces (the

@@ -140,7 +140,10 @@ class HookMirror:
             if not keys:
                 del self._mirrored[slot]
             if slot in self._known:
-                self._known[slot] = tuple(first)
+                # Forget the removed keys alone: a hook registered on replica 0 since (a
+                # re-prune removes its old hook and registers a container, in one call)
+                # is still to be given to every replica (`leave_cross_replica`).
+                self._known[slot] = tuple(k for k in self._known[slot] if k not in gone)
 
     def _add(self, added: dict[_Slot, list[Any]]) -> None:
         for slot, keys in added.items():

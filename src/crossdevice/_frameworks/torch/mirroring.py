@@ -2,7 +2,8 @@
 
 * `make_replicas`: one copy per local replica device (replica 0's is the original),
   compiled submodules compiled again on each copy (a deep copy would call the
-  original's compiled code).
+  original's compiled code), tensors the module derived from its parameters derived
+  again from each copy's own (`derived`).
 * `ReplicaMirror`: between `strategy.run` calls and inside a `merge_fn`, a mirrored
   module reads like replica 0's copy (TF's `MirroredVariable` in cross-replica context).
   Code there may change that copy alone: freeze a layer (`requires_grad_`), initialise
@@ -10,7 +11,11 @@
   mirror records replica 0's state when such a section starts and, when it ends, gives
   every replica what replica 0 has (`sections`): changed parameter and buffer values
   (found by torch's version counters, so writes through `.data` go unseen),
-  `requires_grad` flags and submodules' training flags. Replicas never run meanwhile.
+  `requires_grad` flags and submodules' training flags (a buffer written in place is
+  written in place on every copy, so a view of it that the module keeps follows).
+  Replicas never run meanwhile. Plain attributes set on replica 0's submodules
+  (`attributes`) and gradients changed on replica 0 (`outside_gradients`) follow too;
+  with one local replica, buffers written there count as agreed (`_buffers_written`).
   Inside `run`, a replica may write its parameters in place only as every replica does
   (with one copy each: the same number of writes; with shared storage: none).
 * A run that raised: its exception reaches the caller as itself (`enter_cross_replica`).
@@ -24,7 +29,6 @@
 
 from __future__ import annotations
 
-import copy
 import operator
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -33,8 +37,11 @@ from typing import Any
 import torch
 
 from crossdevice._core import context
+from crossdevice._frameworks.torch.attributes import AttributeMirror
 from crossdevice._frameworks.torch.buffers import BufferSync
+from crossdevice._frameworks.torch.derived import copy_module
 from crossdevice._frameworks.torch.hooks import HookMirror
+from crossdevice._frameworks.torch.outside_gradients import GradientMirror
 from crossdevice._frameworks.torch.storage import ParameterCheck, realias
 
 __all__ = [
@@ -42,7 +49,6 @@ __all__ = [
     "compile_replicas",
     "compiled_context",
     "copy_replicas",
-    "derived_tensors",
     "make_replicas",
     "recompile_copy",
 ]
@@ -82,14 +88,16 @@ def make_replicas(
     """`module` moved to `devices[0]`, and a deep copy on each other device.
 
     With `shared`, the copies' parameters are aliases of replica 0's (`alias`): their
-    own `Parameter` objects over the same storage; buffers are copied.
+    own `Parameter` objects over the same storage; buffers are copied. Tensors the
+    module derived from its parameters are derived again from each copy's own
+    (`derived.copy_module`).
     """
     replicas = [module.to(devices[0])]
     for device in devices[1:]:
-        memo = derived_tensors(module)
+        memo: dict[int, Any] = {}
         if shared:
             memo.update({id(p): alias(p) for p in module.parameters()})
-        replica = copy.deepcopy(module, memo).to(device)
+        replica = copy_module(module, memo, device)
         recompile_copy(module, replica)
         replicas.append(replica)
     return replicas
@@ -102,37 +110,17 @@ def copy_replicas(
 
     With `shared`, the copies' parameters alias the first copy's, as the originals did.
     """
-    memo.update(derived_tensors(replicas[0]))
-    first = copy.deepcopy(replicas[0], memo)
+    first = copy_module(replicas[0], memo)
     recompile_copy(replicas[0], first)
     copies = [first]
     for replica in replicas[1:]:
-        memo.update(derived_tensors(replica))
         if shared:
             for own, new in zip(replica.parameters(), first.parameters(), strict=True):
                 memo[id(own)] = alias(new)
-        duplicate = copy.deepcopy(replica, memo)
+        duplicate = copy_module(replica, memo)
         recompile_copy(replica, duplicate)
         copies.append(duplicate)
     return copies
-
-
-def derived_tensors(module: torch.nn.Module) -> dict[int, Any]:
-    """A `copy.deepcopy` memo: each tensor attribute of a submodule that a graph made, detached.
-
-    The deprecated `torch.nn.utils.weight_norm` keeps `weight` as a plain attribute
-    computed from `weight_g` and `weight_v` (by a forward pre-hook, at every forward);
-    `deepcopy` refuses such a tensor ("Only Tensors created explicitly by the user
-    (graph leaves) support the deepcopy protocol"), so `prepare` failed where DDP, which
-    copies nothing, runs (the bug hunt of session 53). A copy takes it detached: a value
-    derived from parameters, which its module computes again from the copy's own.
-    """
-    memo: dict[int, Any] = {}
-    for submodule in module.modules():
-        for value in vars(submodule).values():
-            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                memo[id(value)] = value.detach().clone()
-    return memo
 
 
 def alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -200,7 +188,20 @@ class ReplicaMirror:
         # not this one is the run's own (`_run_failed`).
         self._handling: BaseException | None = None
         self.storage = ParameterCheck(replicas, self._names, self._shared)
+        # Where replica 0's parameters sit, by name: a renamed one is told apart (`_renamed`).
+        self._slots = [
+            (prefix, module._parameters, name, param)
+            for prefix, module in replicas[0].named_modules()
+            for name, param in module._parameters.items()
+            if param is not None
+        ]
         self._hooks = HookMirror(replicas, own_hooks)
+        several = len(replicas) > 1
+        self._attributes = AttributeMirror(replicas) if several else None
+        self._grads = GradientMirror(self._params) if several else None
+        # Replica 0's buffers (object, version) when cross-replica code started, with one
+        # local replica (`_buffers_written`).
+        self._buffer_marks: list[tuple[int, int] | None] = []
         self.enter_cross_replica()
 
     def _state(self) -> tuple[Any, ...]:
@@ -212,6 +213,24 @@ class ReplicaMirror:
             [None if b is None else (id(b), b._version) for b in buffers],
             [m.training for m in self._modules[0]],
         )
+
+    def _buffer_state(self) -> list[tuple[int, int] | None]:
+        return [
+            None if b is None else (id(b), b._version)
+            for b in (m._buffers[name] for m, name in self._buffer_slots[0])
+        ]
+
+    def _buffers_written(self) -> None:
+        """With one local replica: buffers written by cross-replica code count as agreed.
+
+        `model.load_state_dict(...)`, `model.to(torch.float64)`, `model.scale.mul_(1.5)`
+        between steps: without this, the next forward took such a write for one of its
+        own and refused it (`BufferSync.after_forward`), on every worker alike. With
+        several local replicas `_propagate` refreshes the buffers it copies.
+        """
+        marks, self._buffer_marks = self._buffer_marks, []
+        if marks and marks != self._buffer_state():
+            self._buffers.refresh(0)
 
     def enter_cross_replica(self) -> None:
         """Remember replica 0's state (the replicas agree on it now).
@@ -230,6 +249,7 @@ class ReplicaMirror:
             self._in_run = False
             self._buffers.settle()
         if len(self._replicas) == 1:
+            self._buffer_marks = self._buffer_state()
             return
         if self._in_run:  # a run (or the code before a merge_fn) has just ended
             self._in_run = False
@@ -239,6 +259,10 @@ class ReplicaMirror:
             self._buffers.settle()
         self._hooks.enter_cross_replica()
         self._record = self._state()
+        assert self._attributes is not None
+        assert self._grads is not None
+        self._attributes.forget()  # set inside the run: each replica's own
+        self._grads.record()
 
     def _run_failed(self) -> bool:
         """Whether the run ending now raised (an exception is on its way to the caller).
@@ -277,6 +301,36 @@ class ReplicaMirror:
                         f"failed too: {also!r}"
                     )
         self._running = []
+
+    def _follow_first(self) -> None:
+        """`ParameterCheck.follow_first`, its error told when a parameter was renamed."""
+        try:
+            self.storage.follow_first()
+        except RuntimeError as error:
+            renamed = self._renamed()
+            if renamed is None:
+                raise
+            old, new = renamed
+            raise RuntimeError(
+                f"parameter {old!r} of replica 0's copy of a mirrored module is no longer the "
+                f"parameter of that name: its module now keeps it as {new!r}. torch.nn.utils."
+                "prune renames the parameter it prunes ('weight' becomes 'weight_orig' at its "
+                "first pruning, 'weight' again at prune.remove), and a prepared model keeps "
+                "its parameters' names. Prune before crossdevice.torch.prepare (pruning an "
+                "already-pruned parameter again between steps works: prune.l1_unstructured("
+                "model[0], 'weight', amount)), and make pruning permanent (prune.remove) once "
+                "training with the mirrored model is done: replica 0's module, model.module, "
+                "then holds the pruned weights, to save or evaluate"
+            ) from error
+
+    def _renamed(self) -> tuple[str, str] | None:
+        """(old, new) name of a parameter of replica 0 that its module now keeps elsewhere."""
+        for prefix, owner, name, param in self._slots:
+            if owner.get(name) is not param:
+                for other, value in owner.items():
+                    if value is param:
+                        return _dotted(prefix, name), _dotted(prefix, other)
+        return None
 
     def _realign_parameters(self) -> None:
         """Give every replica replica 0's value of each parameter written unequally."""
@@ -340,11 +394,13 @@ class ReplicaMirror:
             self._handling = sys.exception()
         if len(self._replicas) == 1:
             self._in_run = True
+            self._buffers_written()
             return
         try:
-            self.storage.follow_first()
+            self._follow_first()
             self._propagate()
             self._hooks.leave_cross_replica()
+            self._follow_changes(again=False)
         finally:
             self._in_run = True
             self._running = self._versions()
@@ -352,9 +408,23 @@ class ReplicaMirror:
     def sync_now(self) -> None:
         """Bring every replica to replica 0's state now (cross-replica code)."""
         if len(self._replicas) > 1:
-            self.storage.follow_first()
+            self._follow_first()
             self._propagate()
             self._hooks.leave_cross_replica()
+            self._follow_changes(again=True)
+
+    def _follow_changes(self, again: bool) -> None:
+        """Plain attributes and gradients cross-replica code changed on replica 0.
+
+        `again`: cross-replica code goes on (`sync_now`), and its later gradient changes
+        are followed too; else a run starts, which holds no reference to old gradients.
+        """
+        assert self._attributes is not None
+        assert self._grads is not None
+        self._attributes.follow()
+        self._grads.follow()
+        if again:
+            self._grads.record()
 
     def settled(self) -> None:
         """Every replica was changed alike (`MirroredModule._apply`): record that state.
@@ -364,10 +434,12 @@ class ReplicaMirror:
         """
         self.storage.follow_first()
         self.storage.record()
+        for r in range(len(self._replicas)):  # with one replica too (`_buffers_written`)
+            self._buffers.refresh(r)
         if len(self._replicas) > 1:
-            for r in range(len(self._replicas)):
-                self._buffers.refresh(r)
             self._record = self._state()
+        elif self._buffer_marks:
+            self._buffer_marks = self._buffer_state()
 
     def _propagate(self) -> None:
         now = self._state()
@@ -385,8 +457,20 @@ class ReplicaMirror:
                 if b != old:
                     module, name = self._buffer_slots[0][k]
                     source_buffer = module._buffers[name]
+                    same = b is not None and old is not None and b[0] == old[0]
                     for r, slots in enumerate(self._buffer_slots[1:], start=1):
                         target_module, target_name = slots[k]
+                        target = target_module._buffers[target_name]
+                        if (
+                            same
+                            and target is not None
+                            and source_buffer is not None
+                            and _fits(target, source_buffer)
+                        ):
+                            # written in place on replica 0: in place here too, so a view
+                            # of the buffer kept by the module follows (`derived`)
+                            target.copy_(source_buffer)
+                            continue
                         target_module._buffers[target_name] = (
                             None
                             if source_buffer is None
@@ -408,6 +492,19 @@ class ReplicaMirror:
         for tensor in (*self._params[replica], *self._replicas[replica].buffers()):
             return tensor.device
         return torch.device("cpu")
+
+
+def _fits(target: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether `source`'s values can be copied into `target` in place."""
+    return (
+        target is not source
+        and (target.shape, target.dtype) == (source.shape, source.dtype)
+        and not target.is_inference()
+    )
+
+
+def _dotted(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _in_replica() -> bool:
