@@ -34,7 +34,9 @@ def _after_a_look(torch: Any, cdt: Any, mode: str, guard: Any) -> list[Any]:
 
         def train(x: Any) -> None:
             optimizer.zero_grad()
-            cdt.compute_average_loss(model(x).pow(2).sum(1), len(x) * 4).backward()
+            cdt.compute_average_loss(
+                model(x).pow(2).sum(1), global_batch_size=len(x) * 4
+            ).backward()
             optimizer.step()
 
         (inputs,) = strategy.experimental_distribute_dataset([x])

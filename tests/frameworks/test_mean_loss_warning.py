@@ -20,7 +20,7 @@ def _average(torch: Any, o: Any, y: Any, n: int | None) -> Any:
     import crossdevice.torch
 
     per_example = torch.nn.functional.cross_entropy(o, y, reduction="none")
-    return crossdevice.torch.compute_average_loss(per_example, n)
+    return crossdevice.torch.compute_average_loss(per_example, global_batch_size=n)
 
 
 WRONG = {
@@ -118,3 +118,66 @@ def test_a_habit_taken_up_later_is_found_at_the_next_power_of_two(torch: Any, cd
         if any("this replica's mean" in str(w.message) for w in caught):
             warned_at.append(n)
     assert warned_at == [8]
+
+
+def _warnings(torch: Any, strategy: Any, model: Any, loss: Any, outputs: int) -> list[Any]:
+    """The local-mean warnings of one step of `model` (6 features in, `outputs` out)."""
+    x, _ = global_batches(torch, 1)[0]
+    y = torch.arange(len(x)) % outputs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x_, y_ in strategy.experimental_distribute_dataset([(x, y)]):
+            strategy.run(lambda a, b: loss(torch, model(a), b, len(y)).backward(), args=(x_, y_))
+    return [w for w in caught if "this replica's mean" in str(w.message)]
+
+
+# (the other right losses divide a local mean by 4: right on 4 replicas only)
+ANY_REPLICAS = [n for n in sorted(RIGHT) if "replicas" not in n]
+
+
+@pytest.mark.parametrize(
+    ("replicas", "name"), [(2, n) for n in ANY_REPLICAS] + [(4, n) for n in sorted(RIGHT)]
+)
+def test_a_right_loss_with_as_many_classes_as_replicas_does_not_warn(
+    torch: Any, cdt: Any, replicas: int, name: str
+) -> None:
+    # The local batch times the classes is then the global batch: a summed cross entropy
+    # over the global batch (one term per example) looked like a local mean.
+    strategy = mirrored(replicas)
+    with strategy.scope():
+        model = cdt.prepare(torch.nn.Linear(6, replicas))
+    assert _warnings(torch, strategy, model, RIGHT[name], replicas) == [], name
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize(
+    "name", ["cross_entropy", "summed loss over local batch", "sum over local batch"]
+)
+def test_a_local_mean_with_as_many_classes_as_replicas_still_warns(
+    torch: Any, cdt: Any, replicas: int, name: str
+) -> None:
+    strategy = mirrored(replicas)
+    with strategy.scope():
+        model = cdt.prepare(torch.nn.Linear(6, replicas))
+    assert len(_warnings(torch, strategy, model, WRONG[name], replicas)) == 1, name
+
+
+def test_only_the_models_a_loss_trains_are_looked_at(torch: Any, cdt: Any) -> None:
+    # A model with DDP's rule and DDP's loss is right, whatever other model (with the SUM
+    # rule) the strategy holds; that other model keeps its own warning for its own habit.
+    strategy = mirrored(2)
+    with strategy.scope():
+        summed = cdt.prepare(torch.nn.Linear(6, 3))
+        averaged = cdt.prepare(torch.nn.Linear(6, 3), gradient_reduction="mean")
+    mean = WRONG["cross_entropy"]
+    assert _warnings(torch, strategy, averaged, mean, 3) == []
+    assert _warnings(torch, strategy, averaged, mean, 3) == []
+    assert len(_warnings(torch, strategy, summed, mean, 3)) == 1
+    # Both in one loss: the SUM-rule model's gradients are N times too large.
+    with strategy.scope():
+        other = cdt.prepare(torch.nn.Linear(6, 3))
+
+    def both(x: Any) -> Any:
+        return other(x) + averaged(x)
+
+    assert len(_warnings(torch, strategy, both, mean, 3)) == 1

@@ -179,13 +179,16 @@ def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any, rep
     n = strategy.num_replicas_in_sync
     kind = None
     for root in roots:
-        found = _local_mean(getattr(root, "grad_fn", None), 1.0)
+        found = _local_mean(getattr(root, "grad_fn", None), 1.0, n)
         # A local mean not scaled by exactly 1/N; silent where a factor is unreadable.
         if found is not None and found[1] is not None and abs(abs(found[1]) * n - 1) > 1e-6:
             kind = found[0]
             break
     if kind is None:
         return
+    # Only the models this loss trains: another model on the strategy (prepared with
+    # the other rule, or trained by another loss) is not this loss's business.
+    pending = _in_graph(roots, pending, replica)
     with _WARNED_LOCK:  # replica threads find it at once: one of them warns
         pending = [s for s in pending if not s.warned_mean_loss]
         for sync in pending:
@@ -204,14 +207,40 @@ def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any, rep
     )
 
 
-def _local_mean(node: Any, factor: float | None, depth: int = 0) -> tuple[str, float | None] | None:
+def _in_graph(roots: list[Any], syncs: list[GradientSync], replica: int) -> list[GradientSync]:
+    """The `syncs` whose parameters (`replica`'s) the graph of `roots` accumulates into.
+
+    Walks the whole graph, so only once a local mean was found (a warning is due).
+    """
+    owner = {id(p): s for s in syncs for p in s.params(replica)}
+    found: list[GradientSync] = []
+    seen: set[Any] = set()  # the node objects themselves: held, their ids stay theirs
+    stack = [getattr(root, "grad_fn", None) for root in roots]
+    while stack and len(found) < len(syncs):
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        sync = owner.get(id(getattr(node, "variable", None)))
+        if sync is not None and sync not in found:
+            found.append(sync)
+        stack.extend(child for child, _ in node.next_functions)
+    return [s for s in syncs if s in found]
+
+
+def _local_mean(
+    node: Any, factor: float | None, replicas: int, depth: int = 0
+) -> tuple[str, float | None] | None:
     """What makes `node`'s output a local mean, and the constant factor applied to it.
 
-    A mean-reduced loss, `.mean()`, or a sum divided by the summed tensor's first size
-    or element count (`loss.sum() / len(x)`, `cross_entropy(o, y, reduction="sum") /
-    len(o)`), seen through sums of terms, negation and
-    multiplication or division by a constant; the factor is None where a constant is
-    unreadable (on an accelerator: reading it would wait for the device).
+    A mean-reduced loss, `.mean()`, or a sum divided by the number of terms it summed
+    or by the summed tensor's first size (`loss.sum() / len(x)`, `cross_entropy(o, y,
+    reduction="sum") / len(o)`, `mse_loss(o, t, reduction="sum") / o.numel()`), seen
+    through sums of terms, negation and multiplication or division by a constant; the
+    factor is None where a constant is unreadable (on an accelerator: reading it would
+    wait for the device). A divisor that is also the global batch (the first size times
+    `replicas`) is the SUM rule's, whatever else it equals: `o.sum() / global_batch`
+    where `o` has as many columns as there are replicas.
     """
     if node is None or depth > _DEPTH:
         return None
@@ -222,12 +251,12 @@ def _local_mean(node: Any, factor: float | None, depth: int = 0) -> tuple[str, f
         return f"{name.removesuffix('Backward0')} with reduction='mean'", factor
     if name in _THROUGH:
         for child, _ in node.next_functions:
-            found = _local_mean(child, factor, depth + 1)
+            found = _local_mean(child, factor, replicas, depth + 1)
             if found:
                 return found
         return None
     if name == "NegBackward0":
-        return _local_mean(node.next_functions[0][0], factor, depth + 1)
+        return _local_mean(node.next_functions[0][0], factor, replicas, depth + 1)
     power = _SCALE.get(name)
     if power is None:
         return None
@@ -240,22 +269,35 @@ def _local_mean(node: Any, factor: float | None, depth: int = 0) -> tuple[str, f
         return None  # both differentiable (a learned weight), or a constant over x
     scaled = None if factor is None or constant is None else factor * constant**power
     if power == -1 and constant is not None:
-        sizes = _summed_sizes(child)
-        if sizes and constant in (sizes[0], math.prod(sizes)):
+        counts = _summed_counts(child)
+        if counts and constant in counts and constant != counts[0] * replicas:
             return f"a sum divided by this replica's batch, {constant:g}", factor
-    return _local_mean(child, scaled, depth + 1)
+    return _local_mean(child, scaled, replicas, depth + 1)
 
 
-def _summed_sizes(node: Any) -> tuple[int, ...]:
-    """The shape that `node` summed: `x.sum()`'s, or a loss's with reduction='sum'; else ()."""
-    if type(node).__name__ == "SumBackward0":
-        return tuple(getattr(node, "_saved_self_sym_sizes", ()))
+def _summed_counts(node: Any) -> tuple[int, ...]:
+    """What `node` summed over: (its first size, its number of terms); else ().
+
+    `x.sum()`: the summed tensor's first size and element count. A loss with
+    reduction='sum': its input's first size and its number of terms, which for
+    `nll_loss` (`cross_entropy`) is one per example and position, not per class: its
+    input holds log-probabilities, (batch, classes, ...).
+    """
+    name = type(node).__name__
+    if name == "SumBackward0":
+        sizes = tuple(getattr(node, "_saved_self_sym_sizes", ()))
+        return (sizes[0], math.prod(sizes)) if sizes else ()
     if getattr(node, "_saved_reduction", None) != _SUM_REDUCTION:
         return ()
-    try:  # cross_entropy(..., reduction="sum"): its log-probabilities, (batch, classes)
-        return tuple(node._saved_self.shape)
+    try:
+        sizes = tuple(node._saved_self.shape)
     except (AttributeError, RuntimeError):  # none saved, or freed by an earlier backward
         return ()
+    if not sizes:
+        return ()
+    if name.startswith("NllLoss"):  # (classes,) alone: one term
+        return (sizes[0], math.prod(sizes) // sizes[1]) if len(sizes) > 1 else (1, 1)
+    return (sizes[0], math.prod(sizes))
 
 
 def _constant(node: Any, name: str) -> float | None:

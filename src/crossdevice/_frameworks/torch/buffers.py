@@ -17,6 +17,17 @@ has one, applied after every training-mode forward inside `strategy.run`:
 Changes made any other way inside `strategy.run` (a submodule called directly, an
 eval-mode forward) are combined by the same rule when the run ends (`settle`).
 
+A change is seen by the buffer's version counter, which some writers leave alone: a
+write through `.data` (`buf.data.mul_(d)`, `buf.data = x`, the habit of EMA code),
+`F.batch_norm` on a module's own statistics, and quantization-aware training's fused
+observers (`FusedMovingAvgObsFakeQuantize`, torch's default QAT qconfig:
+`torch.fused_moving_avg_obs_fake_quant` updates `min_val`, `max_val`, `scale` and
+`zero_point` in place). So undeclared buffers are also compared by value with a copy of
+what the replicas agreed on: the fused observers' after every forward (a few scalars),
+the others after each replica's forwards 1-4, then 8, 16, 32, ... (and at the ends of
+runs on the same schedule), where a writer that bypasses the counter is found at its
+first forward and a later one at the next power of two.
+
 Spectral norm's `u` and `v` (its power iteration reads only the weight, so every replica
 computes them alike) need no rule. Any other integer or floating buffer with no declared
 aggregation that a forward pass changes is an error naming it, also one every replica
@@ -59,6 +70,9 @@ class Aggregation(enum.StrEnum):
 
 AGGREGATIONS: Final = tuple(m.value for m in Aggregation)
 _NORM_STATS: Final = ("running_mean", "running_var")
+#: Forwards (per replica) after which every undeclared buffer is compared by value: the
+#: first few, then the powers of two (a copy and a compare of each buffer).
+_ALWAYS_COMPARED: Final = 4
 
 
 def resolve_aggregations(
@@ -155,6 +169,7 @@ class BufferSync:
                 prefix, _, leaf = name.rpartition(".")
                 slots.append((owners[prefix], leaf))
             self._slots.append(slots)
+        self._root = replicas[0]
         self._local = len(replicas)
         self._in_sync = len(replicas) if replicas_in_sync is None else replicas_in_sync
         self._names = list(aggregations)
@@ -163,12 +178,21 @@ class BufferSync:
         self._watched = [k for k, h in enumerate(self._how) if h is None]
         # Spectral norm's power iteration reads only the weight: alike on every replica.
         self._alike = {k for k in self._watched if _spectral_norm_owns(*self._slots[0][k])}
+        # Written in place without a version bump on every forward: compared by value.
+        self._unversioned = {
+            k for k in self._watched if _unversioned_writer_owns(replicas[0], self._names[k])
+        }
         # Values the replicas agreed on last, to add changes to ("sum").
         self._agreed: list[dict[int, torch.Tensor]] = [{} for _ in replicas]
         self._seen: list[list[tuple[int, int]]] = []
+        # The undeclared buffers' values as last seen unchanged or agreed on (`_compared`)
+        self._copies: list[dict[int, torch.Tensor]] = [{} for _ in replicas]
+        self._forwards = [0] * len(replicas)
+        self._settles = 0
         for r in range(len(replicas)):
             self._seen.append(self._marks(r, self._watched))
             self._keep_agreed(r)
+            self._keep_copies(r, self._watched)
 
     @property
     def active(self) -> bool:
@@ -191,16 +215,34 @@ class BufferSync:
             if self._how[k] == "sum":
                 self._agreed[replica][k] = self._buffer(replica, k).detach().clone()
 
-    def _changed_watched(self, replica: int) -> tuple[list[int], list[tuple[int, int]]]:
+    def _keep_copies(self, replica: int, ks: list[int]) -> None:
+        for k in ks:
+            self._copies[replica][k] = self._buffer(replica, k).detach().clone()
+
+    def _changed_watched(
+        self, replica: int, every_value: bool
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The watched buffers `replica` changed since they were last seen.
+
+        By version, and by value for those whose writers may leave the version alone
+        (all of them if `every_value`).
+        """
         now = self._marks(replica, self._watched)
-        if now == self._seen[replica]:
-            return [], now
-        changed = [
+        changed = {
             k
             for k, before, after in zip(self._watched, self._seen[replica], now, strict=True)
             if before != after
-        ]
-        return changed, now
+        }
+        copies = self._copies[replica]
+        for k in self._watched if every_value else self._unversioned:
+            if k not in changed and not torch.equal(self._buffer(replica, k), copies[k]):
+                changed.add(k)
+        return sorted(changed), now
+
+    def _compared(self, replica: int) -> bool:
+        """Count a forward of `replica`; whether every watched buffer's value is compared."""
+        self._forwards[replica] += 1
+        return _scheduled(self._forwards[replica])
 
     def after_forward(self, replica: int, training: bool, empty: bool = False) -> None:
         """Combine the declared buffers (training mode), refuse undeclared changes.
@@ -211,7 +253,7 @@ class BufferSync:
         other replicas' only (its unchanged value diluted the update).
         """
         if self._watched:
-            changed, now = self._changed_watched(replica)
+            changed, now = self._changed_watched(replica, self._compared(replica))
             if changed:
                 counts = [k for k in changed if not self._buffer(replica, k).is_floating_point()]
                 if counts:
@@ -232,6 +274,7 @@ class BufferSync:
                 if alike and self._in_sync > 1:
                     self._undeclared(alike, "alike")
                 self._seen[replica] = now
+                self._keep_copies(replica, changed)
         if not training or not self._synced:
             return
         ctx = get_replica_context()
@@ -280,6 +323,17 @@ class BufferSync:
             "count of examples when the slices have one size (each replica counted only "
             "its own: the global batch's count is their sum)",
         }[why]
+        observers = [n for n in names if _quantization_owns(self._root, n)]
+        hint = (
+            ". Those of quantization observers and fake-quantizers (quantization-aware "
+            "training) take 'first_replica', as DDP broadcasts rank 0's buffers "
+            "(broadcast_buffers): replica 0's min_val, max_val, scale and zero_point, "
+            "consistent with each other. Declare it for all of them, with the names "
+            "torch's prepare_qat gives: buffer_aggregation={'*activation_post_process*': "
+            "'first_replica', '*weight_fake_quant*': 'first_replica'}"
+            if observers
+            else ""
+        )
         raise RuntimeError(
             f"the forward pass changed buffer(s) {names} of a mirrored module, which have "
             f"no declared aggregation, and {reason}. Declare how the replicas combine "
@@ -288,7 +342,7 @@ class BufferSync:
             "for counters of examples (every replica's changes added), 'max' for running "
             "maxima, 'first_replica' for values every replica computes alike (replica "
             "0's), 'none' to let each replica keep its own; or change them outside the "
-            "forward pass"
+            f"forward pass{hint}"
         )
 
     def settle(self) -> None:
@@ -305,7 +359,9 @@ class BufferSync:
         """
         replicas = range(self._local)
         if self._watched:
-            changes = [self._changed_watched(r) for r in replicas]
+            self._settles += 1
+            every_value = _scheduled(self._settles)
+            changes = [self._changed_watched(r, every_value) for r in replicas]
             changed = sorted({k for ks, _ in changes for k in ks})
             if changed:
                 if self._in_sync != self._local:
@@ -328,8 +384,9 @@ class BufferSync:
                 alike = [k for k in changed if k not in self._alike]
                 if alike and self._in_sync > 1:
                     self._undeclared(alike, "alike")
-                for r, (_, now) in zip(replicas, changes, strict=True):
+                for r, (ks, now) in zip(replicas, changes, strict=True):
                     self._seen[r] = now
+                    self._keep_copies(r, ks)
         # BatchNorm's kernels update running statistics without a version bump: the
         # values tell. Replicas that agree on a "mean", "max" or "first_replica" buffer
         # have nothing to combine; a "sum" one is compared with what they agreed on.
@@ -441,6 +498,42 @@ class BufferSync:
         """Buffers were set from outside (a copy from replica 0): watch from here."""
         self._seen[replica] = self._marks(replica, self._watched)
         self._keep_agreed(replica)
+        self._keep_copies(replica, self._watched)
+
+
+def _scheduled(count: int) -> bool:
+    return count <= _ALWAYS_COMPARED or count & (count - 1) == 0
+
+
+def _unversioned_writer_owns(module: torch.nn.Module, name: str) -> bool:
+    """Whether a module on `name`'s path writes it in place without a version bump.
+
+    QAT's fused observer (`FusedMovingAvgObsFakeQuantize`, torch's default qconfig)
+    updates its own `scale` and `zero_point` and its observer's `min_val` and `max_val`
+    through `torch.fused_moving_avg_obs_fake_quant`, on every forward.
+    """
+    fused = getattr(
+        importlib.import_module("torch.ao.quantization.fake_quantize"),
+        "FusedMovingAvgObsFakeQuantize",
+        (),
+    )
+    parts = name.split(".")[:-1]
+    for depth in range(len(parts) + 1):
+        owner = module.get_submodule(".".join(parts[:depth]))
+        if isinstance(owner, fused):
+            return True
+    return False
+
+
+def _quantization_owns(module: torch.nn.Module, name: str) -> bool:
+    """Whether `name` is a buffer of torch's quantization observers or fake-quantizers."""
+    parts = name.split(".")[:-1]
+    return any(
+        type(module.get_submodule(".".join(parts[:depth]))).__module__.startswith(
+            "torch.ao.quantization"
+        )
+        for depth in range(len(parts) + 1)
+    )
 
 
 def _spectral_norm_owns(module: torch.nn.Module, leaf: str) -> bool:
