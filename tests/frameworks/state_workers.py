@@ -4,6 +4,11 @@
 the same global batches on every worker, 4 steps, with a learning-rate change or a
 `zero_grad()` that one worker makes and the other does not (`case`), and returns the
 error (type and text) or the final parameters and the learning rates seen.
+
+The cases that write buffers or the optimizer's state outside `strategy.run` (`BY_HAND`)
+train `scaled_mlp` instead: the MLP with a layer holding two buffers, `scale` (read by
+the forward, changed by no forward, undeclared) and `peak` (a running maximum that each
+replica's forward updates in place or not, depending on its slice: combined by "max").
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ CASES = (
     "edited_in_place",
     "eval_on_one",
     "frozen_on_one",
+    # by hand outside run, on worker 1 only (a later multi-worker bug hunt), or on all alike
+    "optimizer_loaded_on_one",
+    "optimizer_cleared_on_one",
+    "optimizer_edited_on_one",
+    "buffer_on_one",
+    "declared_buffer_on_one",
+    "alike_by_hand",
 )
+#: The cases that train `scaled_mlp` and write buffers or optimizer state by hand.
+BY_HAND = frozenset(c for c in CASES[CASES.index("optimizer_loaded_on_one") :])
 STEPS = 4
 #: The batches before whose backward `zero_grad()` is called, and after which the
 #: optimizer steps: batch 2's gradients add to batch 1's (accumulation), and so on.
@@ -47,9 +61,11 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
     torch.set_default_dtype(torch.float64)
     strategy = worker_strategy(replicas)
     with strategy.scope():
-        net = mlp(torch)
+        net = scaled_mlp(torch) if case in BY_HAND else mlp(torch)
         opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
-        model, optimizer = cdt.prepare(net, opt)
+        model, optimizer = cdt.prepare(
+            net, opt, buffer_aggregation={"*peak": "max"} if case in BY_HAND else None
+        )
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     assert GLOBAL_BATCH % (world_size * replicas) == 0
     odd = rank == 1
@@ -65,6 +81,7 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
             optimizer.step()
 
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    saved: list[Any] = []
     rates = []
     try:
         for i, (x, y) in enumerate(
@@ -86,25 +103,84 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
                 model.eval()
             if case == "frozen_on_one" and odd and i == 1:
                 model[0].bias.requires_grad_(False)
+            if case in BY_HAND:
+                by_hand(torch, model, optimizer, case, i, odd, replicas, saved)
             rates.append(optimizer.param_groups[0]["lr"])
     except Exception as err:  # the worker's outcome, returned
         return {"error": f"{type(err).__name__}: {err}", "rates": rates}
     params = [p.detach().clone() for p in model.replicas[0].parameters()]
+    buffers = [b.detach().clone() for b in model.replicas[0].buffers()]
     predictor = strategy.extended._worker_communicator._integrity.predictor
-    return {"params": params, "rates": rates, "guesses": predictor.guesses}
+    return {"params": params, "buffers": buffers, "rates": rates, "guesses": predictor.guesses}
 
 
-def plain(case: str) -> list[Any]:
-    """The `alike` case's parameters trained by plain torch on the global batches."""
+def scaled_mlp(torch: Any) -> Any:
+    """The helpers' MLP with a layer that holds buffers between its layers (module doc)."""
+    from tests.frameworks.helpers import mlp
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(8))
+            self.register_buffer("peak", torch.zeros(()))
+
+        def forward(self, x: Any) -> Any:
+            if self.training:
+                with torch.no_grad():
+                    top = x.abs().max()
+                    if top > self.peak:  # written in place by some replicas' forwards only
+                        self.peak.copy_(top)
+            return x * self.scale
+
+    first, act, last = mlp(torch)
+    return torch.nn.Sequential(first, act, Scaled(), last)
+
+
+def by_hand(
+    torch: Any,
+    model: Any,
+    optimizer: Any,
+    case: str,
+    i: int,
+    odd: bool,
+    replicas: int,
+    saved: list[Any],
+) -> None:
+    """What `case` writes outside the run after step `i` (all workers, or `odd` only)."""
+    import copy
+
+    if i == 0:
+        saved.append(copy.deepcopy(optimizer.state_dict()))
+    if i != 1:
+        return
+    alike = case == "alike_by_hand"
+    if alike or (case == "optimizer_loaded_on_one" and odd):
+        optimizer.load_state_dict(saved[0])  # "only one rank resumed the optimizer"
+    if case == "optimizer_cleared_on_one" and odd:
+        optimizer.state.clear()
+    with torch.no_grad():
+        if alike or (case == "optimizer_edited_on_one" and odd):
+            for entry in optimizer.state.values():
+                entry["momentum_buffer"].mul_(0.5)
+        if alike or (case == "buffer_on_one" and odd):
+            model[2].scale.mul_(1.5)
+        if alike or (case == "declared_buffer_on_one" and odd):
+            model[2].peak.mul_(0.5)
+
+
+def plain(case: str, replicas: int = 1) -> list[Any]:
+    """The `alike` (or `alike_by_hand`) case's parameters (and buffers) trained by plain
+    torch on the global batches."""
     import torch
 
     from tests.frameworks.helpers import global_batches, global_loss, mlp
 
-    assert case == "alike"
+    assert case in ("alike", "alike_by_hand")
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # in the test's own process: restored below
+    saved: list[Any] = []
     try:
-        net = mlp(torch)
+        net = scaled_mlp(torch) if case in BY_HAND else mlp(torch)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         for i, (x, y) in enumerate(global_batches(torch, STEPS)):
@@ -115,6 +191,10 @@ def plain(case: str) -> list[Any]:
             if i in STEPPED:
                 optimizer.step()
             schedule.step()
+            if case in BY_HAND:
+                by_hand(torch, net, optimizer, case, i, False, replicas, saved)
     finally:
         torch.set_default_dtype(before)
-    return [p.detach().clone() for p in net.parameters()]
+    return [p.detach().clone() for p in net.parameters()] + [
+        b.detach().clone() for b in net.buffers()
+    ]

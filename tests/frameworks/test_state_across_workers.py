@@ -10,6 +10,12 @@ count (`crossdevice/_frameworks/torch/step_state.py`), compared across workers w
 call: every worker raises `CollectiveMismatchError`, showing each worker's values, before
 any worker used the sum. The same program on every worker (a scheduler on each, gradient
 accumulation) trains as plain torch does on the global batches.
+
+So do the writes outside `strategy.run` since the last step to buffers and to the
+optimizer's state (`outside_run.py`; a later multi-worker bug hunt: one worker that loaded,
+cleared or edited its optimizer's state, or wrote a buffer, trained on silently), while
+every worker writing them alike, and forwards that update a buffer on some replicas
+only, train as plain torch does.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.frameworks.state_workers import plain, train
+from tests.frameworks.state_workers import BY_HAND, plain, train
 from tests.multi_worker.harness import run_workers
 
 pytestmark = [pytest.mark.multiprocess]
@@ -37,6 +43,13 @@ FAILS = {
     "edited_in_place": (2, ("0 parameter writes", "1 parameter writes")),
     "eval_on_one": (2, ("modules in eval mode",)),
     "frozen_on_one": (2, ("1 parameters frozen",)),
+    # Buffers and optimizer state written outside run on one worker; the
+    # other worker's text says it wrote none.
+    "optimizer_loaded_on_one": (2, ("SGD state changed outside run", "4 replaced/added")),
+    "optimizer_cleared_on_one": (2, ("SGD state changed", "0 replaced/added, 4 removed")),
+    "optimizer_edited_on_one": (2, ("SGD state changed", "0 removed, 4 in-place")),
+    "buffer_on_one": (2, ("buffer '2.scale' written 1x outside run",)),
+    "declared_buffer_on_one": (2, ("buffer '2.peak' written 1x outside run",)),
 }
 
 
@@ -55,6 +68,8 @@ def test_settings_that_went_apart_fail_on_every_worker(
         assert re.search(r"fields that differ: [a-z, ]*\bstate\b", error), error
         for text in shown:
             assert text in error, error
+        if case in BY_HAND:
+            assert "0 writes outside run to buffers, optimizer state" in error, error
         assert len(out["rates"]) == at, out  # the runs before it completed
 
 
@@ -75,4 +90,25 @@ def test_the_same_program_on_every_worker_trains_as_plain_torch(
         # The rate changes every step and the state with it, but not the call's layout:
         # the workers still predict it (with the state in the predictor's history: 0).
         assert out["guesses"] >= 2, out["guesses"]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_buffers_and_optimizer_state_written_alike_train_as_plain_torch(
+    torch_module: Any, replicas: int
+) -> None:
+    """Every worker loads the optimizer's state of step 0 after step 1, halves its momentum
+    and writes the buffers, while each
+    replica's forward updates `peak` or not, as its slice has it: no error, plain torch's
+    parameters and buffers."""
+    torch = torch_module
+    outs = [r.unwrap() for r in run_workers(train, 2, args=("alike_by_hand", replicas))]
+    reference = plain("alike_by_hand", replicas)
+    for out in outs:
+        assert "params" in out, out
+        got = out["params"] + out["buffers"]
+        assert len(got) == len(reference)
+        worst = max(float((a - b).abs().max()) for a, b in zip(got, reference, strict=True))
+        assert worst <= 1e-12, worst
+    assert outs[0]["rates"] == outs[1]["rates"]
     assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True))

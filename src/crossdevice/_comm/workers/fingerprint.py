@@ -311,10 +311,12 @@ def mismatch_message(
     if "state" in fields:
         lines.append(
             "The state differs: what every worker's call must share besides (for "
-            "crossdevice.torch's gradients, the optimizer's hyperparameters and the "
-            "zero_grad() calls since its last step, shown above for each worker). Change "
-            "hyperparameters on every worker alike (a scheduler stepped on every worker, "
-            "not on the chief only), and make the same zero_grad() calls on every worker."
+            "crossdevice.torch's gradients: the optimizer's hyperparameters, the "
+            "zero_grad() calls since its last step, the writes to parameters, buffers and "
+            "optimizer state outside the step, the eval-mode modules and the frozen "
+            "parameters, shown above for each worker). Do these on every worker alike (a "
+            "scheduler stepped on every worker, not on the chief only; a checkpoint loaded "
+            "on every worker), or on none."
         )
     return "\n".join(lines)
 

@@ -37,9 +37,10 @@ from crossdevice._strategies.replica import in_section
 from crossdevice._sync.call import CallSignature
 from crossdevice._values.values import PerReplica
 
-__all__ = ["StepCheck", "fingerprint"]
+__all__ = ["StepCheck", "changes", "fingerprint"]
 
 _STEP_CALL: Final = CallSignature("MirroredOptimizer.step()")
+_GONE: Final[Any] = object()
 _TENSOR: Final = torch.Tensor
 
 
@@ -142,7 +143,9 @@ def fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
     """What changes when `optimizer.state` changes.
 
     Its entries, each tensor's identity and version counter (every in-place write bumps
-    it), and plain values.
+    it), and plain values. Laid out for `changes`: `[id(state), len(state)]`, then per
+    entry its identity and length (-1: not a dict), then per item `name, id(value), tag`
+    (a tensor's version, a plain value itself, else None).
 
     About 0.2 us per state tensor (Adam: 3 per parameter), taken twice per run.
     """
@@ -152,7 +155,9 @@ def fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
     for entry in state.values():
         append(id(entry))
         if type(entry) is not dict:
+            append(-1)
             continue
+        append(len(entry))
         for name, value in entry.items():
             append(name)
             append(id(value))
@@ -160,4 +165,64 @@ def fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
                 append(value._version)
             elif isinstance(value, PLAIN):
                 append(value)
+            else:
+                append(None)
     return out
+
+
+def changes(before: list[Any], after: list[Any]) -> tuple[int, int, int]:
+    """What happened to an optimizer's state between two `fingerprint`s of it.
+
+    Returns:
+        (in-place writes, items replaced or added, items removed): a tensor still
+        there counts the writes its version counter saw; a new object under a name (a
+        tensor replaced, a plain value changed, a new entry's items) counts one, as does
+        each item gone. A new state dict (`load_state_dict`) replaced every item. The
+        counts follow what was done, not addresses: every worker that does the same
+        gets the same counts (`step_state.py` compares them).
+    """
+    if before[0] != after[0]:
+        return 0, _count(after), _count(before)
+    written = replaced = removed = 0
+    old = dict(_entries(before))
+    for ident, items in _entries(after):
+        was = old.pop(ident, _GONE)
+        if was is _GONE or was is None or items is None:  # a new entry (or not a dict)
+            replaced += 1 if items is None else len(items)
+            if was is not _GONE:
+                removed += 1 if was is None else len(was)
+            continue
+        for name, (value, tag) in items.items():
+            before_item = was.get(name)
+            if before_item is None:
+                replaced += 1
+            elif before_item == (value, tag):
+                continue
+            elif before_item[0] == value and type(tag) is int and tag >= before_item[1]:
+                written += tag - before_item[1]  # a tensor's version counter
+            else:
+                replaced += 1  # (the same address with a lower version: a new tensor)
+        removed += sum(1 for name in was if name not in items)
+    removed += sum(1 if items is None else len(items) for items in old.values())
+    return written, replaced, removed
+
+
+def _entries(print_: list[Any]) -> list[tuple[int, dict[Any, tuple[int, Any]] | None]]:
+    """A `fingerprint`'s entries: (identity, {name: (id(value), tag)} or None)."""
+    out: list[tuple[int, dict[Any, tuple[int, Any]] | None]] = []
+    i = 2
+    while i < len(print_):
+        ident, size = print_[i], print_[i + 1]
+        i += 2
+        if size < 0:
+            out.append((ident, None))
+            continue
+        items = {print_[j]: (print_[j + 1], print_[j + 2]) for j in range(i, i + 3 * size, 3)}
+        out.append((ident, items))
+        i += 3 * size
+    return out
+
+
+def _count(print_: list[Any]) -> int:
+    """The items (or non-dict entries) of a `fingerprint`'s state."""
+    return sum(1 if items is None else len(items) for _, items in _entries(print_))

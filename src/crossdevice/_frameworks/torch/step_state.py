@@ -24,8 +24,13 @@ group's values but its parameters, in order), the `zero_grad()` calls made insid
 `strategy.run` since the optimizer's last `step()`, the writes to the replica's
 parameters since then (their version counters: an optimizer's step, a
 `load_state_dict`, an in-place edit, each counts alike on every worker that makes it),
-which of its modules are in eval mode, and which parameters are frozen (a layer frozen
-on one worker cut other buckets: a mismatch of shapes, not naming the cause). The
+which of its modules are in eval mode, which parameters are frozen (a layer frozen
+on one worker cut other buckets: a mismatch of shapes, not naming the cause), and the
+writes outside `strategy.run` since the step to its buffers and to each optimizer's
+state (`outside_run.py`: one worker that alone loaded, cleared or edited its optimizer's
+state, "only one rank resumed the optimizer", or wrote a buffer no forward changes,
+trained on silently, found by a later bug hunt; a forward's own buffer updates, such
+as BatchNorm's statistics, are not counted). The
 workers' fingerprints compare it with the call (`fingerprint.py`, field `state`):
 states that differ are a `CollectiveMismatchError` on every worker, showing each
 worker's values, before any worker uses the sum, so before any update with it. It is
@@ -33,8 +38,11 @@ not part of the call's cached route: a learning rate that a scheduler changes ev
 step costs nothing more.
 
 Not seen: a hyperparameter changed on one worker between its backward and its `step()`
-(the next pass fails, one update later); optimizer state changed by hand (`opt.state`);
-parameters written alike in number but not in value (each worker loading its own file).
+(the next pass fails, one update later); optimizer state or buffers changed inside
+`strategy.run` outside a forward and a step (`opt.state` edited in the step function;
+a buffer so changed is `BufferSync.settle`'s business); parameters, buffers or optimizer
+state written alike in number but not in value (each worker loading its own file); a
+module whose optimizer is not mirrored (`register`: its buffers are not watched).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from typing import Any, Final
 import torch
 
 from crossdevice._core import purpose
+from crossdevice._frameworks.torch import outside_run
 from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._sync.call import digest
 
@@ -60,7 +69,17 @@ _TEXT_MAX: Final = 240
 class _State:
     """One mirrored module's: its optimizers, each replica's `zero_grad()` count, writes."""
 
-    __slots__ = ("last", "modules", "optimizers", "watched", "written", "zero_grads")
+    __slots__ = (
+        "last",
+        "modules",
+        "optimizers",
+        "outside",
+        "replica",
+        "sections",
+        "watched",
+        "written",
+        "zero_grads",
+    )
 
     def __init__(self, replicas: int) -> None:
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
@@ -73,6 +92,11 @@ class _State:
         self.modules: list[list[weakref.ref[torch.nn.Module]]] = [[] for _ in range(replicas)]
         #: (the values last seen, their digest): a repeat is not digested again.
         self.last: tuple[tuple[Any, ...], int] | None = None
+        #: Replica 0's module and the strategy's cross-replica sections (`watch`), for
+        #: `outside`: the writes there to buffers and optimizer state (`outside_run.py`).
+        self.replica: weakref.ref[torch.nn.Module] | None = None
+        self.sections: Any = None
+        self.outside: outside_run.OutsideWrites | None = None
 
 
 # GradientSync -> its _State (held weakly: a module that is gone takes its state along).
@@ -88,9 +112,23 @@ def _state(sync: Any) -> _State:
 
 def register(sync: Any, optimizer: torch.optim.Optimizer) -> None:
     """`optimizer` (replica 0's: the one schedulers change) updates `sync`'s parameters."""
-    refs = _state(sync).optimizers
-    if not any(ref() is optimizer for ref in refs):
-        refs.append(weakref.ref(optimizer))
+    state = _state(sync)
+    refs = state.optimizers
+    if any(ref() is optimizer for ref in refs):
+        return
+    refs.append(weakref.ref(optimizer))
+    if not state.watched:
+        return
+    outside = state.outside
+    if outside is None:
+        replica = state.replica() if state.replica is not None else None
+        if replica is None:
+            return
+        # Listening from the first optimizer on: after the module's mirror, which `watch`
+        # precedes (`OutsideWrites`); and "since the step" needs a step.
+        outside = state.outside = outside_run.OutsideWrites(replica, len(state.written))
+        state.sections.add(outside)
+    outside.add(optimizer)
 
 
 def watch(sync: Any, replicas: Sequence[torch.nn.Module], strategy: Any) -> None:
@@ -103,6 +141,8 @@ def watch(sync: Any, replicas: Sequence[torch.nn.Module], strategy: Any) -> None
         return
     state = _state(sync)
     state.watched = True
+    state.replica = weakref.ref(replicas[0])
+    state.sections = strategy.extended._sections
     for r, replica in enumerate(replicas):
         state.modules[r] = [weakref.ref(m) for m in replica.modules()]
         state.written[r] = _versions(sync, r)
@@ -135,6 +175,8 @@ def stepped(sync: Any, replica: int) -> None:
     state.zero_grads[replica] = 0
     if state.watched:
         state.written[replica] = _versions(sync, replica)
+        if state.outside is not None:
+            state.outside.stepped(replica)
 
 
 def workers_agree(strategy: Any, syncs: Sequence[Any], replica: int) -> Any:
@@ -159,7 +201,8 @@ def _values(sync: Any, replica: int) -> tuple[Any, ...]:
     """`sync`'s state for `replica` (see the module doc).
 
     Its zero_grad count, the writes to its parameters since the last step, its modules in
-    eval mode, its frozen parameters, then each optimizer's groups.
+    eval mode, its frozen parameters, the writes outside run to its buffers and its
+    optimizers' state since the last step, then each optimizer's groups.
     """
     state = _state(sync)
     written = _versions(sync, replica) - state.written[replica]
@@ -167,7 +210,9 @@ def _values(sync: Any, replica: int) -> tuple[Any, ...]:
         i for i, ref in enumerate(state.modules[replica]) if (m := ref()) and not m.training
     )
     frozen = tuple(i for i, p in enumerate(sync.params(replica)) if not p.requires_grad)
-    out: list[Any] = [state.zero_grads[replica], written, evaluating, frozen]
+    outside = state.outside
+    hand = None if outside is None else outside.values(replica)  # (None: not watched)
+    out: list[Any] = [state.zero_grads[replica], written, evaluating, frozen, hand]
     for ref in state.optimizers:
         optimizer = ref()
         if optimizer is None:
@@ -197,13 +242,14 @@ def _describe(values: tuple[tuple[Any, ...], ...]) -> str:
     """One worker's state in words, for the mismatch message."""
     parts = []
     for own in values:
-        zero_grads, written, evaluating, frozen, rest = own[0], own[1], own[2], own[3], own[4:]
+        zero_grads, written, evaluating, frozen, hand, rest = *own[:5], own[5:]
         parts.append(f"zero_grad() {zero_grads}x since step()")
         parts.append(f"{written} parameter writes since step() (load_state_dict, in-place)")
         if evaluating:
             parts.append(f"{len(evaluating)} modules in eval mode (#{evaluating[0]} first)")
         if frozen:
             parts.append(f"{len(frozen)} parameters frozen (requires_grad False: #{frozen[0]})")
+        parts += outside_run.describe(hand)
         name, group = "", 0
         for item in rest:
             if isinstance(item, str):
