@@ -20,7 +20,7 @@ BASE = fp.Fingerprint(3, "all_reduce", "sum", 1, 1, 12, 5, 7, 11)
 SENTENCES = {
     "structure": "the calls came from different lines of the program",
     "shapes": "a NumPy array on one worker, a torch tensor on another",
-    "state": "the optimizer's hyperparameters and the zero_grad() calls",
+    "state": "the writes to parameters, buffers and optimizer state outside the step",
 }
 
 

@@ -200,7 +200,7 @@ def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any, rep
         f"module sums its gradients over the {n} replicas in sync (TF's rule, "
         f"gradient_reduction='sum'): each step is {n} times plain torch's on the same "
         "global batch. Scale the loss by the global batch instead, "
-        "crossdevice.torch.compute_average_loss(per_example_loss, global_batch_size), "
+        "crossdevice.torch.compute_average_loss(per_example_loss, global_batch_size=B), "
         "or prepare(..., gradient_reduction='mean') for DDP's rule. (Given once per model.)",
         UserWarning,
         stacklevel=4,
