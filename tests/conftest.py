@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -64,6 +65,19 @@ def _logical_cpus() -> Iterator[None]:
     _devices.set_logical_cpu_devices(TEST_LOGICAL_CPUS)
     yield
     _devices.set_logical_cpu_devices(TEST_LOGICAL_CPUS)
+
+
+@pytest.fixture(autouse=True)
+def _torch_default_dtype() -> Iterator[None]:
+    """torch's default dtype is process-wide: what a test (or a plain-torch reference it
+    computes in this process) sets must not reach the next tests (CI saw float64 leak
+    from one into 16 others, in order only)."""
+    torch = sys.modules.get("torch")
+    before = torch.get_default_dtype() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_default_dtype(torch.float32 if before is None else before)
 
 
 def require_torch(request: pytest.FixtureRequest) -> Any:
