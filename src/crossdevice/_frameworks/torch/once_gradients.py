@@ -126,10 +126,27 @@ def _take(param: torch.nn.Parameter, source: torch.Tensor) -> None:
     """Make `param.grad` hold `source`'s value (its own tensor where it has one)."""
     mine = param.grad
     with torch.no_grad():
-        if mine is None or mine.shape != source.shape or mine.dtype != source.dtype:
+        if source.is_sparse:  # no storage to compare: values copied where indices agree
+            if mine is source:
+                return
+            if mine is not None and mine.is_sparse and _same_rows(mine, source):
+                mine._values().copy_(source._values())
+            else:
+                param.grad = source.detach().to(param.device, copy=True)
+        elif mine is None or mine.shape != source.shape or mine.dtype != source.dtype:
             param.grad = source.detach().to(param.device, copy=True)
         elif not _same_memory(mine, source):
             mine.copy_(source)
+
+
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether sparse `a` and `b` hold values at the same indices (shapes and dtypes too)."""
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a._values().shape == b._values().shape
+        and torch.equal(a._indices(), b._indices().to(a.device))
+    )
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
