@@ -4,7 +4,7 @@
 `model.scale.mul_(1.5)` between steps: with one replica per worker each failed at the
 next forward, on every worker, with "the forward pass changed buffer(s) ['scale'] ...
 every replica changed them to the same value", telling the user to change them outside
-the forward pass, which they had (the bug hunt of session 56). The mirror refreshed the
+the forward pass, which they had (the bug hunt of session 55). The mirror refreshed the
 buffers' watch (`BufferSync.refresh`) only when it copied them to other local replicas;
 now a write by cross-replica code counts as agreed with any number of local replicas
 (`ReplicaMirror._buffers_written`, `settled`). With two replicas per worker it worked.

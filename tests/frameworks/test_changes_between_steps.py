@@ -1,7 +1,7 @@
 """Attributes and gradients changed on replica 0 outside `strategy.run` reach every replica.
 
 Outside `strategy.run` a mirrored module reads as replica 0's copy. Two changes made
-there reached replica 0 alone (the bug hunt of session 56), and the replicas trained on
+there reached replica 0 alone (the bug hunt of session 55), and the replicas trained on
 apart, silently:
 
 * a plain attribute set on a submodule (`model.module[1].negative_slope = 0.9`,

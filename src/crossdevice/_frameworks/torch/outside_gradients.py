@@ -5,7 +5,7 @@ A program may run the backward pass in one `run`, change the reduced gradients o
 `p.grad = None`) and step in the next `run`. Outside `run` a mirrored module reads as
 replica 0's copy, so only replica 0's gradients changed: with a copy per replica
 (`share_storage=False`, every GPU layout) the other replicas stepped with the
-unclipped ones and the copies drifted apart, silently (the bug hunt of session 56).
+unclipped ones and the copies drifted apart, silently (the bug hunt of session 55).
 
 `GradientMirror` records replica 0's gradients (object and version counter) when
 cross-replica code starts (a run or a `merge_fn` ended) and, when it ends (the next run
