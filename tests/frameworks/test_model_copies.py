@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.frameworks.helpers import (
+    GLOBAL_BATCH,
     assert_trains_like,
     global_batches,
     mirrored,
@@ -134,14 +135,14 @@ DERIVED = {
 
 
 def _trains_like_plain_torch(
-    torch: Any, cdt: Any, make: Any, replicas: int, mode: str, shared: bool
+    torch: Any, cdt: Any, make: Any, replicas: int, mode: str, shared: bool, step: Any = None
 ) -> Any:
     def build() -> Any:
         torch.manual_seed(0)
         return make(torch)
 
     data = global_batches(torch, 4)
-    step = standard_step(torch)
+    step = step or standard_step(torch)
     plain = build()
     start = train_plain(torch, plain, torch.optim.SGD(plain.parameters(), lr=0.5), data, step)
     with replica_execution(mode):
@@ -248,3 +249,41 @@ def test_a_tensor_computed_once_whose_graph_torch_frees_fails_as_in_plain_torch(
         # replica 1 is first) torch's at the second, as plain torch's
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             run_on_replicas(strategy, lambda x, y, i: step(model, optimizer, x, y, i), data)
+
+
+def _parametrized_net(torch: Any) -> Any:
+    from torch.nn.utils import parametrizations
+
+    return torch.nn.Sequential(
+        parametrizations.weight_norm(torch.nn.Linear(6, 8)),
+        torch.nn.Tanh(),
+        parametrizations.orthogonal(torch.nn.Linear(8, 8)),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 3),
+    )
+
+
+@pytest.mark.parametrize("mode", ["threads", "cooperative"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copies"])
+def test_parametrizations_cached_in_the_step_train_like_plain_torch(
+    torch: Any, cdt: Any, shared: bool, mode: str
+) -> None:
+    # torch keys `parametrize.cached()` values by the module the parametrization was
+    # registered on: every replica's copy read the first one's weight and graph (a
+    # backward through another replica's copy, or through one graph twice).
+    from torch.nn.utils import parametrize
+
+    torch.set_default_dtype(torch.float64)
+
+    def step(model: Any, optimizer: Any, x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad()
+        with parametrize.cached():
+            loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+        (loss / GLOBAL_BATCH).backward()
+        optimizer.step()
+
+    model = _trains_like_plain_torch(torch, cdt, _parametrized_net, 3, mode, shared, step)
+    with parametrize.cached():  # each copy caches its own value, the original its own
+        weights = [replica[0].weight for replica in model.replicas]
+        assert len({id(w) for w in weights}) == len(weights)
+        assert all(torch.equal(w, weights[0]) for w in weights)

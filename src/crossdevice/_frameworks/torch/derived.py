@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from crossdevice._frameworks.torch import parametrized
+
 __all__ = ["copy_module"]
 
 #: A module's own dictionaries of parameters, buffers and submodules (never attributes).
@@ -48,6 +50,9 @@ def copy_module(
 ) -> torch.nn.Module:
     """`copy.deepcopy(module, memo)`, moved to `device`, with derived tensors re-derived.
 
+    Parametrized submodules (`torch.nn.utils.parametrize`) then cache their values under
+    each copy, not all under the original (`parametrized.key_by_instance`).
+
     Raises:
         RuntimeError: a derived tensor depends on a tensor outside the module, or a view
             cannot be replayed on the copy's tensor.
@@ -56,6 +61,7 @@ def copy_module(
     stand_ins = {id(t): t.detach().clone() for t, _ in found.values() if id(t) not in memo}
     memo.update(stand_ins)
     duplicate = copy.deepcopy(module, memo)
+    parametrized.key_by_instance(duplicate)  # its parametrizations cache under the copy
     if device is not None:
         duplicate = duplicate.to(device)
     if stand_ins:
