@@ -383,3 +383,60 @@ def test_sparse_gradients_scaled_outside_run_reach_every_replica(
     first, other = (r.emb.weight.grad for r in model.replicas)
     assert torch.equal(first._indices(), other._indices())
     assert torch.equal(first._values(), other._values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@STORAGE
+def test_a_grad_scaler_checks_sparse_gradients(
+    torch: Any, cdt: Any, shared: bool, mode: str
+) -> None:
+    """A prepared GradScaler unscales and checks the sparse gradients too: an inf in the
+    embedding's sparse gradient alone, from one replica's slice at step 2, skips that
+    step on every replica and halves every scale, as plain torch does with the inf in
+    the global batch's; the other steps train alike."""
+    replicas, poisoned = 2, 2
+    net = sparse_net(torch)
+    plain = copy.deepcopy(net)
+    start = [p.detach().clone() for p in plain.parameters()]
+    data = slices(torch, replicas, 4)
+    at = {"step": 0}
+
+    def poison(grad: Any) -> Any:  # on the embedding's gradient, before its reduction
+        ctx = cd.get_replica_context()
+        first = ctx is None or ctx.replica_id_in_sync_group == 0
+        return grad * float("inf") if at["step"] == poisoned and first else grad
+
+    def scaled_step(optimizer: Any, scaler: Any, loss: Any) -> float:
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        return float(scaler.get_scale())
+
+    with replica_execution(mode):
+        strategy = mirrored(replicas)
+        with strategy.scope():
+            sgd = optimizers_for(torch, "sgd", net)[0]
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            model, optimizer = cdt.prepare(net, sgd, scaler=scaler, share_storage=shared)
+        for replica in model.replicas:
+            replica.emb.weight.register_hook(poison)
+        scales: list[float] = []
+
+        def step(piece: Any, i: int) -> None:
+            at["step"] = i
+            scales.append(scaled_step(optimizer, scaler, loss_of(torch, model, piece)))
+
+        run_replicas(strategy, data, step)
+    plain.emb.weight.register_hook(poison)
+    plain_sgd = optimizers_for(torch, "sgd", plain)[0]
+    plain_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    plain_scales = []
+    for i, pieces in enumerate(data):
+        at["step"] = i
+        loss = sum(loss_of(torch, plain, p) for p in pieces)
+        plain_scales.append(scaled_step(plain_sgd, plain_scaler, loss))
+    assert plain_scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9]
+    assert scales == [s for s in plain_scales for _ in range(replicas)]
+    assert_trains_like(torch, plain, model, start)
