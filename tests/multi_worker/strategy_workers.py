@@ -137,8 +137,18 @@ def scenarios(rank: int, world_size: int, local: int, use_torch: bool) -> dict[s
     with strategy.scope():
         count = cd.Variable(np.int64(0), synchronization="on_read", aggregation="sum")
         total = cd.Variable(np.float64(0), synchronization="on_read", aggregation="sum")
-    count.assign(7)
+    assigned = count.assign(7)  # returns the cross-replica read: the SUM over all workers
     total.assign(6.0)
+    count.assign(8, read_value=False)
+    count.assign(7, read_value=False)
+    out["count_assigned"] = int(np.asarray(assigned))
+    e = strategy.extended
+    out["roles"] = [
+        e.should_checkpoint,
+        e.should_save_summary,
+        e.experimental_should_init,
+        e.experimental_between_graph,
+    ]
     out["count_parts"] = [int(c.numpy()) for c in count.values]
     out["total_parts"] = [float(c.numpy()) for c in total.values]
     out["count"], out["total"] = int(count.numpy()), float(total.numpy())

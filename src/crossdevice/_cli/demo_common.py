@@ -153,7 +153,7 @@ def fit(
         # MEAN over axis 0 divides by the examples actually present on all replicas,
         # so the short last batch gets its true mean (TF's rule).
         step = [float(strategy.reduce(total, v, axis=0)) for v in (losses, correct)]
-        sums.assign_add(np.asarray(step, np.float64))
+        sums.assign_add(np.asarray(step, np.float64), read_value=False)
         return float(strategy.reduce(mean, losses, axis=0))
 
     tracked = {"data": dist, "sums": sums, **(objects or {})}
@@ -174,7 +174,7 @@ def fit(
                     bar.update(1)
             test_accuracy = evaluate()
             loss_sum, num_correct = (float(v) for v in sums.numpy())
-            sums.assign(np.zeros(2, np.float64))
+            sums.assign(np.zeros(2, np.float64), read_value=False)
             save()
             result.epoch_loss.append(loss_sum / num_train)
             result.epoch_accuracy.append(num_correct / num_train)

@@ -39,6 +39,7 @@ from crossdevice._input.input_context import (
 )
 from crossdevice._input.optional import Optional
 from crossdevice._input.position import EpochCounter, Pass, skip_examples
+from crossdevice._input.source import DescribedDataset, DescribedIterator, Source
 from crossdevice._values.values import PerReplica
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator"]
@@ -201,7 +202,7 @@ class _Layout:
         return nest.unflatten(structure, wrapped)
 
 
-class DistributedIterator:
+class DistributedIterator(DescribedIterator):
     """Iterator over a distributed dataset: `next(it)` (or `it.get_next()`) is one step.
 
     Raises StopIteration once no local replica has data left (TF raises OutOfRangeError
@@ -219,8 +220,10 @@ class DistributedIterator:
         next_step: Callable[[], Any],
         tracker: Pass | None = None,
         sync: StepSync | None = None,
+        spec: Callable[[], Any] | None = None,
     ) -> None:
         self._next_step = next_step
+        self._spec = spec
         self._pass = tracker if tracker is not None else Pass(0, 0, None)
         self._sync = sync
 
@@ -328,7 +331,7 @@ def _summary(dataset: Any) -> str:
         return f"<{name}>"
 
 
-class DistributedDataset:
+class DistributedDataset(DescribedDataset):
     """Global batches split across replicas (`strategy.experimental_distribute_dataset`).
 
     Each global batch is split along its first axis across the `num_workers * len(devices)`
@@ -366,6 +369,7 @@ class DistributedDataset:
             devices, num_workers, worker_index, self._options.experimental_fetch_to_device
         )
         self._dataset = dataset
+        self._sources = (Source(dataset, "experimental_distribute_dataset"),)
         self._step_sync: StepSync | None = None
         self._epochs = EpochCounter(0, lambda: _length(dataset), (dataset,))
 
@@ -407,7 +411,7 @@ class DistributedDataset:
 
         def next_step() -> Any:
             if not source:
-                source.append(tracker.open(lambda: iter(self._dataset), skip))
+                source.append(tracker.open(self._sources[0].batches, skip))
                 # A pass from its start has as many steps as the dataset's exact length.
                 fresh = source[0] is not None and tracker.position.steps == 0
                 steps = exact_length(self._dataset) if fresh else None
@@ -428,7 +432,7 @@ class DistributedDataset:
                 tracker.advance(size)
             return layout.regroup_leaves(structure, sliced)
 
-        return DistributedIterator(next_step, tracker, self._step_sync)
+        return DistributedIterator(next_step, tracker, self._step_sync, self._element_spec)
 
     def __repr__(self) -> str:
         return (
@@ -438,7 +442,7 @@ class DistributedDataset:
         )
 
 
-class DistributedDatasetsFromFunction:
+class DistributedDatasetsFromFunction(DescribedDataset):
     """Per-replica batches from a user's `dataset_fn` (`distribute_datasets_from_function`).
 
     In `PER_WORKER` mode (the default) `dataset_fn(InputContext(num_workers, worker_index,
@@ -496,6 +500,7 @@ class DistributedDatasetsFromFunction:
         else:
             self._input_contexts = (InputContext(num_workers, worker_index, num_replicas_in_sync),)
         self._datasets = tuple(self._call(dataset_fn, ctx) for ctx in self._input_contexts)
+        self._sources = tuple(Source(d, "dataset_fn's result") for d in self._datasets)
         self._step_sync: StepSync | None = None
         pipelines = num_workers if len(self._datasets) == 1 else layout.num_global
         self._epochs = EpochCounter(pipelines, lambda: None, self._datasets)
@@ -562,7 +567,7 @@ class DistributedDatasetsFromFunction:
 
         def next_step() -> Any:
             if not tracker.started:
-                made = tracker.open(lambda: [iter(d) for d in self._datasets], skip)
+                made = tracker.open(lambda: [s.batches() for s in self._sources], skip)
                 if made is None:
                     exhausted[:] = [True] * len(exhausted)
                 elif not iterators:
@@ -583,7 +588,7 @@ class DistributedDatasetsFromFunction:
             ]
             return layout.regroup(per_replica)
 
-        return DistributedIterator(next_step, tracker, self._step_sync)
+        return DistributedIterator(next_step, tracker, self._step_sync, self._element_spec)
 
     def __repr__(self) -> str:
         return (

@@ -21,6 +21,9 @@ __all__ = ["CentralStorageStrategy"]
 
 @final
 class _CentralStorageExtended(ReplicatedExtended):
+    _between_graph = True  # TF's ParameterServerStrategyExtended (even on one machine)
+    _reads_distributed_only = False  # TF's `read_var`: any variable (`identity`)
+
     def __init__(
         self,
         container_strategy: Strategy,

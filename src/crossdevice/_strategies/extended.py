@@ -10,7 +10,7 @@ every replica must call the same collective with the same op, structure and leav
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from crossdevice._comm.protocol import Done, Pending, Then
@@ -23,12 +23,12 @@ from crossdevice._input.input_context import ValueContext
 from crossdevice._replica.cuda_streams import cuda_device
 from crossdevice._strategies.leaves import host_all_reduce, leaf_call, on_host, placed
 from crossdevice._strategies.non_slot import NonSlotMethods
+from crossdevice._strategies.roles import WorkerRoles
 from crossdevice._strategies.sections import CrossReplicaSections
+from crossdevice._strategies.variable_methods import VariableMethods
 from crossdevice._sync.call import CallSignature
-from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, PerReplica
-from crossdevice._values.variables import Variable
 
 
 class ContainerStrategy(Protocol):
@@ -48,7 +48,7 @@ class ContainerStrategy(Protocol):
 __all__ = ["ContainerStrategy", "SingleReplicaExtended", "StrategyExtended"]
 
 
-class StrategyExtended(NonSlotMethods):
+class StrategyExtended(VariableMethods, WorkerRoles, NonSlotMethods):
     """Additional, lower-level strategy API (`tf.distribute.StrategyExtended`).
 
     Reached as `strategy.extended`. Concrete strategies implement the `_`-hooks.
@@ -270,45 +270,6 @@ class StrategyExtended(NonSlotMethods):
         context.require_cross_replica(self._container_strategy_ref)
         with self._container_strategy_ref.scope():
             return self._update(var, fn, tuple(args), kwargs, group)
-
-    @contextlib.contextmanager
-    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Create variables inside this block on the same devices as `colocate_with_variable`.
-
-        Raises:
-            RuntimeError: not inside this strategy's `scope()` (TF's error; the default
-                strategy needs none).
-            ValueError: the variable was not created in this strategy's scope.
-        """
-        frame = context.current_frame()
-        current = frame.strategy if frame is not None else None
-        if not self._is_default and current is not self._container_strategy_ref:
-            raise RuntimeError(
-                f'Need to be inside "with strategy.scope()" for '
-                f"{self._container_strategy_ref!r}"
-                + ("" if current is None else f" (in the scope of {current!r})")
-                + ": enter it around colocate_vars_with (`with strategy.scope(), "
-                "strategy.extended.colocate_vars_with(v): ...`)"
-            )
-        if not self._is_default and not self.variable_created_in_scope(colocate_with_variable):
-            # (TF's default strategy colocates with any variable: no check.)
-            raise ValueError(
-                "colocate_vars_with must only be passed a variable created in this "
-                f"strategy.scope(), got {colocate_with_variable!r}"
-            )
-        yield
-
-    def variable_created_in_scope(self, v: Any) -> bool:
-        """Whether `v` was created while this strategy's scope was active."""
-        return getattr(v, "_distribute_strategy", None) is self._container_strategy_ref
-
-    def value_container(self, value: Any) -> Any:
-        """The distributed variable `value` is a component of, else `value` itself."""
-        if isinstance(value, Variable) and not isinstance(value, DistributedVariable):
-            container = value._distributed_container
-            if container is not None:
-                return container
-        return value
 
     # --- hooks -----------------------------------------------------------------------------
     def _call_for_each_replica(

@@ -13,6 +13,7 @@ import numpy as np
 from crossdevice._arrays import backend_for, is_array
 from crossdevice._arrays.handout import hand_out, hand_out_all
 from crossdevice._comm.devices import algorithms
+from crossdevice._core import nest
 from crossdevice._core.devices import local_host_device
 from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._cross_device import inputs
@@ -74,4 +75,5 @@ def leaf_call(
     """A nest's leaves as arrays, and the call the replicas must agree on."""
     arrays = tuple(as_reducible_leaf(x) for x in leaves)
     sig = tuple((backend_for(x).shape(x), backend_for(x).dtype_name(x)) for x in arrays)
-    return arrays, CallSignature(kind, argument, structure, sig, axis)
+    # Compared as TF's nest compares (namedtuple classes by name and fields).
+    return arrays, CallSignature(kind, argument, nest.Structure(structure), sig, axis)

@@ -89,6 +89,12 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _num_replicas_in_sync(self) -> int:
         return len(self._devices) * self._num_workers
 
+    _between_graph = True  # TF's CollectiveAllReduceExtended
+
+    @property
+    def _is_chief(self) -> bool:  # type: ignore[override]
+        return self._worker_index == 0  # rank 0: the chief, else worker 0 (TF's rule)
+
     @property
     def _replica_id_offset(self) -> int:
         return self._worker_index * len(self._devices)

@@ -26,6 +26,7 @@ from crossdevice._sync.call import CallSignature
 from crossdevice._values.distributed_variables import DistributedVariable
 from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
+from crossdevice._values.variables import Variable
 
 __all__ = ["ReplicatedExtended", "canonical_devices"]
 
@@ -61,6 +62,8 @@ def canonical_devices(devices: Sequence[Any], what: str) -> tuple[str, ...]:
 
 class ReplicatedExtended(StrategyExtended):
     """Base for strategies that run several local replicas on threads."""
+
+    _reads_distributed_only = True  # TF's MirroredExtended.read_var
 
     def __init__(
         self, container_strategy: Strategy, devices: tuple[str, ...], cross_device_ops: Any
@@ -420,7 +423,14 @@ class ReplicatedExtended(StrategyExtended):
         return results
 
     def _regroup_update(self, results: list[Any], devices: Any, group: bool) -> Any:
-        """TF's `update_regroup`: Mirrored where devices differ; a tuple each without `group`."""
+        """TF's `update_regroup`: Mirrored where devices differ; a tuple each without `group`.
+
+        With `group`, a variable `fn` returned (`lambda v, d: v.assign_add(d)` returns the
+        component) is read at once: TF's `identity` makes the Mirrored a snapshot, which
+        a later assign does not change. Without `group`, TF returns the live components.
+        """
+        if group:
+            results = [_read_variables(result) for result in results]
         regrouped = regroup(results, Mirrored, False, devices)
         if group:
             return regrouped
@@ -449,13 +459,23 @@ def _regroup_numpy(results: list[Any], devices: tuple[str, ...]) -> Any:
     return PerReplica._from_parts(tuple(results), devices)
 
 
+def _read_variables(result: Any) -> Any:
+    """`result` with each variable in it replaced by a snapshot of its value."""
+    if isinstance(result, Variable):
+        return result.read_value()
+    if type(result) is np.ndarray or result is None:  # the common cases: nothing to walk
+        return result
+    return nest.map_structure(lambda x: x.read_value() if isinstance(x, Variable) else x, result)
+
+
 def _compared(structure: Any) -> Any:
     """What the replicas' structures are compared by: None for one bare leaf.
 
     One array reaches the communicator without a structure (`_all_reduce_one`), so a
-    bare leaf must compare equal to that; a nest (even `[x]`) must not.
+    bare leaf must compare equal to that; a nest (even `[x]`) must not. A nest compares
+    as TF's (`nest.Structure`): namedtuple classes by name and fields.
     """
-    return None if structure.is_leaf() else structure
+    return None if structure.is_leaf() else nest.Structure(structure)
 
 
 def _readable(value: Any, op: ReduceOp) -> Any:

@@ -104,12 +104,14 @@ def describe_leaves(sig: Sequence[tuple[Any, Any]], structure: Any = None) -> st
 
     Args:
         sig: (shape, dtype) per leaf.
-        structure: the nest's structure (an optree spec), or None for a flat list.
+        structure: the nest's structure (an optree spec or a `nest.Structure`, whose
+            `note` says where it differs from a peer's that prints alike), or None for a
+            flat list.
     """
     leaves = [_Leaf(f"{dtype}{list(shape)}") for shape, dtype in sig]
     if structure is not None:
         try:
-            return repr(nest.unflatten(structure, leaves))
+            return repr(nest.unflatten(structure, leaves)) + getattr(structure, "note", "")
         except (ValueError, TypeError):  # pragma: no cover - a spec that does not fit
             pass
     if len(leaves) == 1:

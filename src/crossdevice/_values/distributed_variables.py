@@ -18,7 +18,8 @@ from crossdevice._core import context
 from crossdevice._core.purpose import purpose
 from crossdevice._core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
 from crossdevice._values.operators import ArrayOperators
-from crossdevice._values.values import DistributedValues, PerReplica
+from crossdevice._values.regroup import regroup
+from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
 from crossdevice._values.variables import AssignMethods, Variable
 
 __all__ = [
@@ -201,6 +202,12 @@ class DistributedVariable(AssignMethods, ArrayOperators, DistributedValues):
         )
 
 
+def _snapshot(variable: DistributedVariable) -> Any:
+    """A `Mirrored` of copies of the components' values (the copy alone for one)."""
+    copies = [backend_for(c._value).copy(c._value) for c in variable._values]
+    return regroup(copies, Mirrored, False, variable._devices)
+
+
 class MirroredVariable(DistributedVariable):
     """A variable kept identical on every replica (synchronisation ON_WRITE).
 
@@ -214,6 +221,31 @@ class MirroredVariable(DistributedVariable):
 
     def _get_cross_replica(self) -> Any:
         return self._get_on_device_or_primary()
+
+    def _assigned(self) -> Any:
+        """What an update returns with `read_value=True`: TF's result in each context.
+
+        Cross-replica: a `Mirrored` snapshot of the components (TF's `update_regroup`
+        reads each one through `identity`), so `y = m.assign(5.); m.assign(7.)` leaves
+        `y` at 5. In a replica with an aggregation: a snapshot of the replica's component
+        after the merged update (`run` regroups them into a `PerReplica`), so a counter's
+        history `[run(lambda: step.assign_add(1.)) for _ in range(3)]` reads 1, 2, 3. In a
+        replica with aggregation NONE, and in an update context: the variable (TF: the
+        component's unread view), live, as a plain variable's assign.
+
+        TF returns the live variable when the strategy has one replica (its regroup skips
+        the `identity` for one value); here the snapshot does not depend on the count.
+        """
+        mode, replica = _mode(self._strategy)
+        if mode == "cross":
+            return _snapshot(self)
+        assert replica is not None
+        if mode == "update":
+            return self._values[replica]
+        if self._aggregation == VariableAggregation.NONE:
+            return self
+        array = self._values[replica]._value
+        return backend_for(array).copy(array)
 
     def _update(self, method: str, value: Any) -> None:
         mode, replica = _mode(self._strategy)
@@ -258,6 +290,22 @@ class SyncOnReadVariable(DistributedVariable):
 
     def _get_cross_replica(self) -> Any:
         raise AssertionError("SyncOnReadVariable reads go through _read_array")
+
+    def _assigned(self) -> Any:
+        """What an update returns with `read_value=True`: TF's result in each context.
+
+        Cross-replica: a snapshot of the value a cross-replica read gives (the SUM, MEAN
+        or first replica's value; TF's `assign_on_each_device` returns `read_value()`).
+        In a replica or an update context: the variable (TF: the local component's
+        unread view), live, as a plain variable's assign.
+        """
+        mode, replica = _mode(self._strategy)
+        if mode == "cross":
+            return self.read_value()
+        if mode == "update":
+            assert replica is not None
+            return self._values[replica]
+        return self
 
     def _read_array(self) -> Any:
         mode, replica = _mode(self._strategy)
@@ -351,7 +399,8 @@ class AggregatingVariable(DistributedVariable):
 
     In a replica, an assign with an aggregation combines the replicas' values through a
     `merge_call` and updates the single variable once; with aggregation NONE it is an
-    error, because the replicas would race on one variable.
+    error, because the replicas would race on one variable. An assign returns the
+    variable itself, live, in every context, as TF's (one variable, read by no `identity`).
     """
 
     __slots__ = ()

@@ -138,13 +138,24 @@ class _VariableMeta(type):
 class AssignMethods:
     """`assign`, `assign_add`, `assign_sub` with TF's signatures, over one `_update` hook.
 
-    Each returns the variable, or None with `read_value=False` (TF 2 eager).
+    Each returns `_assigned()` (what TF's assign returns: for a plain variable the
+    variable itself, so later assigns show through it; for distributed variables, in the
+    contexts where TF returns one, a snapshot of the value the update wrote), or None with
+    `read_value=False` (TF 2 eager).
     """
 
     __slots__ = ()
 
     def _update(self, method: str, value: Any) -> None:
         raise NotImplementedError
+
+    def _assigned(self) -> Any:
+        """The result of an update with `read_value=True`: the variable itself.
+
+        TF's `ResourceVariable.assign` returns an unread view of the variable, so a
+        later assign shows through it (`w = q.assign(5.); q.assign(9.)`: `w` reads 9).
+        """
+        return self
 
     def assign(
         self,
@@ -153,11 +164,17 @@ class AssignMethods:
         name: str | None = None,
         read_value: bool = True,
     ) -> Any:
-        """Set the value (under the variable's synchronisation and aggregation rules)."""
+        """Set the value (under the variable's synchronisation and aggregation rules).
+
+        Returns TF's result with `read_value=True` (the default): a plain variable
+        itself, live; for a distributed variable, a snapshot of the value written where
+        TF takes one (the porting guide, "What an assign returns"). None with
+        `read_value=False`.
+        """
         del use_locking, name
         check_update(self, "assign", value)
         self._update("assign", value)
-        return self if read_value else None
+        return self._assigned() if read_value else None
 
     def assign_add(
         self,
@@ -166,11 +183,17 @@ class AssignMethods:
         name: str | None = None,
         read_value: bool = True,
     ) -> Any:
-        """Add `delta` (under the variable's synchronisation and aggregation rules)."""
+        """Add `delta` (under the variable's synchronisation and aggregation rules).
+
+        Returns TF's result with `read_value=True` (the default): a plain variable
+        itself, live; for a distributed variable, a snapshot of the value written where
+        TF takes one (the porting guide, "What an assign returns"). None with
+        `read_value=False`.
+        """
         del use_locking, name
         check_update(self, "assign_add", delta)
         self._update("assign_add", delta)
-        return self if read_value else None
+        return self._assigned() if read_value else None
 
     def assign_sub(
         self,
@@ -179,11 +202,17 @@ class AssignMethods:
         name: str | None = None,
         read_value: bool = True,
     ) -> Any:
-        """Subtract `delta` (under the variable's synchronisation and aggregation rules)."""
+        """Subtract `delta` (under the variable's synchronisation and aggregation rules).
+
+        Returns TF's result with `read_value=True` (the default): a plain variable
+        itself, live; for a distributed variable, a snapshot of the value written where
+        TF takes one (the porting guide, "What an assign returns"). None with
+        `read_value=False`.
+        """
         del use_locking, name
         check_update(self, "assign_sub", delta)
         self._update("assign_sub", delta)
-        return self if read_value else None
+        return self._assigned() if read_value else None
 
 
 class Variable(AssignMethods, ArrayOperators, metaclass=_VariableMeta):
