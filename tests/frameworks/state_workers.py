@@ -27,6 +27,11 @@ CASES = (
     "edited_in_place",
     "eval_on_one",
     "frozen_on_one",
+    # the reduced gradients changed before the step on worker 1 only (session 56's
+    # multi-worker bug hunt: DDP's workers go apart silently too), or on every worker
+    "clipped_on_one",
+    "grad_none_on_one",
+    "clipped_alike",
     # by hand outside run, on worker 1 only (a later multi-worker bug hunt), or on all alike
     "optimizer_loaded_on_one",
     "optimizer_cleared_on_one",
@@ -77,6 +82,7 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
         if case == "cleared_accumulation" and odd and i == 2:
             model.zero_grad()  # step 1's gradients gone on this worker only
         loss.backward()
+        change_gradients(torch, model, case, i, odd)
         if i in STEPPED:
             optimizer.step()
 
@@ -112,6 +118,16 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
     buffers = [b.detach().clone() for b in model.replicas[0].buffers()]
     predictor = strategy.extended._worker_communicator._integrity.predictor
     return {"params": params, "buffers": buffers, "rates": rates, "guesses": predictor.guesses}
+
+
+def change_gradients(torch: Any, model: Any, case: str, i: int, odd: bool) -> None:
+    """After batch `i`'s backward: what `case` does to the reduced gradients."""
+    if i != 0:
+        return
+    if case == "clipped_alike" or (case == "clipped_on_one" and odd):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    if case == "grad_none_on_one" and odd:
+        model[0].bias.grad = None
 
 
 def scaled_mlp(torch: Any) -> Any:
@@ -169,13 +185,13 @@ def by_hand(
 
 
 def plain(case: str, replicas: int = 1) -> list[Any]:
-    """The `alike` (or `alike_by_hand`) case's parameters (and buffers) trained by plain
-    torch on the global batches."""
+    """The `alike` (or `alike_by_hand`, `clipped_alike`) case's parameters (and buffers)
+    trained by plain torch on the global batches."""
     import torch
 
     from tests.frameworks.helpers import global_batches, global_loss, mlp
 
-    assert case in ("alike", "alike_by_hand")
+    assert case in ("alike", "alike_by_hand", "clipped_alike")
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # in the test's own process: restored below
     saved: list[Any] = []
@@ -188,6 +204,7 @@ def plain(case: str, replicas: int = 1) -> list[Any]:
             if i in CLEARS:
                 optimizer.zero_grad()
             loss.backward()
+            change_gradients(torch, net, case, i, False)
             if i in STEPPED:
                 optimizer.step()
             schedule.step()

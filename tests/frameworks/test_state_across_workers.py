@@ -43,6 +43,10 @@ FAILS = {
     "edited_in_place": (2, ("0 parameter writes", "1 parameter writes")),
     "eval_on_one": (2, ("modules in eval mode",)),
     "frozen_on_one": (2, ("1 parameters frozen",)),
+    # The reduced gradients changed before the step on one worker (session 56): the
+    # step went apart; the next pass fails, before another update.
+    "clipped_on_one": (1, ("changes to the reduced gradients before the last step()",)),
+    "grad_none_on_one": (1, ("1 changes to the reduced gradients",)),
     # Buffers and optimizer state written outside run on one worker; the
     # other worker's text says it wrote none.
     "optimizer_loaded_on_one": (2, ("SGD state changed outside run", "4 replaced/added")),
@@ -74,12 +78,13 @@ def test_settings_that_went_apart_fail_on_every_worker(
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("case", ["alike", "clipped_alike"])
 def test_the_same_program_on_every_worker_trains_as_plain_torch(
-    torch_module: Any, replicas: int
+    torch_module: Any, replicas: int, case: str
 ) -> None:
     torch = torch_module
-    outs = [r.unwrap() for r in run_workers(train, 2, args=("alike", replicas))]
-    reference = plain("alike")
+    outs = [r.unwrap() for r in run_workers(train, 2, args=(case, replicas))]
+    reference = plain(case)
     for out in outs:
         assert "params" in out, out
         assert out["rates"] == [0.25, 0.125, 0.0625, 0.03125]

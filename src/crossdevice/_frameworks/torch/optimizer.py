@@ -32,7 +32,7 @@ from typing import Any, Final
 import torch
 
 from crossdevice._arrays import torch_guard, torch_patches
-from crossdevice._frameworks.torch import step_state
+from crossdevice._frameworks.torch import gradient_edits, step_state
 from crossdevice._frameworks.torch.agreement import check_workers_agree, describe_optimizer
 from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
@@ -516,16 +516,17 @@ def _before_step(
     optimizer = optimizers[index]
     check: StepCheck = self.__dict__["_check"]
     shared = self.__dict__["_shared"]
+    groups = self._by_sync()
+    edits = gradient_edits.before_step(groups, index, meet and not shared)
     if meet and not shared:
         # Before anything changes: a replica that skipped the step fails the round.
-        check.meet(strategy, index)
+        check.meet(strategy, index, edits=edits)
     if index and not shared:
         # Schedulers change replica 0's groups; every replica follows them.
         for source, target in zip(optimizers[0].param_groups, optimizer.param_groups, strict=True):
             for key, value in source.items():
                 if key != "params":
                     target[key] = value
-    groups = self._by_sync()
     loss = None
     if shared and meet and closure is not None:
         # One step for all replicas, so the closure cannot run inside it (it would

@@ -14,6 +14,9 @@ more on cooperative replicas (medians of interleaved blocks of 200 runs). What i
 * each replica brings how many times it called `zero_grad()` since its last step (or the
   last cross-replica section: the run's start, a `merge_fn`), the optimizer's or that of
   a prepared module it updates: counts that differ are an error naming each replica's;
+* each replica brings how many changes it made to its all-reduced gradients since the
+  reduction (`gradient_edits.py`): counts that differ, with gradients that differ, are
+  an error (clipping on one replica only);
 * optimizer state that the user changed in cross-replica context (`opt.state.clear()`,
   `st["exp_avg"].zero_()` between runs or in a `merge_fn`, where `opt.state` is replica
   0's) is copied from replica 0 to every other replica before the replicas run again.
@@ -30,6 +33,7 @@ from typing import Any, Final
 
 import torch
 
+from crossdevice._frameworks.torch import gradient_edits
 from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
@@ -67,24 +71,36 @@ class StepCheck:
         """Count a `zero_grad()` of `replica` inside `strategy.run`."""
         self._zero_grads[replica] += 1
 
-    def meet(self, strategy: Strategy, replica: int, then: Callable[[], Any] | None = None) -> Any:
+    def meet(
+        self,
+        strategy: Strategy,
+        replica: int,
+        then: Callable[[], Any] | None = None,
+        edits: int = 0,
+    ) -> Any:
         """Meet the other local replicas before `replica` steps; `then()` runs once there.
+
+        `edits`: the changes `replica` made to its reduced gradients since the reduction
+        (`gradient_edits.count`); replicas whose counts differ must hold equal gradients.
 
         Returns:
             What `then` returned (None without it).
 
         Raises:
             RuntimeError: the replicas called `zero_grad()` different numbers of times since
-                their last step, or a replica did not come (the rendezvous' error).
+                their last step, changed their gradients differently, or a replica did
+                not come (the rendezvous' error).
         """
         ctx = get_replica_context()
         assert ctx is not None
         count = self._zero_grads[replica]
         self._zero_grads[replica] = 0
 
-        def merge_fn(strategy: Any, counts: Any) -> Any:
+        def merge_fn(strategy: Any, counts: Any, changes: Any) -> Any:
             del strategy
             self._check_zero_grads(counts)
+            each = list(changes.values) if isinstance(changes, PerReplica) else [changes]
+            gradient_edits.check_local(self._optimizers, each)
             return None if then is None else then()
 
         extended = strategy.extended
@@ -93,7 +109,7 @@ class StepCheck:
             # merge_fn (mirrored modules see the change; ReplicaContext.merge_call's rule).
             merge_fn = in_section(merge_fn, extended._sections)
         return extended._merge_call_checked(
-            ctx.replica_id_in_sync_group, merge_fn, (count,), _STEP_CALL
+            ctx.replica_id_in_sync_group, merge_fn, (count, edits), _STEP_CALL
         )
 
     def enter_cross_replica(self) -> None:

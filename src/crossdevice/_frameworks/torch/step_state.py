@@ -30,7 +30,9 @@ writes outside `strategy.run` since the step to its buffers and to each optimize
 state (`outside_run.py`: one worker that alone loaded, cleared or edited its optimizer's
 state, "only one rank resumed the optimizer", or wrote a buffer no forward changes,
 trained on silently, found by a later bug hunt; a forward's own buffer updates, such
-as BatchNorm's statistics, are not counted). The
+as BatchNorm's statistics, are not counted), and the changes replica 0 made to its
+reduced gradients before its last step (`gradient_edits.py`: clipping on one worker,
+the bug hunt of session 56). The
 workers' fingerprints compare it with the call (`fingerprint.py`, field `state`):
 states that differ are a `CollectiveMismatchError` on every worker, showing each
 worker's values, before any worker uses the sum, so before any update with it. It is
@@ -60,7 +62,7 @@ from crossdevice._frameworks.torch import outside_run
 from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._sync.call import digest
 
-__all__ = ["register", "stepped", "watch", "workers_agree", "zeroed"]
+__all__ = ["edited", "register", "stepped", "watch", "watched", "workers_agree", "zeroed"]
 
 #: Longest text of one worker's state in a mismatch message (the detail is cut at 300).
 _TEXT_MAX: Final = 240
@@ -70,6 +72,7 @@ class _State:
     """One mirrored module's: its optimizers, each replica's `zero_grad()` count, writes."""
 
     __slots__ = (
+        "edits",
         "last",
         "modules",
         "optimizers",
@@ -84,6 +87,9 @@ class _State:
     def __init__(self, replicas: int) -> None:
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.zero_grads = [0] * replicas
+        #: Each replica's changes to its reduced gradients before its last step
+        #: (`gradient_edits.count`); the passes carry replica 0's.
+        self.edits = [0] * replicas
         #: Each replica's parameters' version counters, summed, at its last step.
         self.written = [0] * replicas
         #: The module trains across workers: its writes and modes are compared (`watch`).
@@ -179,6 +185,17 @@ def stepped(sync: Any, replica: int) -> None:
             state.outside.stepped(replica)
 
 
+def watched(sync: Any) -> bool:
+    """Whether `sync`'s module trains across workers (its passes carry a state)."""
+    state = _STATES.get(sync)
+    return state is not None and state.watched
+
+
+def edited(sync: Any, replica: int, changes: int) -> None:
+    """`replica` steps after `changes` changes to its reduced gradients (`gradient_edits`)."""
+    _state(sync).edits[replica] = changes
+
+
 def workers_agree(strategy: Any, syncs: Sequence[Any], replica: int) -> Any:
     """A context for `replica`'s backward pass through `syncs`, whose collectives carry it.
 
@@ -213,6 +230,7 @@ def _values(sync: Any, replica: int) -> tuple[Any, ...]:
     outside = state.outside
     hand = None if outside is None else outside.values(replica)  # (None: not watched)
     out: list[Any] = [state.zero_grads[replica], written, evaluating, frozen, hand]
+    out.append(state.edits[0])  # replica 0's: the others may have copied its changes
     for ref in state.optimizers:
         optimizer = ref()
         if optimizer is None:
@@ -242,8 +260,13 @@ def _describe(values: tuple[tuple[Any, ...], ...]) -> str:
     """One worker's state in words, for the mismatch message."""
     parts = []
     for own in values:
-        zero_grads, written, evaluating, frozen, hand, rest = *own[:5], own[5:]
+        zero_grads, written, evaluating, frozen, hand, edits, rest = *own[:6], own[6:]
         parts.append(f"zero_grad() {zero_grads}x since step()")
+        if edits:
+            parts.append(
+                f"{edits} changes to the reduced gradients before the last step() "
+                "(clip_grad_norm_, p.grad.mul_, p.grad = None)"
+            )
         parts.append(f"{written} parameter writes since step() (load_state_dict, in-place)")
         if evaluating:
             parts.append(f"{len(evaluating)} modules in eval mode (#{evaluating[0]} first)")
