@@ -38,6 +38,8 @@ CASES = (
     "optimizer_edited_on_one",
     "buffer_on_one",
     "declared_buffer_on_one",
+    "attribute_on_one",
+    "forward_on_one",
     "alike_by_hand",
 )
 #: The cases that train `scaled_mlp` and write buffers or optimizer state by hand.
@@ -141,6 +143,7 @@ def scaled_mlp(torch: Any) -> Any:
             self.register_buffer("peak", torch.zeros(()))
 
         def forward(self, x: Any) -> Any:
+            self.widest = max(getattr(self, "widest", 0), x.shape[0])  # a forward's cache
             if self.training:
                 with torch.no_grad():
                     top = x.abs().max()
@@ -165,6 +168,8 @@ def by_hand(
     """What `case` writes outside the run after step `i` (all workers, or `odd` only)."""
     import copy
 
+    from tests.frameworks.helpers import GLOBAL_BATCH
+
     if i == 0:
         saved.append(copy.deepcopy(optimizer.state_dict()))
     if i != 1:
@@ -182,6 +187,13 @@ def by_hand(
             model[2].scale.mul_(1.5)
         if alike or (case == "declared_buffer_on_one" and odd):
             model[2].peak.mul_(0.5)
+    if alike or (case == "attribute_on_one" and odd):
+        model[1].slope = 0.5  # a plain attribute (a dropout p, a temperature)
+    if case == "forward_on_one" and odd:  # an evaluation on one worker: caches only
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros(GLOBAL_BATCH + 5, 6))
+        model.train()
 
 
 def plain(case: str, replicas: int = 1) -> list[Any]:

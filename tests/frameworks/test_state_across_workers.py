@@ -54,6 +54,8 @@ FAILS = {
     "optimizer_edited_on_one": (2, ("SGD state changed", "0 removed, 4 in-place")),
     "buffer_on_one": (2, ("buffer '2.scale' written 1x outside run",)),
     "declared_buffer_on_one": (2, ("buffer '2.peak' written 1x outside run",)),
+    # A plain attribute set on one worker (session 56: each worker's own objective).
+    "attribute_on_one": (2, ("attribute '1.slope' set to 0.5 outside run",)),
 }
 
 
@@ -116,4 +118,17 @@ def test_buffers_and_optimizer_state_written_alike_train_as_plain_torch(
         worst = max(float((a - b).abs().max()) for a, b in zip(got, reference, strict=True))
         assert worst <= 1e-12, worst
     assert outs[0]["rates"] == outs[1]["rates"]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_forward_on_one_worker_outside_run_sets_its_caches_alone(
+    torch_module: Any, replicas: int
+) -> None:
+    """An evaluation on one worker between steps (eval, a forward, train again) sets the
+    attributes a forward caches (`self.widest = ...`): not a setting, no error."""
+    torch = torch_module
+    outs = [r.unwrap() for r in run_workers(train, 2, args=("forward_on_one", replicas))]
+    for out in outs:
+        assert "params" in out, out
     assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True))

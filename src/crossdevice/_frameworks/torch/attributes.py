@@ -29,6 +29,7 @@ submodule replaced on replica 0's copy is an error at the next `run`.
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 import weakref
@@ -39,7 +40,7 @@ import torch
 
 from crossdevice._arrays import torch_patches
 
-__all__ = ["AttributeMirror"]
+__all__ = ["AttributeMirror", "follows", "watch"]
 
 # Attributes every torch module keeps for itself (parameter, buffer and submodule
 # dictionaries, hooks, its compiled call) and the training flag (`ReplicaMirror` follows
@@ -68,9 +69,65 @@ def _unwatch(keys: list[int], marks: set[tuple[int, str]]) -> None:
                 _WATCHED.pop(key, None)
 
 
+class _OutsideForwards(set[tuple[int, str]]):
+    """Marks that leave out what a module's forward sets (its caches), see `watch`."""
+
+
+def watch(owner: object, modules: Sequence[torch.nn.Module]) -> set[tuple[int, str]]:
+    """Marks of what is set or deleted on `modules` from now on, while `owner` lives.
+
+    Each `(index in modules, attribute name)`, added by `Module.__setattr__` and
+    `__delattr__` while crossdevice's torch patches are installed, except inside a
+    module's forward (a cache it keeps, such as a rotary embedding's longest length,
+    which a forward on one worker only, an evaluation on the chief, may set); the
+    caller clears it.
+    """
+    marks: set[tuple[int, str]] = _OutsideForwards()
+    _watch(modules, marks)
+    weakref.finalize(owner, _unwatch, [id(m) for m in modules], marks)
+    return marks
+
+
+def follows(module: torch.nn.Module, name: str) -> bool:
+    """Whether `name`, set on `module`, is a plain attribute.
+
+    Not a parameter, buffer, submodule, torch's own bookkeeping or the training flag.
+    """
+    return not (
+        name in _INTERNAL
+        or name in module._parameters
+        or name in module._buffers
+        or name in module._modules
+    )
+
+
 def _mark(module: Any, name: str) -> None:
+    forward = None
     for marks, j in _WATCHED.get(id(module), ()):
+        if type(marks) is _OutsideForwards:
+            if forward is None:
+                forward = _in_forward()
+            if forward:
+                continue
         marks.add((j, name))
+
+
+#: The frames of a module's call (`Module.__call__`): a set under one is a forward's.
+_CALLS: Final = frozenset(
+    {torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__}
+)
+
+
+def _in_forward() -> bool:
+    """Whether the caller runs inside a module's call (up to 64 frames up)."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(64):
+        if frame is None:
+            return False
+        if frame.f_code in _CALLS:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class AttributeMirror:

@@ -17,6 +17,12 @@ replica's counts since its last `step()` go into its backward passes' state
 (`step_state.py`), compared across workers with the gradients: a worker that did
 something its peers did not fails on every worker, naming the buffer or optimizer.
 
+So are the plain attributes set or deleted there on replica 0's submodules (a dropout
+`p`, a LeakyReLU's `negative_slope`, a custom `self.temperature`: on one worker only,
+each worker's gradient came from its own objective, found by session 56's bug hunt):
+`Module.__setattr__` marks them (`attributes.watch`), and each one's value (a plain
+value itself, else its kind) goes into the counts, so values that differ are found too.
+
 Only sections count, never the replicas' own code: a forward pass's changes (BatchNorm's
 running statistics, combined across replicas by `buffers.py`) and the optimizer's step
 are everyone's alike. Counts are of what was done, not of addresses, so workers that do
@@ -33,12 +39,32 @@ from typing import Any, Final
 
 import torch
 
+from crossdevice._frameworks.torch import attributes
+from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._frameworks.torch.step_check import changes, fingerprint
 
 __all__ = ["NOTHING", "OutsideWrites", "describe"]
 
 #: A replica's counts, as its passes carry them: none written.
 NOTHING: Final[tuple[Any, ...]] = ()
+
+#: An attribute deleted in a section, as its value reads.
+_DELETED: Final = "<deleted>"
+
+
+def _plain(value: Any) -> Any:
+    """An attribute's value as every process writes it alike.
+
+    Plain values themselves (tuples and lists of them too), a tensor's shape and dtype,
+    else its type's name.
+    """
+    if value is _DELETED or isinstance(value, PLAIN):
+        return value
+    if isinstance(value, tuple | list) and all(isinstance(v, PLAIN) for v in value):
+        return tuple(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}:{value.dtype}"
+    return f"<{type(value).__name__}>"
 
 
 class OutsideWrites:
@@ -53,7 +79,17 @@ class OutsideWrites:
         replicas: how many local replicas count (each its own since its step).
     """
 
-    __slots__ = ("__weakref__", "_marks", "_names", "_optimizers", "_prints", "_slots", "counts")
+    __slots__ = (
+        "__weakref__",
+        "_attributes",
+        "_marks",
+        "_modules",
+        "_names",
+        "_optimizers",
+        "_prints",
+        "_slots",
+        "counts",
+    )
 
     def __init__(self, replica: torch.nn.Module, replicas: int) -> None:
         slots = [
@@ -63,15 +99,19 @@ class OutsideWrites:
         ]
         self._slots = [(module, leaf) for _, module, leaf in slots]
         self._names = [f"{prefix}.{leaf}" if prefix else leaf for prefix, _, leaf in slots]
+        #: Replica 0's modules (with their names) and the plain attributes set on them.
+        self._modules = list(replica.named_modules())
+        self._attributes = attributes.watch(self, [m for _, m in self._modules])
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         #: Each optimizer's fingerprint when the open section started (None: no section).
         self._prints: list[list[Any] | None] = []
         #: Replica 0's buffers' (identity, version) then (None: no section open).
         self._marks: list[tuple[int, int] | None] | None = self._buffer_marks()
-        #: Each replica's counts since its step: {buffer name: writes} and
-        #: {(optimizer number, class): (in-place writes, replaced or added, removed)}.
-        self.counts: list[tuple[dict[str, int], dict[tuple[int, str], tuple[int, int, int]]]]
-        self.counts = [({}, {}) for _ in range(replicas)]
+        #: Each replica's counts since its step: {buffer name: writes},
+        #: {(optimizer number, class): (in-place writes, replaced or added, removed)} and
+        #: {attribute path: its value as `_plain` has it}.
+        self.counts: list[tuple[dict[str, int], dict[tuple[int, str], Any], dict[str, Any]]]
+        self.counts = [({}, {}, {}) for _ in range(replicas)]
 
     def add(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer` (replica 0's) updates the module: watch its state from now on."""
@@ -87,6 +127,7 @@ class OutsideWrites:
 
     def enter_cross_replica(self) -> None:
         """A section starts (a run ended, a `merge_fn` starts): record what is there."""
+        self._attributes.clear()  # set inside run: the replica's own (a forward's cache)
         try:
             self._prints = [
                 None if (o := ref()) is None else fingerprint(o) for ref in self._optimizers
@@ -103,6 +144,8 @@ class OutsideWrites:
         """
         marks, self._marks = self._marks, None
         prints, self._prints = self._prints, [None] * len(self._optimizers)
+        if self._attributes:
+            self._count_attributes()
         if marks is None:  # (a listener before this one raised where the section started)
             return
         with contextlib.suppress(RuntimeError):
@@ -118,7 +161,7 @@ class OutsideWrites:
                     writes = mark[1] - was[1] if mark[1] >= was[1] else 1
                 else:
                     writes = 1  # replaced, set, or removed
-                for buffers, _ in self.counts:
+                for buffers, _, _ in self.counts:
                     buffers[name] = buffers.get(name, 0) + writes
         for k, (ref, before) in enumerate(zip(self._optimizers, prints, strict=True)):
             optimizer = ref()
@@ -129,24 +172,34 @@ class OutsideWrites:
                 continue
             change = changes(before, after)
             key = (k, type(optimizer).__name__)
-            for _, states in self.counts:
+            for _, states, _ in self.counts:
                 old = states.get(key, (0, 0, 0))
                 states[key] = (old[0] + change[0], old[1] + change[1], old[2] + change[2])
 
+    def _count_attributes(self) -> None:
+        """The plain attributes set or deleted in the section: each one's value now."""
+        marked = sorted(self._attributes)
+        self._attributes.clear()
+        for j, name in marked:
+            prefix, module = self._modules[j]
+            if not attributes.follows(module, name):
+                continue
+            value = _plain(vars(module).get(name, _DELETED))
+            for _, _, set_ in self.counts:
+                set_[f"{prefix}.{name}" if prefix else name] = value
+
     def stepped(self, replica: int) -> None:
         """`replica` stepped: its counts start again."""
-        buffers, states = self.counts[replica]
-        if buffers:
-            buffers.clear()
-        if states:
-            states.clear()
+        for kept in self.counts[replica]:
+            if kept:
+                kept.clear()
 
     def values(self, replica: int) -> tuple[Any, ...]:
         """`replica`'s counts since its step, as its passes carry them (`NOTHING`: none)."""
-        buffers, states = self.counts[replica]
-        if not buffers and not states:
+        buffers, states, set_ = self.counts[replica]
+        if not buffers and not states and not set_:
             return NOTHING
-        return (tuple(sorted(buffers.items())), tuple(sorted(states.items())))
+        return tuple(tuple(sorted(kept.items())) for kept in (buffers, states, set_))
 
 
 def describe(values: tuple[Any, ...] | None) -> list[str]:
@@ -154,9 +207,10 @@ def describe(values: tuple[Any, ...] | None) -> list[str]:
     if values is None:
         return []
     if not values:
-        return ["0 writes outside run to buffers, optimizer state"]
-    buffers, states = values
+        return ["0 writes outside run to buffers, optimizer state, attributes"]
+    buffers, states, set_ = values
     parts = [f"buffer {name!r} written {n}x outside run" for name, n in buffers]
+    parts += [f"attribute {name!r} set to {value} outside run" for name, value in set_]
     for (_, name), (written, replaced, removed) in states:
         parts.append(
             f"{name} state changed outside run (load_state_dict, clear, edits): "
