@@ -32,6 +32,9 @@ CASES = (
     "clipped_on_one",
     "grad_none_on_one",
     "clipped_alike",
+    # a GradScaler never given to prepare, from step 1, on worker 1 only or on every worker
+    "scaler_on_one",
+    "scaler_alike",
     # by hand outside run, on worker 1 only (a later multi-worker bug hunt), or on all alike
     "optimizer_loaded_on_one",
     "optimizer_cleared_on_one",
@@ -77,15 +80,21 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
     assert GLOBAL_BATCH % (world_size * replicas) == 0
     odd = rank == 1
 
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # (prepared by no case)
+
     def step(x: Any, y: Any, i: int) -> None:
         loss = global_loss(torch, model, x, y)
         if i in CLEARS and not (case == "skipped_zero_grad" and odd and i == 3):
             optimizer.zero_grad()
         if case == "cleared_accumulation" and odd and i == 2:
             model.zero_grad()  # step 1's gradients gone on this worker only
-        loss.backward()
+        scaled = i >= 1 and (case == "scaler_alike" or (case == "scaler_on_one" and odd))
+        (scaler.scale(loss) if scaled else loss).backward()
         change_gradients(torch, model, case, i, odd)
-        if i in STEPPED:
+        if i in STEPPED and scaled:
+            scaler.step(optimizer)
+            scaler.update()
+        elif i in STEPPED:
             optimizer.step()
 
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}

@@ -132,3 +132,31 @@ def test_a_forward_on_one_worker_outside_run_sets_its_caches_alone(
     for out in outs:
         assert "params" in out, out
     assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True))
+
+
+def test_a_scaler_not_prepared_on_one_worker_fails_on_every_worker(torch_module: Any) -> None:
+    """A GradScaler never given to `prepare`, used on one worker only (one replica each):
+    its scaled gradient was summed with the other's unscaled one, silently (session 56's
+    bug hunt). The pass carries the calls, so every worker fails at that pass, before
+    anything is summed. (With several local replicas an unprepared scaler is refused.)"""
+    del torch_module
+    for out in (r.unwrap() for r in run_workers(train, 2, args=("scaler_on_one", 1))):
+        error = out.get("error", "")
+        assert error.startswith("CollectiveMismatchError"), out
+        assert "1 calls in this run to a GradScaler not given to prepare" in error, error
+        assert len(out["rates"]) == 1, out
+
+
+def test_a_scaler_not_prepared_on_every_worker_trains_as_plain_torch(torch_module: Any) -> None:
+    """The same unprepared GradScaler on every worker (one replica each) is fine: the
+    workers' reduced gradients, and so their unscaling and inf checks, are alike."""
+    torch = torch_module
+    outs = [r.unwrap() for r in run_workers(train, 2, args=("scaler_alike", 1))]
+    reference = plain("alike")  # a scale of 2**10 unscales exactly in float64
+    for out in outs:
+        assert "params" in out, out
+        worst = max(
+            float((a - b).abs().max()) for a, b in zip(out["params"], reference, strict=True)
+        )
+        assert worst <= 1e-12, worst
+    assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"], strict=True))

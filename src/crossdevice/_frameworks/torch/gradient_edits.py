@@ -13,10 +13,10 @@ version counter saw, and each one set to None; a replacement is refused at the s
 already, `GradientSync.check_step`):
 
 * local replicas with a copy each meet at their step (`step_check.StepCheck.meet`) and
-  bring their counts; counts that differ are looked into (`check_local`): gradients that
-  differ in value are an error naming each replica's count. Equal values pass (a
-  `call_once` or cross-replica change that replica 0 made and the others copied counts
-  differently and leaves the same gradients);
+  bring their counts; counts that differ are looked into (`step_check.check_edits`):
+  gradients that differ in value are an error naming each replica's count. Equal values
+  pass (a `call_once` or cross-replica change that replica 0 made and the others copied
+  counts differently and leaves the same gradients);
 * across workers, replica 0's count goes into the next backward pass's state
   (`step_state.py`), compared with the gradients' all-reduce: a worker that changed its
   gradients alone fails on every worker, one update later, before any further update.
@@ -30,11 +30,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from crossdevice._frameworks.torch import step_state
 
-__all__ = ["before_step", "check_local", "count"]
+__all__ = ["before_step", "count"]
 
 
 def before_step(groups: dict[Any, list[int]], replica: int, local: bool) -> int:
@@ -74,48 +72,3 @@ def count(sync: Any, replica: int, indices: Sequence[int]) -> int:
         elif grad is produced[index]():
             total += grad._version - versions[index]
     return total
-
-
-def check_local(optimizers: Sequence[torch.optim.Optimizer], counts: Sequence[int]) -> None:
-    """Local replicas' counts (`count`) at their step meeting: an error if they disagree.
-
-    Counts that differ are checked by value: every replica's gradients against replica
-    0's (the same tensors, None alike, equal values).
-
-    Raises:
-        RuntimeError: gradients that differ, naming each replica's count.
-    """
-    if len(set(counts)) < 2 or _same_gradients(optimizers):
-        return
-    each = ", ".join(f"replica {r}: {c}" for r, c in enumerate(counts))
-    raise RuntimeError(
-        "MirroredOptimizer.step(): the replicas changed their all-reduced gradients "
-        f"differently before this step (in-place writes and gradients set to None: {each}), "
-        "so each would update with its own gradients and the replicas would go apart. "
-        "Make the same changes on every replica (clip_grad_norm_ on every replica, not "
-        "under `if replica_id == 0`), or change them once for all replicas in "
-        "crossdevice.torch.call_once(fn)"
-    )
-
-
-def _same_gradients(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-    first = _gradients(optimizers[0])
-    for optimizer in optimizers[1:]:
-        for a, b in zip(first, _gradients(optimizer), strict=True):
-            if (a is None) != (b is None):
-                return False
-            if a is None or b is None:
-                continue
-            if not _equal(a, b):
-                return False
-    return True
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_sparse or b.is_sparse:
-        a, b = a.coalesce().to_dense(), b.coalesce().to_dense()
-    return a.shape == b.shape and torch.equal(a, b.to(a.device))
-
-
-def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
-    return [p.grad for group in optimizer.param_groups for p in group["params"]]

@@ -32,6 +32,7 @@ from torch.amp.grad_scaler import OptState
 
 from crossdevice._arrays import torch_guard, torch_patches
 from crossdevice._core import context
+from crossdevice._frameworks.torch import step_state
 from crossdevice._frameworks.torch.once import call_once
 from crossdevice._frameworks.torch.optimizer import MirroredOptimizer
 from crossdevice._frameworks.torch.replicas import local_replica_index, local_replicas
@@ -221,7 +222,11 @@ def mirror_scaler(scaler: Any, strategy: Strategy, replicas: int) -> MirroredGra
 
 
 def _refuse_shared(original: Any) -> Any:
-    """`GradScaler.<method>`, refused for a scaler shared by several local replicas."""
+    """`GradScaler.<method>`, refused for a scaler shared by several local replicas.
+
+    Across workers each call of a scaler not prepared is counted into the pass's state
+    (`step_state.unprepared_scaler`): a scaler used on one worker only is an error.
+    """
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if type(self) is not MirroredGradScaler and self.is_enabled():
@@ -229,7 +234,10 @@ def _refuse_shared(original: Any) -> Any:
             local = 0
             if frame is not None and frame.replica_context is not None:
                 local = local_replicas(frame.strategy)
-            if local > 1 and torch_guard.mark_of(self) is None:
+                if torch_guard.mark_of(self) is None:  # across workers: compared
+                    step_state.unprepared_scaler(frame.strategy, frame.local_replica_id)
+            refused = original.__name__ != "scale"  # (scaling alone changes no state)
+            if refused and local > 1 and torch_guard.mark_of(self) is None:
                 raise RuntimeError(
                     f"GradScaler.{original.__name__}() was called inside strategy.run on a "
                     f"scaler that was not prepared, which the {local} replicas of this "
@@ -250,6 +258,6 @@ def _refuse_shared(original: Any) -> Any:
 torch_patches.register(
     *(
         torch_patches.Patch(lambda: torch.amp.GradScaler, name, _refuse_shared)
-        for name in ("unscale_", "step", "update")
+        for name in ("scale", "unscale_", "step", "update")
     )
 )

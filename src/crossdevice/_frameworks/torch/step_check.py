@@ -33,7 +33,6 @@ from typing import Any, Final
 
 import torch
 
-from crossdevice._frameworks.torch import gradient_edits
 from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
@@ -41,7 +40,7 @@ from crossdevice._strategies.replica import in_section
 from crossdevice._sync.call import CallSignature
 from crossdevice._values.values import PerReplica
 
-__all__ = ["StepCheck", "changes", "fingerprint"]
+__all__ = ["StepCheck", "changes", "check_edits", "fingerprint"]
 
 _STEP_CALL: Final = CallSignature("MirroredOptimizer.step()")
 _GONE: Final[Any] = object()
@@ -100,7 +99,7 @@ class StepCheck:
             del strategy
             self._check_zero_grads(counts)
             each = list(changes.values) if isinstance(changes, PerReplica) else [changes]
-            gradient_edits.check_local(self._optimizers, each)
+            check_edits(self._optimizers, each)
             return None if then is None else then()
 
         extended = strategy.extended
@@ -242,3 +241,48 @@ def _entries(print_: list[Any]) -> list[tuple[int, dict[Any, tuple[int, Any]] | 
 def _count(print_: list[Any]) -> int:
     """The items (or non-dict entries) of a `fingerprint`'s state."""
     return sum(1 if items is None else len(items) for _, items in _entries(print_))
+
+
+def check_edits(optimizers: Sequence[torch.optim.Optimizer], counts: Sequence[int]) -> None:
+    """Local replicas' counts (`count`) at their step meeting: an error if they disagree.
+
+    Counts that differ are checked by value: every replica's gradients against replica
+    0's (the same tensors, None alike, equal values).
+
+    Raises:
+        RuntimeError: gradients that differ, naming each replica's count.
+    """
+    if len(set(counts)) < 2 or _same_gradients(optimizers):
+        return
+    each = ", ".join(f"replica {r}: {c}" for r, c in enumerate(counts))
+    raise RuntimeError(
+        "MirroredOptimizer.step(): the replicas changed their all-reduced gradients "
+        f"differently before this step (in-place writes and gradients set to None: {each}), "
+        "so each would update with its own gradients and the replicas would go apart. "
+        "Make the same changes on every replica (clip_grad_norm_ on every replica, not "
+        "under `if replica_id == 0`), or change them once for all replicas in "
+        "crossdevice.torch.call_once(fn)"
+    )
+
+
+def _same_gradients(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    first = _gradients(optimizers[0])
+    for optimizer in optimizers[1:]:
+        for a, b in zip(first, _gradients(optimizer), strict=True):
+            if (a is None) != (b is None):
+                return False
+            if a is None or b is None:
+                continue
+            if not _equal(a, b):
+                return False
+    return True
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_sparse or b.is_sparse:
+        a, b = a.coalesce().to_dense(), b.coalesce().to_dense()
+    return a.shape == b.shape and torch.equal(a, b.to(a.device))
+
+
+def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"]]

@@ -62,7 +62,16 @@ from crossdevice._frameworks.torch import outside_run
 from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._sync.call import digest
 
-__all__ = ["edited", "register", "stepped", "watch", "watched", "workers_agree", "zeroed"]
+__all__ = [
+    "edited",
+    "register",
+    "stepped",
+    "unprepared_scaler",
+    "watch",
+    "watched",
+    "workers_agree",
+    "zeroed",
+]
 
 #: Longest text of one worker's state in a mismatch message (the detail is cut at 300).
 _TEXT_MAX: Final = 240
@@ -196,6 +205,31 @@ def edited(sync: Any, replica: int, changes: int) -> None:
     _state(sync).edits[replica] = changes
 
 
+# strategy -> {local replica: (the run, calls to unprepared GradScalers in it)}.
+_UNPREPARED: weakref.WeakKeyDictionary[Any, dict[int, tuple[int, int]]]
+_UNPREPARED = weakref.WeakKeyDictionary()
+
+
+def unprepared_scaler(strategy: Any, replica: int | None) -> None:
+    """`replica` called a `GradScaler` method of a scaler not prepared, in this run.
+
+    Across workers such calls go into the pass's state: one worker that scales its loss
+    alone (its scaler never given to `prepare`) sums a scaled gradient with unscaled ones,
+    silently on every worker (the bug hunt of session 56); every worker alike is fine.
+    """
+    if replica is None or getattr(strategy.extended, "_worker_communicator", None) is None:
+        return
+    runs = strategy._runs
+    calls = _UNPREPARED.setdefault(strategy, {})
+    run, count = calls.get(replica, (runs, 0))
+    calls[replica] = (runs, (count if run == runs else 0) + 1)
+
+
+def _unprepared(strategy: Any, replica: int) -> int:
+    run, count = _UNPREPARED.get(strategy, {}).get(replica, (-1, 0))
+    return count if run == strategy._runs else 0
+
+
 def workers_agree(strategy: Any, syncs: Sequence[Any], replica: int) -> Any:
     """A context for `replica`'s backward pass through `syncs`, whose collectives carry it.
 
@@ -211,7 +245,10 @@ def workers_agree(strategy: Any, syncs: Sequence[Any], replica: int) -> Any:
         if last is None or last[0] != own:
             last = state.last = (own, digest(own) or 1)
         value = (value * 1_000_003 + last[1]) & 0x7FFF_FFFF_FFFF_FFFF
-    return purpose.agreeing(value or 1, lambda: _describe(values))
+    scaled = _unprepared(strategy, replica)
+    if scaled:
+        value = (value * 1_000_003 + scaled) & 0x7FFF_FFFF_FFFF_FFFF
+    return purpose.agreeing(value or 1, lambda: _describe(values, scaled))
 
 
 def _values(sync: Any, replica: int) -> tuple[Any, ...]:
@@ -256,9 +293,11 @@ def _plain(value: Any) -> Any:
     return type(value).__name__  # an object's repr may hold its address: its type only
 
 
-def _describe(values: tuple[tuple[Any, ...], ...]) -> str:
+def _describe(values: tuple[tuple[Any, ...], ...], scaled: int = 0) -> str:
     """One worker's state in words, for the mismatch message."""
     parts = []
+    if scaled:
+        parts.append(f"{scaled} calls in this run to a GradScaler not given to prepare")
     for own in values:
         zero_grads, written, evaluating, frozen, hand, edits, rest = *own[:6], own[6:]
         parts.append(f"zero_grad() {zero_grads}x since step()")
