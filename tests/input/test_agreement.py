@@ -77,11 +77,20 @@ def test_only_the_first_agreement_of_a_pass_carries_the_batch_size() -> None:
     assert workers.sizes == [8, None, None, None]
 
 
-def test_lengths_that_differ_agree_every_step() -> None:
+def test_lengths_that_differ_agree_every_step_and_warn() -> None:
+    """Every worker passes the same global batches: lengths that differ are a mistake
+    (each worker slices its own list), trained on silently until session 56's hunt."""
     workers = _Workers(count=None)  # some worker gave another length
     agreement = PassAgreement(workers, 3)
-    _run(agreement, workers, [True, True, True, False])
+    with pytest.warns(UserWarning, match=r"different lengths \(this worker's: 3 global"):
+        _run(agreement, workers, [True, True, True, False])
     assert workers.sent == [("agree", True, 3)] + [("agree", f, None) for f in (True, True, False)]
+
+
+def test_a_pass_of_unknown_length_does_not_warn(recwarn: Any) -> None:
+    workers = _Workers(count=None)
+    _run(PassAgreement(workers, None), workers, [True, True, False])
+    assert not [w for w in recwarn if "different lengths" in str(w.message)]
 
 
 def test_a_step_without_a_collective_agrees_for_real() -> None:

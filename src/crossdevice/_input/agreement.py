@@ -23,6 +23,7 @@ its peers fail in their next collective.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -118,6 +119,8 @@ class PassAgreement:
         if self._agreed is not None:  # the first step's answer, complete by now
             agreed, self._agreed = self._agreed, None
             self._count = agreed()
+            if self._count is None:  # (this worker's length is exact: `_steps`)
+                _warn_lengths(self._steps)
         if self._count is not None:
             if has_data != (taken < self._count):
                 raise RuntimeError(
@@ -134,3 +137,18 @@ class PassAgreement:
             return self._sync.agree(has_data, None)[0]
         any_data, self._agreed = self._sync.agree(has_data, self._steps, size)
         return any_data
+
+
+def _warn_lengths(steps: int | None) -> None:
+    """The workers' global batch lists differ in length (the hunt of session 56: silent)."""
+    warnings.warn(
+        f"the workers passed experimental_distribute_dataset datasets of different lengths "
+        f"(this worker's: {steps} global batches), or some worker's has no exact length: "
+        "each worker takes its slice of the same global batches, so every worker must pass "
+        "the same ones. A worker whose dataset ran out gets empty slices until the longest "
+        "ends (TF's rule for uneven input), which trains on a mix that no single dataset "
+        "gives. Pass every worker the same global batches, or give each worker its own "
+        "pipeline with distribute_datasets_from_function",
+        UserWarning,
+        stacklevel=6,  # the loop over the distributed dataset
+    )
