@@ -227,6 +227,7 @@ def _refuse_shared(original: Any) -> Any:
     Across workers each call of a scaler not prepared is counted into the pass's state
     (`step_state.unprepared_scaler`): a scaler used on one worker only is an error.
     """
+    refused = original.__name__ != "scale"  # (scaling alone changes no state)
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if type(self) is not MirroredGradScaler and self.is_enabled():
@@ -236,7 +237,6 @@ def _refuse_shared(original: Any) -> Any:
                 local = local_replicas(frame.strategy)
                 if torch_guard.mark_of(self) is None:  # across workers: compared
                     step_state.unprepared_scaler(frame.strategy, frame.local_replica_id)
-            refused = original.__name__ != "scale"  # (scaling alone changes no state)
             if refused and local > 1 and torch_guard.mark_of(self) is None:
                 raise RuntimeError(
                     f"GradScaler.{original.__name__}() was called inside strategy.run on a "

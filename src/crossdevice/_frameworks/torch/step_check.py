@@ -97,9 +97,8 @@ class StepCheck:
 
         def merge_fn(strategy: Any, counts: Any, changes: Any) -> Any:
             del strategy
-            self._check_zero_grads(counts)
-            each = list(changes.values) if isinstance(changes, PerReplica) else [changes]
-            check_edits(self._optimizers, each)
+            self._check_zero_grads(_each(counts))
+            check_edits(self._optimizers, _each(changes))
             return None if then is None else then()
 
         extended = strategy.extended
@@ -141,16 +140,14 @@ class StepCheck:
         """Every replica's state was set alike (`load_state_dict`, `add_param_group`)."""
         self._seen = fingerprint(self._optimizers[0])
 
-    def _check_zero_grads(self, counts: Any) -> None:
-        values = list(counts.values) if isinstance(counts, PerReplica) else [counts]
-        if len(set(values)) > 1:
-            each = ", ".join(f"replica {r}: {c}" for r, c in enumerate(values))
+    def _check_zero_grads(self, counts: list[int]) -> None:
+        if len(set(counts)) > 1:
             raise RuntimeError(
                 "MirroredOptimizer.step(): the replicas called zero_grad() different numbers "
-                f"of times since their last step ({each}), so their gradients differ. Every "
-                "replica must make the same zero_grad() and step() calls: decide on values "
-                "every replica agrees on (reduce a per-replica loss or flag first, "
-                "crossdevice.get_replica_context().all_reduce('max', x))"
+                f"of times since their last step ({_listed(counts)}), so their gradients "
+                "differ. Every replica must make the same zero_grad() and step() calls: "
+                "decide on values every replica agrees on (reduce a per-replica loss or flag "
+                "first, crossdevice.get_replica_context().all_reduce('max', x))"
             )
 
 
@@ -254,10 +251,10 @@ def check_edits(optimizers: Sequence[torch.optim.Optimizer], counts: Sequence[in
     """
     if len(set(counts)) < 2 or _same_gradients(optimizers):
         return
-    each = ", ".join(f"replica {r}: {c}" for r, c in enumerate(counts))
     raise RuntimeError(
         "MirroredOptimizer.step(): the replicas changed their all-reduced gradients "
-        f"differently before this step (in-place writes and gradients set to None: {each}), "
+        "differently before this step (in-place writes and gradients set to None: "
+        f"{_listed(counts)}), "
         "so each would update with its own gradients and the replicas would go apart. "
         "Make the same changes on every replica (clip_grad_norm_ on every replica, not "
         "under `if replica_id == 0`), or change them once for all replicas in "
@@ -286,3 +283,13 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
     return [p.grad for group in optimizer.param_groups for p in group["params"]]
+
+
+def _each(value: Any) -> list[Any]:
+    """A merge_fn's argument as every replica's value, in replica order."""
+    return list(value.values) if isinstance(value, PerReplica) else [value]
+
+
+def _listed(values: Sequence[Any]) -> str:
+    """`replica 0: a, replica 1: b, ...`, for the step meeting's errors."""
+    return ", ".join(f"replica {r}: {v}" for r, v in enumerate(values))
