@@ -32,6 +32,9 @@ CASES = (
     "clipped_on_one",
     "grad_none_on_one",
     "clipped_alike",
+    # only the last step goes apart (no next pass: the end of the data compares it)
+    "clipped_last_on_one",
+    "scheduler_last_on_chief",
     # a GradScaler never given to prepare, from step 1, on worker 1 only or on every worker
     "scaler_on_one",
     "scaler_alike",
@@ -105,7 +108,8 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
             strategy.experimental_distribute_dataset(global_batches(torch, STEPS))
         ):
             strategy.run(step, args=(x, y, i))
-            if case != "chief_scheduler" or rank == 0:
+            last_apart = case == "scheduler_last_on_chief" and i == STEPS - 1
+            if (case != "chief_scheduler" and not last_apart) or rank == 0:
                 schedule.step()
             if case == "lr_by_hand" and odd and i == 1:
                 optimizer.param_groups[0]["lr"] = 0.3
@@ -133,6 +137,8 @@ def train(rank: int, world_size: int, case: str, replicas: int) -> dict[str, Any
 
 def change_gradients(torch: Any, model: Any, case: str, i: int, odd: bool) -> None:
     """After batch `i`'s backward: what `case` does to the reduced gradients."""
+    if case == "clipped_last_on_one" and odd and i == STEPS - 1:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
     if i != 0:
         return
     if case == "clipped_alike" or (case == "clipped_on_one" and odd):

@@ -30,6 +30,9 @@ from tests.multi_worker.harness import run_workers
 
 pytestmark = [pytest.mark.multiprocess]
 
+#: What the error says of the collective at the end of the data (`_StepSync.ended`).
+_END = "the end of a pass over a distributed dataset"
+
 #: The pass at which each case's workers first differ, and what the messages show there.
 FAILS = {
     "chief_scheduler": (1, ("lr=0.25", "lr=0.5")),
@@ -47,6 +50,10 @@ FAILS = {
     # step went apart; the next pass fails, before another update.
     "clipped_on_one": (1, ("changes to the reduced gradients before the last step()",)),
     "grad_none_on_one": (1, ("1 changes to the reduced gradients",)),
+    # Only the last step went apart: no next pass carries it, so the end of the data
+    # compares it (every run completed; the last next() raises).
+    "clipped_last_on_one": (4, (_END, "changes to the reduced gradients before the last")),
+    "scheduler_last_on_chief": (4, (_END, "lr=0.03125", "lr=0.0625")),
     # Buffers and optimizer state written outside run on one worker; the
     # other worker's text says it wrote none.
     "optimizer_loaded_on_one": (2, ("SGD state changed outside run", "4 replaced/added")),

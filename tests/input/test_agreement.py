@@ -32,6 +32,9 @@ class _Workers:
         self.collective_since = False
         return True
 
+    def ended(self) -> None:
+        self.sent.append(("ended",))
+
 
 def _run(agreement: PassAgreement, workers: _Workers, flags: list[bool]) -> list[bool]:
     out = []
@@ -66,7 +69,8 @@ def test_an_agreed_length_spares_the_later_agreements() -> None:
     workers = _Workers(count=3)
     agreement = PassAgreement(workers, 3)
     assert _run(agreement, workers, [True, True, True, False]) == [True, True, True, False]
-    assert workers.sent == [("agree", True, 3), ("skip",), ("skip",), ("skip",)]
+    # The pass's end then compares what its last step left (`StepSync.ended`).
+    assert workers.sent == [("agree", True, 3), ("skip",), ("skip",), ("skip",), ("ended",)]
 
 
 def test_only_the_first_agreement_of_a_pass_carries_the_batch_size() -> None:
@@ -84,7 +88,8 @@ def test_lengths_that_differ_agree_every_step_and_warn() -> None:
     agreement = PassAgreement(workers, 3)
     with pytest.warns(UserWarning, match=r"different lengths \(this worker's: 3 global"):
         _run(agreement, workers, [True, True, True, False])
-    assert workers.sent == [("agree", True, 3)] + [("agree", f, None) for f in (True, True, False)]
+    agreed = [("agree", f, None) for f in (True, True, False)]
+    assert workers.sent == [("agree", True, 3), *agreed, ("ended",)]
 
 
 def test_a_pass_of_unknown_length_does_not_warn(recwarn: Any) -> None:

@@ -49,6 +49,13 @@ class StepSync(Protocol):
     def failed(self, error: BaseException) -> None:
         """This worker's step input raised `error`: tell the other workers (they may wait)."""
 
+    def ended(self) -> None:
+        """The pass is over on every worker: compare what its last step left.
+
+        A step's state (its optimizers' settings, the changes to its reduced gradients)
+        is compared by the next step's collectives; after the last one there is none.
+        """
+
     def skip(self, size: int | None) -> bool:
         """Count this step's agreement as made, without a collective, if that is safe.
 
@@ -111,8 +118,15 @@ class PassAgreement:
             RuntimeError: the workers agreed on the dataset's length and this worker's
                 pipeline yielded another number of batches.
             CollectiveMismatchError: the workers' first global batches differ in size
-                (here, or where the agreement left in flight completes).
+                (here, or where the agreement left in flight completes), or what the
+                pass's last step left differs between workers (`StepSync.ended`).
         """
+        going = self._goes_on(has_data, size)
+        if not going and self._sync is not None:
+            self._sync.ended()  # every worker ends the pass here, alike
+        return going
+
+    def _goes_on(self, has_data: bool, size: int | None) -> bool:
         taken, self._taken = self._taken, self._taken + 1
         if self._sync is None:
             return has_data

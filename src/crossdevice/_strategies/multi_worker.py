@@ -46,6 +46,9 @@ _NEXT_BATCH: Final = (
     "data, a collective every worker makes at every step"
 )
 
+#: What the end of a pass over a distributed dataset compares, for the errors about it.
+_LAST_STEP: Final = "the end of a pass over a distributed dataset: what the last step left"
+
 #: The nest structure of a single array (what `nest.structure_repr` says of any leaf).
 _LEAF_STRUCTURE: Final = nest.structure_repr(0)
 
@@ -76,6 +79,10 @@ class _MultiWorkerExtended(ReplicatedExtended):
         #: The global batch size of the step whose has-data agreement was skipped (the
         #: workers agreed on the data's length), in the call sites of its collectives.
         self._step_input: int | None = None
+        #: What the last step of a pass over a distributed dataset left that every
+        #: worker's next backward would compare (`crossdevice.torch` sets it: a context
+        #: for the collectives inside, `purpose.agreeing`); None: nothing to compare.
+        self._final_state: Callable[[], Any] | None = None
         self._worker_index = 0 if communicator is None else int(communicator.rank)
 
         super().__init__(container_strategy, devices, CollectiveAllReduce(communicator, options))
@@ -568,6 +575,13 @@ class _StepSync:
 
     def failed(self, error: BaseException) -> None:
         self._extended._tell_workers(error)
+
+    def ended(self) -> None:
+        final = self._extended._final_state
+        if final is None:
+            return
+        with purpose(_LAST_STEP), final():
+            self._communicator.barrier()
 
     def skip(self, size: int | None) -> bool:
         communicator = self._communicator

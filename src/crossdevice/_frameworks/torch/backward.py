@@ -24,6 +24,8 @@ accumulation_steps`, `0.5 * loss`), and stays silent when those factors come to 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import threading
 import warnings
@@ -68,6 +70,20 @@ def register(strategy: Any, sync: GradientSync) -> None:
         if not any(ref() is sync for ref in alive):
             alive += (weakref.ref(sync),)
         _SYNCS[strategy] = alive
+    extended = strategy.extended
+    if getattr(extended, "_worker_communicator", None) is not None:
+        # The last step of a pass over the data has no next backward to carry its state:
+        # the end of the pass compares it (`_StepSync.ended`).
+        extended._final_state = functools.partial(_final_state, weakref.ref(strategy))
+
+
+def _final_state(strategy_ref: weakref.ref[Any]) -> Any:
+    """A context for a collective that carries the state a next backward would carry."""
+    strategy = strategy_ref()
+    if strategy is None:
+        return contextlib.nullcontext()
+    syncs = [s for ref in _SYNCS.get(strategy, ()) if (s := ref()) is not None and s.enabled]
+    return step_state.workers_agree(strategy, syncs, 0)
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:

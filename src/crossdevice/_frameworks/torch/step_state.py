@@ -37,7 +37,9 @@ workers' fingerprints compare it with the call (`fingerprint.py`, field `state`)
 states that differ are a `CollectiveMismatchError` on every worker, showing each
 worker's values, before any worker uses the sum, so before any update with it. It is
 not part of the call's cached route: a learning rate that a scheduler changes every
-step costs nothing more.
+step costs nothing more. The last step of a pass over a distributed dataset has no next
+pass: the end of the data carries the same state in a barrier (`backward._final_state`,
+`_StepSync.ended`), so a difference made in that step fails the loop's last `next()`.
 
 Not seen: a hyperparameter changed on one worker between its backward and its `step()`
 (the next pass fails, one update later); optimizer state or buffers changed inside
