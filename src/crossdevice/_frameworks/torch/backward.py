@@ -41,7 +41,7 @@ from crossdevice._core.reduce_op import ReduceOp
 from crossdevice._frameworks.torch import step_state
 from crossdevice._frameworks.torch.gradients import GradientSync
 
-__all__ = ["register"]
+__all__ = ["refuse_step_in_pass", "register"]
 
 # strategy -> its mirrored modules' gradient syncs, held weakly, in registration order (the
 # order every worker's passes end in: the same on all of them)
@@ -84,6 +84,25 @@ def _final_state(strategy_ref: weakref.ref[Any]) -> Any:
         return contextlib.nullcontext()
     syncs = [s for ref in _SYNCS.get(strategy, ()) if (s := ref()) is not None and s.enabled]
     return step_state.workers_agree(strategy, syncs, 0)
+
+
+def refuse_step_in_pass() -> None:
+    """Raise if the calling replica is inside its backward pass (an optimizer step there).
+
+    torch's optimizer-in-backward idiom steps from `register_post_accumulate_grad_hook`:
+    each parameter as soon as its gradient is accumulated, before the pass has reduced
+    it across replicas. That step would apply the replica's own gradient; said as such
+    (the bug hunt of session 57: the error blamed `no_sync()`).
+    """
+    if _PASS.depth:
+        raise RuntimeError(
+            "optimizer.step() was called during this replica's backward pass (from a "
+            "gradient hook: torch's optimizer-in-backward idiom, "
+            "register_post_accumulate_grad_hook), before the pass reduced the gradients "
+            "across replicas: it would apply this replica's gradient only. Call "
+            "optimizer.step() after loss.backward() returns (the gradients are all-reduced "
+            "as backward completes them, so there is no memory to save by stepping inside)"
+        )
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:

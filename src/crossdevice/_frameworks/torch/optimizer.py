@@ -32,10 +32,11 @@ from typing import Any, Final
 import torch
 
 from crossdevice._arrays import torch_guard, torch_patches
-from crossdevice._frameworks.torch import gradient_edits, step_state
+from crossdevice._frameworks.torch import backward, gradient_edits, step_state
 from crossdevice._frameworks.torch.agreement import check_workers_agree, describe_optimizer
 from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
+from crossdevice._frameworks.torch.optimizer_hooks import on_every_replica
 from crossdevice._frameworks.torch.optimizer_views import ReplicaGroup, ReplicaState
 from crossdevice._frameworks.torch.replicas import local_replica_index, local_replicas
 from crossdevice._frameworks.torch.step_check import StepCheck
@@ -316,6 +317,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
             for sync, indices in groups.items():
                 sync.new_step(r, indices)
 
+    register_step_pre_hook = on_every_replica("register_step_pre_hook")
+    register_step_post_hook = on_every_replica("register_step_post_hook")
+    register_state_dict_pre_hook = on_every_replica("register_state_dict_pre_hook")
+    register_state_dict_post_hook = on_every_replica("register_state_dict_post_hook")
+    register_load_state_dict_pre_hook = on_every_replica("register_load_state_dict_pre_hook")
+    register_load_state_dict_post_hook = on_every_replica("register_load_state_dict_post_hook")
+
     def state_dict(self) -> dict[str, Any]:
         """The running replica's `state_dict` (replica 0's in cross-replica context)."""
         return self._current().state_dict()
@@ -502,6 +510,7 @@ def _before_step(
         evaluated it already, and `loss` is what it returned, reduced.
     """
     index = self._index()
+    backward.refuse_step_in_pass()
     optimizers = self.__dict__["_optimizers"]
     strategy: Strategy = self.__dict__["_strategy"]
     meet = index is not None and local_replicas(strategy) > 1

@@ -150,6 +150,13 @@ def prepare(
             if isinstance(obj, MirroredModule):
                 modules.append(obj)
                 out.append(obj)
+            elif isinstance(obj, torch.jit.ScriptModule):
+                raise TypeError(
+                    "crossdevice.torch.prepare got a TorchScript module "
+                    f"({type(obj).__name__}, from torch.jit.script or torch.jit.trace), whose "
+                    "parameters and buffers a replica cannot copy or follow; prepare the eager "
+                    "module (for speed, torch.compile the prepared module instead)"
+                )
             elif isinstance(obj, torch.nn.Module):
                 mirrored = MirroredModule(
                     obj,
