@@ -135,3 +135,80 @@ def test_the_shared_optimizers_state_is_read_only_inside_run(torch: Any, cdt: An
 
     with pytest.raises(RuntimeError, match=r"got del state\[param\]"):
         strategy.run(drop)
+
+
+def _halve_moments(optimizer: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p]["exp_avg"].mul_(0.5)
+
+
+@pytest.mark.parametrize("mode", ["threads", "cooperative"])
+@pytest.mark.parametrize("when", ["after_step", "before_step"])
+def test_the_shared_optimizers_state_written_in_place_inside_run_is_an_error(
+    torch: Any, cdt: Any, mode: str, when: str
+) -> None:
+    """Where the replicas share one optimizer, an in-place write to a state tensor read
+    inside run landed once per replica (the bug hunt of session 57: the moments halved 4
+    times a step, silently); it is an error where the replicas next meet or the run ends."""
+    with replica_execution(mode):
+        adam = prepared_mlp(torch, cdt, lambda p: torch.optim.Adam(p, lr=0.05), shared=True)
+        strategy, model, optimizer = adam
+        with pytest.raises(RuntimeError, match=r"state \['exp_avg'\] was written in place.*4 t"):
+            run_on_replicas(
+                strategy, _writing_step(torch, model, optimizer, when), global_batches(torch, 3)
+            )
+        # The error leaves the strategy usable: a step that only reads the state runs.
+        run_on_replicas(strategy, _reading_step(torch, model, optimizer), global_batches(torch, 1))
+
+
+def _writing_step(torch: Any, model: Any, optimizer: Any, when: str) -> Any:
+    def step(x: Any, y: Any, i: int) -> None:
+        optimizer.zero_grad()
+        global_loss(torch, model, x, y).backward()
+        if when == "before_step" and i == 1:
+            _halve_moments(optimizer)
+        optimizer.step()
+        if when == "after_step":
+            _halve_moments(optimizer)
+
+    return step
+
+
+def _reading_step(torch: Any, model: Any, optimizer: Any) -> Any:
+    def step(x: Any, y: Any, i: int) -> None:
+        params = list(model.parameters())
+        _ = [optimizer.state[p].get("exp_avg") for p in params]  # read before the step
+        optimizer.zero_grad()
+        global_loss(torch, model, x, y).backward()
+        optimizer.step()
+        _ = [float(optimizer.state[p]["exp_avg"].abs().max()) for p in params]
+
+    return step
+
+
+@pytest.mark.parametrize(("mode", "shared"), CASES, ids=IDS)
+def test_the_optimizers_state_written_once_a_step_trains_like_plain_torch(
+    torch: Any, cdt: Any, mode: str, shared: bool
+) -> None:
+    """Each replica writing its own copy's state, or one write a step (`call_once`), is
+    plain torch's write; the state read around the step is no write at all."""
+    data = global_batches(torch, 4)
+    plain = mlp(torch)
+    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=0.05)
+    start = train_plain(torch, plain, plain_optimizer, data, standard_step(torch, _halve_moments))
+    with replica_execution(mode):
+        strategy, model, optimizer = prepared_mlp(
+            torch, cdt, lambda p: torch.optim.Adam(p, lr=0.05), shared=shared
+        )
+        reading = _reading_step(torch, model, optimizer)
+
+        def step(x: Any, y: Any, i: int) -> None:
+            reading(x, y, i)
+            if shared:
+                cdt.call_once(_halve_moments, optimizer)
+            else:
+                _halve_moments(optimizer)  # the running replica's own state
+
+        run_on_replicas(strategy, step, data)
+    assert_trains_like(torch, plain, model, start)

@@ -245,7 +245,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             return state
         groups = self.__dict__["_optimizers"][0].param_groups
         pairs = [(self._replica(p, index), p) for g in groups for p in g["params"]]
-        return ReplicaState(state, pairs, replicas)
+        return ReplicaState(state, pairs, replicas, self.__dict__["_check"].writes)
 
     @state.setter
     def state(self, value: Any) -> None:

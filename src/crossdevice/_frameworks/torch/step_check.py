@@ -22,7 +22,10 @@ more on cooperative replicas (medians of interleaved blocks of 200 runs). What i
   0's) is copied from replica 0 to every other replica before the replicas run again.
   This is the mirrored modules' rule for parameters and buffers (`mirroring.py`,
   `sections`): a fingerprint of replica 0's state (its entries, each tensor's identity and
-  `_version`) is taken when a cross-replica section starts and compared when it ends.
+  `_version`) is taken when a cross-replica section starts and compared when it ends;
+* where the replicas share one optimizer, its state tensors read inside the run
+  (`optimizer_views.StateWrites`) must not be written there: each replica's write
+  would land on them once per replica.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, Final
 import torch
 
 from crossdevice._frameworks.torch.agreement import PLAIN
+from crossdevice._frameworks.torch.optimizer_views import StateWrites
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
 from crossdevice._strategies.replica import in_section
@@ -63,6 +67,8 @@ class StepCheck:
         self._shared = shared
         self._zero_grads = [0] * len(optimizers)
         self._seen = fingerprint(optimizers[0])
+        #: The shared optimizer's state read inside `strategy.run` (`optimizer_views`).
+        self.writes = StateWrites(len(optimizers))
         if len(optimizers) > 1:
             strategy.extended._sections.add(self)  # held weakly
 
@@ -121,10 +127,18 @@ class StepCheck:
             zero_grads[r] = 0
         if not self._shared:
             self._seen = fingerprint(self._optimizers[0])
+        elif self.writes:  # the state read since the section before: unwritten
+            self.writes.check()
 
     def leave_cross_replica(self) -> None:
-        """Copy replica 0's state to the other replicas if it changed meanwhile."""
+        """Copy replica 0's state to the other replicas if it changed meanwhile.
+
+        With one shared optimizer: the state read inside the run is watched from here on
+        (the step's writes, or those made outside the run, are not the replicas').
+        """
         if self._shared:
+            if self.writes:
+                self.writes.stamp()
             return
         first = self._optimizers[0]
         now = fingerprint(first)
