@@ -29,9 +29,11 @@ submodule replaced on replica 0's copy is an error at the next `run`.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any, Final
@@ -142,12 +144,52 @@ class AttributeMirror:
         self._modules = [list(r.modules()) for r in replicas]
         self._index = {id(m): j for j, m in enumerate(self._modules[0])}
         self._marks: set[tuple[int, str]] = set()
+        self._warned: set[str] = set()  # the attributes `forget` warned about
+        self._named: list[str] | None = None
         _watch(self._modules[0], self._marks)
         weakref.finalize(self, _unwatch, list(self._index), self._marks)
 
-    def forget(self) -> None:
-        """Attributes set so far (inside `run`) are the replicas' own: not followed."""
+    def forget(self, compare: bool = False) -> None:
+        """Attributes set so far (inside `run`) are the replicas' own: not followed.
+
+        `compare`: the run (or the code before a `merge_fn`) ended without an error:
+        warn, once per attribute, where replicas set one to values that differ. A module
+        that keeps state in a plain attribute (`self.center = 0.9 * self.center + ...`
+        in its forward) got one value per replica, each from the replica's own slice,
+        where plain torch has one from the whole batch, and the model outside `run`
+        reads replica 0's: a silently different model (the bug hunt of session 57). Not
+        an error: a value kept only for inspection (the last batch's shape, attention
+        maps) may differ harmlessly; one that feeds the computation should be a buffer,
+        which `buffer_aggregation` combines (and an undeclared one is refused).
+        """
+        if compare and self._marks:
+            self._warn_apart()
         self._marks.clear()
+
+    def _warn_apart(self) -> None:
+        if self._named is None:
+            self._named = [name for name, _ in self._roots[0].named_modules()]
+        for j, name in sorted(self._marks):
+            path = self._named[j]
+            where = f"{path}.{name}" if path else name
+            if where in self._warned or not follows(self._modules[0][j], name):
+                continue
+            values = [vars(modules[j]).get(name, _SKIP) for modules in self._modules]
+            if all(_alike(values[0], v) for v in values[1:]):
+                continue
+            self._warned.add(where)
+            shown = ", ".join(f"replica {r}: {_short(v)}" for r, v in enumerate(values[:3]))
+            warnings.warn(
+                f"attribute {where!r} of a prepared model was set inside strategy.run to "
+                f"values that differ between replicas ({shown}): each replica's forward set "
+                "it from its own slice, so each keeps its own, and outside strategy.run the "
+                "model reads replica 0's, where plain torch (one model, the whole batch) has "
+                "one value. If it feeds the computation (a running statistic, a scale), keep "
+                "it in a buffer (register_buffer) and pass prepare(..., buffer_aggregation=...) "
+                "to combine the replicas' values; a value kept only for inspection may stay",
+                UserWarning,
+                stacklevel=_user_level(),
+            )
 
     def follow(self) -> None:
         """Give every replica the attributes set or deleted on replica 0's submodules.
@@ -204,6 +246,59 @@ class AttributeMirror:
 
 
 _SKIP: Final = object()
+
+
+#: The folders of crossdevice and torch: their frames are not the user's.
+_LIBRARIES: Final = (
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    os.path.dirname(os.path.abspath(torch.__file__)),
+)
+
+
+def _user_level() -> int:
+    """`warnings.warn`'s stacklevel for the first caller outside crossdevice and torch."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+#: Largest tensor attribute compared (a running statistic is small; a stashed activation,
+#: compared every step, would cost a copy to the host each time).
+_COMPARED_MAX: Final = 1 << 16
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Whether two replicas' values of an attribute are the same value.
+
+    Each replica's own device (`self.device = x.device`), a tensor computed from the
+    parameters and a large tensor are taken as alike.
+    """
+    if isinstance(a, torch.device) and isinstance(b, torch.device):
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.requires_grad or b.requires_grad or a.numel() > _COMPARED_MAX:
+            return True  # computed from the parameters: each replica's own by design
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+        )
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # an object with an unusual `==` (an array): its type only
+        return type(a) is type(b)
+
+
+def _short(value: Any) -> str:
+    if value is _SKIP:
+        return "not set"
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)} sum {float(value.detach().double().sum()):.6g}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _device(replica: torch.nn.Module, like: torch.Tensor) -> torch.device:

@@ -242,8 +242,9 @@ class ReplicaMirror:
             RuntimeError: with shared storage, code inside `strategy.run` changed a
                 parameter in place.
         """
+        ran = self._in_run  # (a run that raised compares nothing)
         if self._in_run and self._run_failed():
-            self._in_run = False
+            self._in_run = ran = False
             self._after_failed_run()
         if self._in_run and len(self._replicas) == 1:  # alone here, among several workers
             self._in_run = False
@@ -261,7 +262,7 @@ class ReplicaMirror:
         self._record = self._state()
         assert self._attributes is not None
         assert self._grads is not None
-        self._attributes.forget()  # set inside the run: each replica's own
+        self._attributes.forget(compare=ran)  # set inside the run: each replica's own
         self._grads.record()
 
     def _run_failed(self) -> bool:
