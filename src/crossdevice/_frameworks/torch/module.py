@@ -1,9 +1,8 @@
 """`MirroredModule`: one copy of a `torch.nn.Module` per replica, used like the module.
 
 TF mirrors a Keras model built under `strategy.scope()`: each variable has one component
-per replica device, and the model used inside `strategy.run` reads the running replica's
-components. Here the module is copied once per local replica (replica 0 keeps the
-original object, moved to its device); every worker starts from the chief's values.
+per replica device. Here the module is copied once per local replica (replica 0 keeps
+the original object, moved to its device); every worker starts from the chief's values.
 
 The mirrored module behaves as the running replica's module for the whole `nn.Module`
 surface: calling it, its parameters, buffers and submodules (`modules()`,
@@ -28,6 +27,7 @@ from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._frameworks.torch import (  # noqa: F401 - backward, embedding, once: patches
     backward,
     embedding,
+    nested,
     once,
     once_gradients,
     replica_zero,
@@ -251,9 +251,8 @@ class MirroredModule(torch.nn.Module):
     def no_sync(self) -> Any:
         """Context manager: backward passes inside accumulate gradients without reducing.
 
-        As DDP's `no_sync`: run the first micro-batches of a step under it, and the last
-        backward outside it reduces the accumulated gradients. Call it inside
-        `strategy.run`.
+        As DDP's `no_sync`: run the first micro-batches of a step under it (inside
+        `strategy.run`); the last backward outside it reduces the accumulated gradients.
         """
         index = local_replica_index(self.__dict__["_strategy"])
         if index is None:
@@ -583,9 +582,9 @@ def _own_hooks(sync: GradientSync) -> list[int]:
 def _ready_for_dynamo() -> None:
     """Keep `MirroredModule.forward`'s dispatch out of torch.compile's graphs.
 
-    Dynamo skips `forward`'s own frame (it reads this thread's replica context) and runs
-    `_before` / `_after` (context, collectives) eagerly, but still compiles the replica's
-    module that `forward` calls. Run once torch's compiler is loaded (`on_dynamo`).
+    Dynamo skips `forward`'s own frame (it reads this thread's replica context), runs
+    `_before` / `_after` (context, collectives) eagerly, and compiles the replica's module
+    that `forward` calls. Run once torch's compiler is loaded (`on_dynamo`).
     """
     global _before, _after
     import torch._dynamo
@@ -598,3 +597,4 @@ def _ready_for_dynamo() -> None:
 torch_patches.on_dynamo(_ready_for_dynamo)
 for _name in replica_zero.STATE_DICT_HOOKS:  # on the module whose state_dict() runs them
     setattr(MirroredModule, _name, replica_zero.on_running_replica(_name))
+MirroredModule._load_from_state_dict = nested.load_as_child  # type: ignore[method-assign]
