@@ -228,3 +228,36 @@ def test_a_notice_after_the_last_agreement_is_saved_when_the_loop_ends(
         assert not exits  # no agreement before the loop ends
     assert exits  # the scope's end agreed, saved and exited
     assert cd.train.latest_checkpoint(tmp_path) is not None
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_scheduler_stepped_between_runs_is_a_warning_once(tmp_path: Path, inside: bool) -> None:
+    """A preemption saves inside `run`, right after the step: a scheduler stepped after
+    `run` in the loop body (torch's per-iteration idiom) had not stepped for that step, and
+    the resumed job ran one schedule step behind, silently (the bug hunt of session 57)."""
+    torch = pytest.importorskip("torch")
+    strategy = cd.MirroredStrategy(["CPU:0", "CPU:1"])
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    ckpt = cd.train.Checkpoint(optimizer=optimizer, scheduler=scheduler)
+    manager = cd.train.CheckpointManager(ckpt, tmp_path, max_to_keep=1)
+    handler = PreemptionCheckpointHandler(None, manager)
+
+    def step() -> None:
+        strategy.run(lambda: None)
+        weight.grad = torch.ones(2)
+        optimizer.step()
+        if inside:
+            scheduler.step()
+
+    if inside:
+        for _ in range(3):
+            handler.run(step)  # (pytest turns any warning into an error)
+        return
+    with pytest.warns(UserWarning, match=r"scheduler\(s\) \['scheduler'\] stepped between") as w:
+        for _ in range(3):
+            handler.run(step)
+            scheduler.step()
+    assert len(w) == 1
+    assert w[0].filename == __file__

@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -40,7 +41,7 @@ import numpy as np
 from crossdevice._core import tuning
 from crossdevice._core.errors import CollectiveTimeoutError, WorkerFailedError
 from crossdevice._strategies.context import has_strategy
-from crossdevice._train import job
+from crossdevice._train import job, trackable
 from crossdevice._train.checkpoint import Checkpoint
 from crossdevice._train.manager import CheckpointManager, live_manager
 
@@ -195,6 +196,9 @@ class PreemptionCheckpointHandler:
         self._next_agreement = 1
         self._last_boundary: float | None = None
         self._boundary_time = 0.0  # mean seconds between boundaries (chief's proposal)
+        #: Each tracked LR scheduler's `last_epoch` when the last `run` returned.
+        self._schedules: dict[str, int] | None = None
+        self._warned = False
         self._watch()
 
     # --- notices --------------------------------------------------------------------------
@@ -240,6 +244,7 @@ class PreemptionCheckpointHandler:
         Returns:
             What `distributed_train_function(*args, **kwargs)` returned.
         """
+        self._check_schedulers()
         start = time.monotonic()
         try:
             result = distributed_train_function(*args, **kwargs)
@@ -249,7 +254,32 @@ class PreemptionCheckpointHandler:
         self._count.runs += 1
         self._mean_step += (elapsed - self._mean_step) / min(self._count.runs, 100)
         self.save_checkpoint_if_preempted()
+        self._schedules = _schedules(self._checkpoint)
         return result
+
+    def _check_schedulers(self) -> None:
+        """Warn, once, of a tracked LR scheduler stepped between two `run` calls.
+
+        A preemption saves inside `run`, right after the step: a scheduler stepped after
+        `run` in the loop body (torch's per-iteration idiom, or a per-epoch schedule at
+        the epoch's end) has not stepped for that step yet, and the resumed job runs on
+        one schedule step behind the data, silently (the bug hunt of session 57).
+        """
+        if self._schedules is None or self._warned:
+            return
+        now = _schedules(self._checkpoint)
+        moved = [name for name, epoch in now.items() if self._schedules.get(name, epoch) != epoch]
+        if moved:
+            self._warned = True
+            warnings.warn(
+                f"the LR scheduler(s) {moved} stepped between PreemptionCheckpointHandler.run "
+                "calls: a preemption saves inside run, right after the step, before such a "
+                "scheduler steps for it, so the job resumed from that checkpoint would run "
+                "one schedule step behind. Step it inside the function given to run (a "
+                "per-epoch schedule: on the epoch's last step)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     @contextlib.contextmanager
     def watch_preemption_scope(self) -> Iterator[None]:
@@ -373,3 +403,13 @@ class PreemptionCheckpointHandler:
 
     def __repr__(self) -> str:
         return f"PreemptionCheckpointHandler({self._manager!r}, total_run_calls={self._count.runs})"
+
+
+def _schedules(checkpoint: Checkpoint) -> dict[str, int]:
+    """The `last_epoch` of each LR scheduler `checkpoint` tracks (by name; at the top)."""
+    objects = checkpoint.__dict__.get("_objects", {})
+    return {
+        name: int(getattr(obj, "last_epoch", 0))
+        for name, obj in objects.items()
+        if trackable.is_scheduler(obj)
+    }

@@ -52,7 +52,7 @@ from crossdevice._values.distributed_variables import (
 )
 from crossdevice._values.variables import Variable
 
-__all__ = ["apply", "capture", "check_trackable", "strategy_of", "validate"]
+__all__ = ["apply", "capture", "check_trackable", "is_scheduler", "strategy_of", "validate"]
 
 _ACCEPTED = (
     "a crossdevice.Variable, an object with state_dict() and load_state_dict() (a torch "
@@ -79,7 +79,8 @@ def _is_optimizer(obj: Any) -> bool:
 _SCHEDULER_CLASS = "scheduler_class"
 
 
-def _is_scheduler(obj: Any) -> bool:
+def is_scheduler(obj: Any) -> bool:
+    """Whether `obj` is a torch LR scheduler (`ReduceLROnPlateau` too)."""
     torch: Any = sys.modules.get("torch")
     if torch is None:
         return False
@@ -159,7 +160,7 @@ def capture(obj: Any) -> Any:
         return obj.get_state()
     if _is_optimizer(obj):
         return {**obj.state_dict(), _OPTIMIZER_CLASS: _optimizer_class(obj)}
-    if _is_scheduler(obj):
+    if is_scheduler(obj):
         return {**obj.state_dict(), _SCHEDULER_CLASS: _qualified_name(type(obj))}
     if _is_stateful(obj):
         return obj.state_dict()
@@ -216,7 +217,7 @@ def validate(obj: Any, state: Any, name: str) -> None:
         _validate_module(obj.state_dict(), state, name)
     if _is_optimizer(obj):
         _validate_optimizer(obj, state, name)
-    if _is_scheduler(obj):
+    if is_scheduler(obj):
         _validate_scheduler(obj, state, name)
 
 
@@ -333,7 +334,7 @@ def apply(obj: Any, state: Any) -> None:
         obj.set_state(state)
     elif _is_optimizer(obj):
         obj.load_state_dict({k: v for k, v in state.items() if k != _OPTIMIZER_CLASS})
-    elif _is_scheduler(obj):
+    elif is_scheduler(obj):
         obj.load_state_dict({k: v for k, v in state.items() if k != _SCHEDULER_CLASS})
     elif _is_stateful(obj):
         obj.load_state_dict(state)
