@@ -25,7 +25,9 @@ Devices that do not exist are checked where devices are parsed
 
 from __future__ import annotations
 
+import inspect
 import math
+import types
 from typing import Any, Final
 
 import numpy as np
@@ -36,6 +38,7 @@ __all__ = [
     "axes",
     "describe",
     "function",
+    "lazy_result",
     "reducible",
     "safe_repr",
     "single_device",
@@ -50,6 +53,11 @@ MAX_TIMEOUT_SECONDS: Final = 30 * 24 * 3600.0
 _NUMERIC_KINDS: Final = frozenset("iufc")
 
 _NEST: Final[dict[str, Any]] = {"none_is_leaf": True, "namespace": "crossdevice"}
+
+#: Code flags of a function whose call returns before its body runs.
+_ASYNC: Final = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+_LAZY_BODY: Final = inspect.CO_GENERATOR | _ASYNC
+_LAZY_TYPES: Final = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
 
 
 _DISTRIBUTED: list[Any] = []
@@ -248,11 +256,41 @@ def _raise(value: Any, what: str) -> None:
 
 
 def function(fn: Any, what: str) -> None:
-    """Raise TypeError unless `fn` is callable (`run(None)`, `merge_call(None)`)."""
+    """Raise TypeError unless `fn` is callable and runs its body when called.
+
+    `run(None)`, `merge_call(None)`; and a generator function or `async def`: called,
+    it returns a generator or a coroutine without running its body, whose collectives
+    then run later, outside the replicas (the default context's: a sum over one
+    replica), silently (the bug hunt of session 57).
+    """
     if not callable(fn):
         raise TypeError(
             f"{what} needs a function to call, got {type(fn).__name__}: {fn!r}; pass the "
             "function itself (fn, not fn())"
+        )
+    code = getattr(fn, "__code__", None)
+    if code is not None and code.co_flags & _LAZY_BODY:
+        kind = "an async function" if code.co_flags & _ASYNC else "a generator function"
+        raise TypeError(
+            f"{what} got {kind}, {getattr(fn, '__qualname__', fn)!r}: called, it returns "
+            "a generator or coroutine without running its body, which would run later, "
+            "outside the replicas. Pass a plain function (collect what it yields in a list "
+            "and return that)"
+        )
+
+
+def lazy_result(value: Any, what: str) -> None:
+    """Raise TypeError if `value` (a replica's result) is a generator or coroutine.
+
+    Its body has not run, and would run later outside the replicas (see `function`).
+    """
+    if isinstance(value, _LAZY_TYPES):
+        if isinstance(value, types.CoroutineType):
+            value.close()  # (never awaited: no RuntimeWarning besides this error)
+        raise TypeError(
+            f"{what} returned a {type(value).__name__} whose body has not run; it would "
+            "run later, outside the replicas. Return its values (list(...)), not the "
+            "generator or coroutine"
         )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from crossdevice._arrays.handout import hand_out, is_shared
-from crossdevice._core import context, nest
+from crossdevice._core import context, nest, validate
 from crossdevice._core.devices import DeviceSpec, canonicalize, check_device_exists, device_scope
 from crossdevice._core.errors import ArgumentAssertionError
 from crossdevice._core.options import CommunicationOptions
@@ -24,7 +24,7 @@ from crossdevice._strategies.base import Strategy, StrategyExtended, as_reducibl
 from crossdevice._strategies.replica import ReplicaContext
 from crossdevice._sync.call import CallSignature
 from crossdevice._values.distributed_variables import DistributedVariable
-from crossdevice._values.regroup import regroup, select_replica
+from crossdevice._values.regroup import check_components, regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
 from crossdevice._values.variables import Variable
 
@@ -64,6 +64,7 @@ class ReplicatedExtended(StrategyExtended):
     """Base for strategies that run several local replicas on threads."""
 
     _reads_distributed_only = True  # TF's MirroredExtended.read_var
+    _closed = False  # close() came: a runner made later is closed at once (runs raise)
 
     def __init__(
         self, container_strategy: Strategy, devices: tuple[str, ...], cross_device_ops: Any
@@ -121,10 +122,14 @@ class ReplicatedExtended(StrategyExtended):
             if len(self._devices) > 1:
                 self._thread_communicator = communicator
             self._runner = runner
+            if self._closed:  # closed before its first run: that run, and any, raises
+                runner.close()
         return self._runner
 
     def _close(self) -> None:
-        runner = self._runner
+        with self._runner_lock:
+            self._closed = True
+            runner = self._runner
         if runner is not None:
             runner.close()
 
@@ -230,6 +235,8 @@ class ReplicatedExtended(StrategyExtended):
         else:
             per_replica = [(args, kwargs)] * n
         results = self._get_runner().run(fn, per_replica, merge_timeout=self._merge_timeout())
+        for result in results:
+            validate.lazy_result(result, "the function given to strategy.run")
         if n == 1:
             return results[0]  # regroup unwraps one replica's result, as TF's does
         plain = _regroup_numpy(results, self._devices)
@@ -266,6 +273,7 @@ class ReplicatedExtended(StrategyExtended):
             mkwargs = regroup([i[1] for i in inputs], PerReplica, always_wrap, devices)
             with context.entered(context.Frame(strategy)):
                 result = merge_fn(strategy, *margs, **mkwargs)
+            check_components(result, n, "the merge_fn's result")
             return [select_replica(i, result) for i in range(n)]
 
         local_id = replica_id - self._replica_id_offset
