@@ -70,3 +70,14 @@ def test_a_merge_fn_result_of_another_replica_count_is_an_error(mode: str, parts
             lambda: cd.get_replica_context().merge_call(lambda s: cd.PerReplica([7, 8]))
         )
     assert strategy.experimental_local_results(got) == (7, 8)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_variable_of_another_strategy_updated_in_run_names_both(mode: str) -> None:
+    """It failed deep inside with "requires being in cross-replica context"."""
+    strategy, other = cd.MirroredStrategy(["CPU:0", "CPU:1"]), cd.MirroredStrategy(["CPU:0"])
+    with other.scope():
+        v = cd.Variable(np.zeros(3, np.float32))
+    with replica_execution(mode), pytest.raises(RuntimeError, match="mixing different crossdevice"):
+        strategy.run(lambda: v.assign_add(np.ones(3, np.float32)))
+    assert v.numpy().tolist() == [0.0, 0.0, 0.0]

@@ -75,6 +75,22 @@ def _mode(strategy: Any) -> tuple[str, int | None]:
     return "cross", None
 
 
+def _refuse_other_replicas(variable: Any, method: str) -> None:
+    """Raise if `variable` is updated inside the replicas of another strategy.
+
+    It took the cross-replica path of its own strategy there and failed deep inside
+    with "requires being in cross-replica context" (the bug hunt of session 57).
+    """
+    frame = context.current_frame()
+    if frame is not None and frame.replica_context is not None:
+        raise RuntimeError(
+            f"{type(variable).__name__} {variable.name!r} belongs to "
+            f"{variable._strategy!r} and was updated ({method}) inside strategy.run of "
+            f"{frame.strategy!r}: mixing different crossdevice.Strategy objects. Update it "
+            "inside its own strategy's run, or create it under this strategy's scope"
+        )
+
+
 class DistributedVariable(AssignMethods, ArrayOperators, DistributedValues):
     """Base of variables with one component per replica; `isinstance(v, Variable)` holds."""
 
@@ -254,6 +270,7 @@ class MirroredVariable(DistributedVariable):
             getattr(self._values[replica], method)(value, read_value=False)
             return
         if mode == "cross":
+            _refuse_other_replicas(self, method)
             self._update_all(method, value)
             return
         assert replica is not None
