@@ -271,11 +271,14 @@ _COMPARED_MAX: Final = 1 << 16
 def _alike(a: Any, b: Any) -> bool:
     """Whether two replicas' values of an attribute are the same value.
 
-    Each replica's own device (`self.device = x.device`), a tensor computed from the
-    parameters and a large tensor are taken as alike.
+    Each replica's own device (`self.device = x.device`), integers and shapes (of the
+    replica's slice), a tensor computed from the parameters and a large tensor are taken
+    as alike.
     """
     if isinstance(a, torch.device) and isinstance(b, torch.device):
         return True
+    if _shape_like(a) and _shape_like(b):
+        return True  # a batch size or shape a forward keeps (`self.rows = x.shape[0]`)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
@@ -290,6 +293,13 @@ def _alike(a: Any, b: Any) -> bool:
         return bool(a is b or a == b)
     except Exception:  # an object with an unusual `==` (an array): its type only
         return type(a) is type(b)
+
+
+def _shape_like(value: Any) -> bool:
+    """An integer, or a tuple of them (`torch.Size`): what a slice of its own gives."""
+    if isinstance(value, tuple):
+        return all(type(v) is int for v in value)
+    return type(value) is int
 
 
 def _short(value: Any) -> str:
