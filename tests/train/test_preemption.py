@@ -255,9 +255,13 @@ def test_a_scheduler_stepped_between_runs_is_a_warning_once(tmp_path: Path, insi
         for _ in range(3):
             handler.run(step)  # (pytest turns any warning into an error)
         return
-    with pytest.warns(UserWarning, match=r"scheduler\(s\) \['scheduler'\] stepped between") as w:
+
+    def loop() -> None:
         for _ in range(3):
             handler.run(step)
-            scheduler.step()
+            scheduler.step()  # torch's per-iteration idiom, after the step
+
+    with pytest.warns(UserWarning, match=r"scheduler\(s\) \['scheduler'\] stepped between") as w:
+        loop()
     assert len(w) == 1
     assert w[0].filename == __file__
