@@ -46,7 +46,7 @@ from typing import Any, Final
 
 from crossdevice._core import context, devices, tuning
 from crossdevice._core.errors import ReplicaAbortedError
-from crossdevice._replica import cuda_streams, execution, thread_state
+from crossdevice._replica import cuda_streams, execution, refusals, thread_state
 from crossdevice._replica.cooperative import CooperativeScheduler, ReplicaState
 from crossdevice._sync import waiting
 from crossdevice._sync.call import CallSignature
@@ -122,6 +122,10 @@ class ReplicaRunner:
         self._broken: BaseException | None = None
         self._interrupted_at: float | None = None
         self._closed = False
+        self._run_thread: int | None = None  # the caller of the run in flight (`inside_run`)
+        #: Why a `run` from a second thread while another's is in flight is refused (a
+        #: RuntimeError saying this); None: it waits its turn.
+        self.refuse_concurrent_runs: str | None = None
         self._merge_timeout: float | None = None
         self._caller_devices: list[str] = []
         # The thread running a merge_fn of this runner (a nested run starts there).
@@ -164,73 +168,92 @@ class ReplicaRunner:
 
         Raises:
             BaseException: the exception that ended the run (see the module doc).
-            RuntimeError: the runner is closed, or replicas of an interrupted run are
-                still stuck in user code.
+            RuntimeError: the runner is closed, replicas of an interrupted run are
+                still stuck in user code, or (`refuse_concurrent_runs` set) another
+                thread's run is in flight.
         """
         if self._merging is not None and self._merging == threading.get_ident():
             # strategy.run inside a merge_fn: every replica of this run waits in that
             # merge_call, so a second set of replicas runs the nested call.
             with waiting.blocking():
                 return self._nested_runner().run(fn, per_replica_args, merge_timeout)
-        with self._run_lock:
-            if self._abandoned is not None:
-                self._recover()
-            if _trace.on:
-                _trace.step()
-            coop, key = self._choose_mode(fn) if self._cooperative_ok else (False, None)
-            n = self._n
-            # Only replica threads take the caller's torch state: replica 0 runs on the
-            # caller's thread, cooperative replicas switch grad mode themselves.
-            state = thread_state.capture() if n > 1 and not coop else None
-            cuda_run = self._cuda.start() if self._cuda is not None else None
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError(
-                        f"{self._name}: the strategy is closed (strategy.close() or the end "
-                        "of its `with` block); create a new strategy to run replicas again"
-                    )
-                if not coop:
-                    jobs = self._jobs
-                    for i in range(1, n):
-                        args, kwargs = per_replica_args[i]
-                        jobs[i] = (fn, args, kwargs, state)
-                self._results = [None] * n
-                if self._errors:
-                    self._errors = []
-                self._pending = n
-                self._running = [True] * n
-                self._interrupted_at = None
-                self._merge_timeout = merge_timeout
-                self._cuda_run = cuda_run
-                current = devices.current_device()
-                self._caller_devices = [current] if current else []
-            start = time.perf_counter() if key is not None else 0.0
-            try:
-                if coop:
-                    self._run_cooperative(fn, per_replica_args)
-                else:
-                    for wake in self._worker_wakes:
-                        wake.release()
-                    args0, kwargs0 = per_replica_args[0]
-                    self._run_replica(0, fn, args0, kwargs0)
-                    if not self._done_wake.acquire(False):  # one replica: done already
-                        self._wait_done()
-                    if cuda_run is not None:
-                        cuda_run.finish()
-            except BaseException as exc:
-                # Only the caller's own waiting gets here (a KeyboardInterrupt while it waits
-                # for the replica threads; the cooperative scheduler failing twice): replicas
-                # report their errors through _fail. Abort the others and leave: the next
-                # run first waits for the replica threads still inside `fn`, then resets.
-                self._fail(-1, exc)
-                self._abandoned = "cooperative" if coop else "threads"
-                raise
-            # Should an interrupt land before _finish_run has reset the per-run state, the
-            # next run does it.
+        run_lock = self._run_lock
+        if not run_lock.acquire(False):
+            if (refuse := self.refuse_concurrent_runs) is not None:
+                raise RuntimeError(refusals.concurrent_run(self._name, self._run_thread, refuse))
+            run_lock.acquire()
+        try:
+            self._run_thread = threading.get_ident()
+            return self._run_locked(fn, per_replica_args, merge_timeout)
+        finally:
+            self._run_thread = None
+            run_lock.release()
+
+    def _run_locked(
+        self,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+        merge_timeout: float | None,
+    ) -> list[Any]:
+        """`run`, holding the run lock."""
+        if self._abandoned is not None:
+            self._recover()
+        if _trace.on:
+            _trace.step()
+        coop, key = self._choose_mode(fn) if self._cooperative_ok else (False, None)
+        n = self._n
+        # Only replica threads take the caller's torch state: replica 0 runs on the
+        # caller's thread, cooperative replicas switch grad mode themselves.
+        state = thread_state.capture() if n > 1 and not coop else None
+        cuda_run = self._cuda.start() if self._cuda is not None else None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(
+                    f"{self._name}: the strategy is closed (strategy.close() or the end "
+                    "of its `with` block); create a new strategy to run replicas again"
+                )
+            if not coop:
+                jobs = self._jobs
+                for i in range(1, n):
+                    args, kwargs = per_replica_args[i]
+                    jobs[i] = (fn, args, kwargs, state)
+            self._results = [None] * n
+            if self._errors:
+                self._errors = []
+            self._pending = n
+            self._running = [True] * n
+            self._interrupted_at = None
+            self._merge_timeout = merge_timeout
+            self._cuda_run = cuda_run
+            current = devices.current_device()
+            self._caller_devices = [current] if current else []
+        start = time.perf_counter() if key is not None else 0.0
+        try:
+            if coop:
+                self._run_cooperative(fn, per_replica_args)
+            else:
+                for wake in self._worker_wakes:
+                    wake.release()
+                args0, kwargs0 = per_replica_args[0]
+                self._run_replica(0, fn, args0, kwargs0)
+                if not self._done_wake.acquire(False):  # one replica: done already
+                    self._wait_done()
+                if cuda_run is not None:
+                    cuda_run.finish()
+        except BaseException as exc:
+            # Only the caller's own waiting gets here (a KeyboardInterrupt while it waits
+            # for the replica threads; the cooperative scheduler failing twice): replicas
+            # report their errors through _fail. Abort the others and leave: the next
+            # run first waits for the replica threads still inside `fn`, then resets.
+            self._fail(-1, exc)
             self._abandoned = "cooperative" if coop else "threads"
-            if key is not None:
-                self._tuner.record(key, coop, time.perf_counter() - start)
-            return self._finish_run()
+            raise
+        # Should an interrupt land before _finish_run has reset the per-run state, the
+        # next run does it.
+        self._abandoned = "cooperative" if coop else "threads"
+        if key is not None:
+            self._tuner.record(key, coop, time.perf_counter() - start)
+        return self._finish_run()
 
     def merge_call(
         self,
@@ -291,28 +314,45 @@ class ReplicaRunner:
             self._merging = outer
 
     def close(self) -> None:
-        """End the replica threads now (idempotent); later runs raise RuntimeError."""
+        """End the replica threads (idempotent); later runs raise RuntimeError.
+
+        A run in flight on another thread finishes on every replica, then its threads
+        end; close waits for it up to `close_join_seconds`. Inside a run: RuntimeError.
+        """
+        if self.inside_run():
+            raise RuntimeError(refusals.close_inside_run(self._name))
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            idle = []
+            # Wake every thread without a job: idle ones end at once, one in a run's job
+            # after it. One whose job is posted, not yet taken, runs it, then ends: dropping
+            # it left the run waiting for ever. (An empty slot means the wake is held.)
             for i in range(1, self._n):
-                self._jobs[i] = None
-                if not self._running[i]:
+                if self._jobs[i] is None:
                     self._start_wake[i].release()
-                    idle.append(self._threads[i - 1])
         if self._nested is not None:
             self._nested.close()
-        # Wait for the idle threads to end (they only return). At interpreter exit this
+        # Wait for a run in flight and for the threads to end. At interpreter exit this
         # runs from weakref.finalize's atexit hook; a replica thread still ending while the
         # interpreter finalizes races torch's C++ static destructors and aborts the
         # process ("terminate called without an active exception", seen in 1 of 3 runs).
-        current = threading.current_thread()
         deadline = time.monotonic() + tuning.TUNING.close_join_seconds
-        for thread in idle:
+        if self._run_lock.acquire(timeout=tuning.TUNING.close_join_seconds):
+            self._run_lock.release()
+        current = threading.current_thread()
+        for thread in self._threads:
             if thread is not current:
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+    def inside_run(self) -> bool:
+        """Whether the calling thread is in a run of this runner (caller, replica, nested)."""
+        # A replica thread runs only replicas' functions and merge_fns of this runner.
+        # (By object: an ended thread's ident is soon another thread's.)
+        if self._run_thread == threading.get_ident() or threading.current_thread() in self._threads:
+            return True
+        nested = self._nested
+        return nested is not None and nested.inside_run()
 
     # --- replica side ---------------------------------------------------------------------
     def _worker(self, replica_id: int) -> None:

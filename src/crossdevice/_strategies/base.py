@@ -22,6 +22,7 @@ from crossdevice._core import context, nest, validate
 from crossdevice._core.errors import CROSS_REPLICA_REQUIRED
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._input.distributed import DistributedDataset, DistributedDatasetsFromFunction
+from crossdevice._replica import refusals
 from crossdevice._strategies.extended import (
     SingleReplicaExtended as SingleReplicaExtended,
 )
@@ -94,13 +95,20 @@ class Strategy:
         """End this strategy's replica threads now; a later `run` raises RuntimeError.
 
         A strategy nobody references is closed when it is collected; `close()` (or a
-        `with` block) ends its threads at a known point. Idempotent.
+        `with` block) ends its threads at a known point. Idempotent. A `run` in flight on
+        another thread finishes on every replica first (close waits for it a little);
+        inside a run of this strategy (a replica function, a merge_fn) close raises
+        RuntimeError: the run waits for the replicas it would end.
 
         Example:
             >>> import crossdevice
             >>> with crossdevice.MirroredStrategy(["CPU:0", "CPU:1"]) as strategy:
             ...     _ = strategy.run(lambda: 1)
         """
+        frame = context.current_frame()
+        if frame is not None and frame.strategy is self and frame.replica_context is not None:
+            # Strategies without replica threads too (their runner refuses it in a merge_fn).
+            raise RuntimeError(refusals.close_inside_run(type(self).__name__))
         self._extended._close()
         if self._torch_patched:
             torch_patches.release(self)

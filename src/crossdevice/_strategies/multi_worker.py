@@ -36,6 +36,7 @@ from crossdevice._input.agreement import Agreed
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.mirrored import create_mirrored_variable
 from crossdevice._strategies.replicated import ReplicatedExtended, canonical_devices
+from crossdevice._strategies.worker_runs import one_thread_runs
 from crossdevice._values.values import DistributedValues, PerReplica
 
 __all__ = ["MultiWorkerMirroredStrategy"]
@@ -117,6 +118,10 @@ class _MultiWorkerExtended(ReplicatedExtended):
         # Collectives wait on other processes too: a blocked replica must not block its
         # local peers' thread.
         return False
+
+    def _make_runner(self) -> Any:
+        # Workers pair collectives in call order: a second thread's run is refused.
+        return one_thread_runs(super()._make_runner(), self._worker_communicator)
 
     def _communication_options(self) -> CommunicationOptions | None:
         return self._options
