@@ -330,7 +330,8 @@ class Tuning:
     )
     close_join_seconds: float = _knob(
         1.0,
-        "How long close() waits for idle replica threads to end (they end in microseconds).",
+        "How long close() waits for a run in flight on another thread to finish, and then "
+        "for the replica threads to end (idle ones end in microseconds).",
         "tests/strategies/test_lifecycle.py",
     )
     stall_poll_seconds: float = _knob(
