@@ -10,9 +10,25 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["Call", "PeerFailure", "PeersFailedError", "Standing", "WaitFailedError"]
+__all__ = [
+    "GAVE_UP",
+    "TIMED_OUT",
+    "Call",
+    "PeerFailure",
+    "PeersFailedError",
+    "Standing",
+    "WaitFailedError",
+    "timed_out",
+    "told",
+]
+
+#: How the abort record of a worker that gave up on dead peers begins
+#: (`HealthBoard.give_up`).
+GAVE_UP: Final = "gave up on rank(s) ["
+#: How the abort record of a worker whose own collective timed out begins (`timed_out`).
+TIMED_OUT: Final = "timed out after "
 
 
 @dataclasses.dataclass
@@ -78,6 +94,16 @@ class Standing:
             start = sum(self.replicas[:rank])
             ids.extend(range(start, start + self.replicas[rank]))
         return f" (global replicas {ids})"
+
+
+def timed_out(call: Call) -> str:
+    """The abort record of this worker's own timeout in `call` (`Sequencer.guard`)."""
+    return f"{TIMED_OUT}{call.timeout:g} s in {call.label}, waiting for its peers"
+
+
+def told(text: str) -> str:
+    """What a peer did, as its abort record `text` says: a `PeerFailure`'s reason."""
+    return text if text.startswith((TIMED_OUT, GAVE_UP)) else f"raised {text}"
 
 
 @dataclasses.dataclass(frozen=True)

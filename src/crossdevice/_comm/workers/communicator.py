@@ -136,6 +136,7 @@ class ProcessGroupCommunicator:
             self._shm = SharedMemoryTransport.connect(
                 rank, world, self._exchange, self._health, self._rooms, self._leave
             )
+            self._sequencer.poison = None if self._shm is None else self._shm.poison
             self._integrity.transports[:] = [
                 t for t in (self._shm, ring, in_place) if t is not None
             ]
@@ -515,9 +516,7 @@ class ProcessGroupCommunicator:
             return
         reason = f"{type(error).__name__}{f': {error}' if str(error) else ''}{where}"
         self._standing.broken = f"this worker's step raised {reason}"
-        self._health.post_abort(reason)
-        if self._shm is not None:
-            self._shm.poison()  # peers waiting in (or reaching) a shared round raise
+        self._sequencer.tell(reason)  # the store, and shared memory's poison mark
         groups = self._groups
         if groups is not None and groups.alive and sequencer.hold("abort", blocking=False):
             try:

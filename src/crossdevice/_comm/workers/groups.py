@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from crossdevice._comm.workers.calls import WaitFailedError
 from crossdevice._core.options import CommunicationImplementation
 
 __all__ = ["FAILED", "Groups", "shared_devices"]
@@ -95,12 +96,28 @@ class Groups:
         return self.group_for(tensor).allreduce([tensor], _SUM)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        """Launch a send of host `tensor` to rank `peer` on the Gloo group."""
-        return self.host.send([tensor], peer, tag)
+        """Launch a send of host `tensor` to rank `peer` on the Gloo group.
+
+        Raises `WaitFailedError` when the link is broken (see `recv`).
+        """
+        try:
+            return self.host.send([tensor], peer, tag)
+        except RuntimeError as err:
+            raise WaitFailedError(err) from err
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        """Launch a receive into host `tensor` from rank `peer` on the Gloo group."""
-        return self.host.recv([tensor], peer, tag)
+        """Launch a receive into host `tensor` from rank `peer` on the Gloo group.
+
+        Gloo posts a point-to-point op at once, so a connection already closed (a peer
+        that quit, or gave up on this worker and dropped its groups) fails the launch
+        itself (`Connection closed by peer`), not a later wait. That is a broken link as
+        a failed wait's is: `WaitFailedError`, so the communicator looks for the peer at
+        fault (`HealthBoard.diagnose`) instead of taking it for this worker's failure.
+        """
+        try:
+            return self.host.recv([tensor], peer, tag)
+        except RuntimeError as err:
+            raise WaitFailedError(err) from err
 
     @property
     def alive(self) -> bool:

@@ -18,7 +18,9 @@ its communicator):
   collective failed because peers died (`give_up`) leaves `gave up on rank(s) [1] in ...`
   there: a peer it took for dead that was only frozen or too slow (SIGSTOP, a debugger,
   an overloaded host) learns on resuming, within a poll, that it was declared dead,
-  instead of waiting out its collective's timeout for workers that left it.
+  instead of waiting out its collective's timeout for workers that left it. One whose
+  own collective timed out leaves `timed out after ...`: no failure to a peer waiting
+  alike, but the cause of a late peer's broken link (`diagnose`).
 
 A waiting worker polls `check()` only when its collective did not finish within a
 poll interval, so the fast path costs nothing but the publisher thread's integer reads.
@@ -51,11 +53,14 @@ from typing import Any, Final
 
 from crossdevice._comm.workers.bounded_store import BoundedStore
 from crossdevice._comm.workers.calls import (
+    GAVE_UP,
+    TIMED_OUT,
     Call,
     PeerFailure,
     PeersFailedError,
     Standing,
     WaitFailedError,
+    told,
 )
 from crossdevice._comm.workers.serial import SerialThread
 from crossdevice._comm.workers.store_logging import quiet_store
@@ -72,8 +77,6 @@ _MAX_REASON: Final = 300
 _CLOSED: Final = b"closed"
 #: How `check` describes a peer that closed its communicator (an exit, not a death).
 _EXITED: Final = "exited (closed its communicator)"
-#: How an abort record of a worker that gave up on dead peers begins (`give_up`).
-_GAVE_UP: Final = "gave up on rank(s) ["
 
 
 class HealthBoard:
@@ -109,6 +112,9 @@ class HealthBoard:
         self._gave_up: str | None = None
         #: Peers' `give_up` records naming other workers than this one, by rank.
         self._given_up: dict[int, str] = {}
+        #: Peers' `timed_out` records, by rank: no failure to a worker waiting alike (its
+        #: own timeout names who did not come), but what a broken link means (`diagnose`).
+        self.timed_out: dict[int, str] = {}
         self._pub_store.set(f"h{rank}", "0")
         self._thread = threading.Thread(
             target=self._publish_loop, name=f"crossdevice-health-r{rank}", daemon=True
@@ -183,7 +189,7 @@ class HealthBoard:
             for f in failures
             if f.rank in dead
         )
-        record = f"{_GAVE_UP}{', '.join(map(str, dead))}] in {call.label}: {named}"
+        record = f"{GAVE_UP}{', '.join(map(str, dead))}] in {call.label}: {named}"
         if len(record) > _MAX_REASON:  # keep the ranks and the end of the label
             record = record[: _MAX_REASON - 3] + "..."
         self._gave_up = record
@@ -290,8 +296,10 @@ class HealthBoard:
             if text is None:
                 continue
             on = _gave_up_on(text)
-            if on is None:
-                failures.append(PeerFailure(rank, f"raised {text}", died=False))
+            if text.startswith(TIMED_OUT):
+                self.timed_out[rank] = text
+            elif on is None:
+                failures.append(PeerFailure(rank, told(text), died=False))
             elif self._rank in on:
                 failures.append(PeerFailure(rank, text, died=False, gave_up_on_us=True))
             else:
@@ -454,8 +462,11 @@ class HealthBoard:
         where = f"{call.label} on rank {standing.rank} of {standing.world_size}"
         failures = err.failures if isinstance(err, PeersFailedError) else []
         timed_out = isinstance(err, TimeoutError) and not failures
-        if not failures and not timed_out:
-            failures = self.check(call.seq) or self._await_failures(call)
+        if not failures and not timed_out:  # a broken link: who broke it?
+            failures = self.check(call.seq) or [
+                PeerFailure(r, text, died=False) for r, text in sorted(self.timed_out.items())
+            ]
+            failures = failures or self._await_failures(call)
         if failures:
             self.give_up(call, failures, standing)
             named = "; ".join(
@@ -466,6 +477,13 @@ class HealthBoard:
             )
             if any(f.gave_up_on_us for f in failures):
                 failed = _declared_dead(where, standing, failures)
+            elif all(f.reason.startswith(TIMED_OUT) for f in failures):
+                failed = WorkerFailedError(
+                    f"{where}: a peer gave up waiting in it: {named}. Every worker must run "
+                    "the same collectives in the same order, each within the timeout; if the "
+                    "workers are only slow, raise CommunicationOptions(timeout_seconds=...). "
+                    "Build a new strategy (or communicator) on every worker."
+                )
             elif all(f.reason.startswith(_EXITED) for f in failures):
                 failed = WorkerFailedError(
                     f"{where}: a peer ended: {named}, while this worker waited in "
@@ -509,9 +527,9 @@ class HealthBoard:
 
 def _gave_up_on(text: str) -> set[int] | None:
     """The ranks a peer's abort record says it gave up on (`give_up`); None: it raised."""
-    if not text.startswith(_GAVE_UP):
+    if not text.startswith(GAVE_UP):
         return None
-    ranks = text[len(_GAVE_UP) :].partition("]")[0].split(",")
+    ranks = text[len(GAVE_UP) :].partition("]")[0].split(",")
     return {int(r) for r in ranks if r.strip().isdigit()}
 
 

@@ -8,7 +8,9 @@ queued on it (`submit`: `callqueue.py`) before any other thread's collective, an
 what ends a collective badly into the error its caller gets (`guard`):
 
 * a failed wait (timeout, failed peers, a broken link): an error naming the ranks at
-  fault, and the communicator is broken;
+  fault, and the communicator is broken; what the peers could not learn otherwise is
+  told (`tell`): this worker's own timeout, at once (a late peer must raise naming it,
+  never sum with what it left), and a failure no peer caused;
 * the caller's `fill` raising, or anything else that leaves the peers waiting: the peers
   are told (`abort`), and the error surfaces as itself;
 * errors every worker raises alike (mismatches, bad arguments): as they are.
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from crossdevice._comm.workers.callqueue import CallQueue, Queued
-from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
+from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError, timed_out
 from crossdevice._comm.workers.flight import sequencer_group
 from crossdevice._comm.workers.groups import Groups
 from crossdevice._comm.workers.health import HealthBoard
@@ -83,6 +85,8 @@ class Sequencer:
         self._groups = groups
         self._abort = abort
         self._name = name
+        #: Marks this worker gone from shared memory's rounds, and why (`tell`), if any.
+        self.poison: Callable[[str], None] | None = None
         #: Per thread: collectives it held itself (not the queue's; `held_here`).
         self._here = threading.local()
         #: The last collectives' `Call`s: the flight recorder (`crossdevice._trace`).
@@ -189,8 +193,20 @@ class Sequencer:
         try:
             result = run()
         except WaitFailedError as err:
-            self._standing.broken = f"{call.label} failed"
-            failure = self._health.diagnose(call, err.cause, self._standing)
+            standing = self._standing
+            standing.broken = f"{call.label} failed"
+            # This worker gives up the collective. Its peers may still come: they must
+            # raise naming it, not pair with what it left (its shared-memory slots of a
+            # round it arrived at; on Gloo a closed connection, which says nothing).
+            own_timeout = isinstance(err.cause, TimeoutError)
+            if own_timeout:  # said at once: a late peer may be arriving now
+                self.tell(timed_out(call))
+            failure = self._health.diagnose(call, err.cause, standing)
+            if not own_timeout:
+                # Failed peers told theirs (an abort record, `give_up`'s, an exit): only
+                # the mark, then. A failure no peer is known to have caused is this one's.
+                failed = isinstance(failure, WorkerFailedError)
+                self.tell(None if failed else f"{type(failure).__name__}: {failure}")
             self._groups.destroy(keep_alive=True)
             self._report(call, failure)
             raise failure from failure.__cause__
@@ -210,6 +226,19 @@ class Sequencer:
         if _trace.on:
             _trace.worker_ended(self, call)
         return result
+
+    def tell(self, reason: str | None) -> None:
+        """Leave the marks that tell the peers this worker quit, and why (`reason`).
+
+        The store's abort record (`HealthBoard.post_abort`), then the poison mark of
+        shared memory's rounds, where peers waiting in (or reaching) one raise; it keeps
+        `reason` too, for when the store is gone with its host. None: the mark alone (the
+        peers learn why elsewhere).
+        """
+        if reason is not None:
+            self._health.post_abort(reason)
+        if self.poison is not None:
+            self.poison(reason or "")
 
     def ended(self, call: Call) -> None:
         """`call` ended with nothing to run (a collective every worker skips alike)."""

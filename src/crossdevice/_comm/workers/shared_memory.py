@@ -21,10 +21,13 @@ of parity p again only after the next round's barrier, which no worker passes be
 every worker has finished reading that slot. The waits are futex waits on the peers'
 counters, bounded by the collective's timeout and interrupted every
 `TUNING.poll_seconds` to consult the health board, so a dead or failed peer is
-reported as for Gloo. A worker that leaves the rounds midway (its fill raised, an
-interrupt, a failed wait, its step's abort) sets a poison mark in its segment and wakes
-its peers, who raise `WorkerFailedError` naming it instead of summing slots it never
-wrote. Only x86-64 Linux: its stores become visible in program order
+reported as for Gloo. A worker that leaves the rounds (its fill raised, an interrupt,
+a failed wait, its own timeout, its step's abort) sets a poison mark in its segment,
+with the round it left at and why, and wakes its peers, who raise `WorkerFailedError`
+naming it instead of summing slots it never wrote, or wrote for a round it then gave
+up: a round counts as complete only once no peer's mark says it left at or before it
+(a peer that timed out had arrived; a late one finds every counter there, and the
+mark). Only x86-64 Linux: its stores become visible in program order
 (the summing kernel fences its non-temporal stores), so a counter seen set means the
 data before it is there.
 
@@ -85,10 +88,16 @@ _SUMMED_DTYPES: Final = frozenset({torch.float32, torch.float64, torch.int32, to
 _ALIGN: Final = 64
 _NAME_BYTES: Final = 96
 _DIR: Final = "/dev/shm"
-#: Segment layout: nonce | counter | poison mark | two headers | two data slots.
+#: Segment layout: nonce | counter | poison mark | the round it left at | the length of
+#: why it left | why it left (text) | two headers | two data slots.
 _COUNTER: Final = 64
 _POISON: Final = 68
-_HEADERS: Final = 128
+_LEFT: Final = 72
+_SAID: Final = 76
+_REASON: Final = 128
+#: The longest reason kept (a peer's abort record in the store keeps 300 characters).
+_REASON_BYTES: Final = 384
+_HEADERS: Final = _REASON + _REASON_BYTES
 _HEADER_SLOT: Final = 8192
 _DATA: Final = _HEADERS + 2 * _HEADER_SLOT
 _SIZE: Final = _DATA + 2 * SLOT_BYTES
@@ -146,8 +155,9 @@ class SharedSlots:
     """This worker's slots and its peers', mapped from `/dev/shm`.
 
     Built by `connect` (None when any worker cannot use shared memory). Each segment:
-    a nonce, the worker's round counter (a futex word), its poison mark, one
-    fingerprint header per parity, then one data slot per parity.
+    a nonce, the worker's round counter (a futex word), its poison mark (with the round
+    it left at, and why), one fingerprint header per parity, then one data slot per
+    parity.
     """
 
     def __init__(self, rank: int, maps: list[mmap.mmap], min_bytes: int = 0) -> None:
@@ -157,8 +167,12 @@ class SharedSlots:
         self._bytes = [np.frombuffer(m, dtype=np.uint8) for m in maps]
         self._counters = [b[_COUNTER : _COUNTER + 4].view(np.uint32) for b in self._bytes]
         self._poison = [b[_POISON : _POISON + 4].view(np.uint32) for b in self._bytes]
+        self._left = [b[_LEFT : _LEFT + 4].view(np.uint32) for b in self._bytes]
+        self._said = [b[_SAID : _SAID + 4].view(np.uint32) for b in self._bytes]
         self._addresses = [b.ctypes.data + _COUNTER for b in self._bytes]
         self._round = 0
+        #: The last round whose barrier this worker passed (the transport sets it).
+        self.passed = 0
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -234,7 +248,7 @@ class SharedSlots:
 
     def close(self) -> None:
         """Unmap every segment (results handed out are private buffers)."""
-        self._bytes, self._counters, self._poison = [], [], []
+        self._bytes, self._counters, self._poison, self._left, self._said = [], [], [], [], []
         for m in self._maps:
             with contextlib.suppress(Exception):  # BufferError while a view lives on
                 m.close()
@@ -280,20 +294,46 @@ class SharedSlots:
         self._counters[self._rank][0] = number  # x86-64: after the data, in order
         _futex(self._addresses[self._rank], _FUTEX_WAKE, 0x7FFFFFFF, None)
 
-    def poison(self) -> None:
-        """Mark this worker as gone from the shared rounds (its step failed) and wake the peers.
+    def poison(self, reason: str = "") -> None:
+        """Mark this worker as gone from the shared rounds (it quit) and wake the peers.
 
-        A worker that leaves midway must not let its peers go on summing its slots: its
-        counter says nothing more, so they would wait until the timeout, or (had it moved
-        the counter) read data it never wrote. Peers check the mark at every wait.
+        A worker that leaves must not let its peers go on summing its slots: its counter
+        says nothing more, so they would wait until the timeout, or (had it moved the
+        counter: it arrived, then gave up waiting) read data nobody else will sum with
+        theirs. Peers check the mark at every wait, after the counters (`abandoned`). The
+        mark keeps the first round this worker did not pass the barrier of: the rounds
+        before it are whole on every worker. `reason` says why it quit (the first one
+        given is kept): a peer names it even when the store is gone with its host.
         """
-        if self._poison:
-            self._poison[self._rank][0] = 1
-            _futex(self._addresses[self._rank], _FUTEX_WAKE, 0x7FFFFFFF, None)
+        if not self._poison:
+            return
+        rank = self._rank
+        if reason and not self._said[rank][0]:
+            text = reason.encode("utf-8", "replace")[:_REASON_BYTES]
+            self._bytes[rank][_REASON : _REASON + len(text)] = np.frombuffer(text, np.uint8)
+            self._said[rank][0] = len(text)  # x86-64: after the text, in order
+        if not self._poison[rank][0]:
+            self._left[rank][0] = (self.passed + 1) & 0xFFFFFFFF
+            self._poison[rank][0] = 1  # after the round it left at, in order
+        _futex(self._addresses[rank], _FUTEX_WAKE, 0x7FFFFFFF, None)
 
-    def poisoned(self) -> list[int]:
-        """The peers that marked themselves gone (`poison`)."""
-        return [r for r, word in enumerate(self._poison) if r != self._rank and word[0]]
+    def abandoned(self, number: int) -> list[int]:
+        """The peers that quit (`poison`) before passing round `number`'s barrier."""
+        return [
+            r
+            for r, word in enumerate(self._poison)
+            if word[0]
+            and r != self._rank
+            and not (number - int(self._left[r][0])) & 0x80000000  # left at or before
+        ]
+
+    def reason(self, rank: int) -> str | None:
+        """Why peer `rank` quit, as it said when it poisoned its segment; None if it did not."""
+        size = min(int(self._said[rank][0]), _REASON_BYTES)
+        if not size:
+            return None
+        raw = self._bytes[rank][_REASON : _REASON + size].tobytes()
+        return "".join(c if c.isprintable() else "?" for c in raw.decode("utf-8", "replace"))
 
     def waiting_for(self, number: int) -> list[int]:
         """The ranks whose counter has not reached round `number` yet."""

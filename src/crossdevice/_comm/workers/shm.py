@@ -12,8 +12,10 @@ one all-reduce through them, round by round:
 Every worker takes the same branches: they depend on the layout and on the headers
 alone. A lazy `fill` writes this worker's data straight into its slots (one copy where
 filling a pack and then the slot would make two). Leaving the rounds midway (a failed
-write, an interrupt, a failed wait) poisons this worker's segment, so its peers raise
-naming it instead of summing slots it never wrote.
+write, an interrupt, a failed wait: its own timeout too) poisons this worker's segment,
+so its peers raise naming it instead of summing slots it never wrote, or wrote for a
+round it then gave up on (a late peer finds every counter there: it reads the mark
+before it sums, `_wait`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from crossdevice._comm.workers.calls import Call, PeersFailedError
-from crossdevice._comm.workers.health import HealthBoard, PeerFailure
+from crossdevice._comm.workers.calls import Call, PeerFailure, PeersFailedError, told
+from crossdevice._comm.workers.health import HealthBoard
 from crossdevice._comm.workers.shared_memory import SharedSlots, plan_rounds
 from crossdevice._comm.workers.speculation import RoomPool
 from crossdevice._comm.workers.transport import Job, Layout, Reduced
@@ -121,15 +123,16 @@ class SharedMemoryTransport:
     def _left(self, error: BaseException) -> None:
         """Leaving the rounds midway: the peers must not go on with this worker's slots.
 
-        Anything but a failed wait (already diagnosed) is this worker's failure: the
-        communicator tells the peers why (the store), then the segment is poisoned.
+        Anything but a failed wait is this worker's failure: the communicator tells the
+        peers why (the store, this segment), then the segment is poisoned. A failed wait
+        poisons it at once; why follows once diagnosed (`Sequencer.guard`).
         """
         self._leave(error)
         self.slots.poison()
 
-    def poison(self) -> None:
-        """Mark this worker gone from the shared rounds (it aborts) and wake its peers."""
-        self.slots.poison()
+    def poison(self, reason: str = "") -> None:
+        """Mark this worker gone from the shared rounds (it quit, `reason`) and wake its peers."""
+        self.slots.poison(reason)
 
     def abandon(self, job: Job) -> list[Any]:
         """This worker quits: its poison mark wakes the peers waiting in (or reaching) a round."""
@@ -147,19 +150,38 @@ class SharedMemoryTransport:
 
         def step(seconds: float) -> bool:
             behind = slots.waiting_for(number)
-            if not behind:
-                return True
-            gone = slots.poisoned()
+            if behind:
+                gone = slots.abandoned(number)
+                if gone:
+                    raise PeersFailedError(self._gone(gone))
+                slots.wait(number, behind[0], seconds)
+                if slots.waiting_for(number):
+                    return False
+            # Every peer is there; the marks after the counters: one that gave up on
+            # this round (it timed out) had arrived at it, and its slots are not to be
+            # summed by the workers it left.
+            gone = slots.abandoned(number)
             if gone:
-                # Its abort reason is in the store (posted before the mark), if any.
-                failures = self._health.check() or [
-                    PeerFailure(r, "left a shared-memory all-reduce midway", False) for r in gone
-                ]
-                raise PeersFailedError(failures)
-            slots.wait(number, behind[0], seconds)
-            return not slots.waiting_for(number)
+                raise PeersFailedError(self._gone(gone))
+            return True
 
         self._health.wait(call, step)
+        slots.passed = number
+
+    def _gone(self, ranks: list[int]) -> list[PeerFailure]:
+        """Why peers `ranks` quit: what each wrote in its segment, else what the store says."""
+        said = {r: self.slots.reason(r) for r in ranks}
+        failures = [PeerFailure(r, told(text), False) for r, text in said.items() if text]
+        silent = [r for r in ranks if not said[r]]
+        if silent:  # the store may know: an abort record, a timeout's, a peer found dead
+            found = {f.rank: f for f in self._health.check()}
+            timeouts = self._health.timed_out  # the records `check` set aside
+            found.update((r, PeerFailure(r, timeouts[r], False)) for r in silent if r in timeouts)
+            named = {f.rank for f in failures}
+            failures += [f for r, f in sorted(found.items()) if r not in named] or [
+                PeerFailure(r, "left a shared-memory all-reduce midway", False) for r in silent
+            ]
+        return failures
 
 
 class _SharedFlight:
