@@ -99,10 +99,16 @@ def test_close_inside_a_merge_fn_raises(mode: str) -> None:
     _refused_then_runs(strategy, step, 3.0)
 
 
-def test_close_before_any_run_makes_run_raise(mode: str) -> None:
-    strategy = _mirrored()
+@pytest.mark.parametrize("first_run", [False, True])
+@pytest.mark.parametrize("make", STRATEGIES.values(), ids=STRATEGIES.keys())
+def test_close_before_or_after_a_run_makes_run_raise(mode: str, make: Any, first_run: bool) -> None:
+    """A one-worker MultiWorkerMirroredStrategy ran on after close() (its close closed
+    the worker communicator only)."""
+    strategy = make()
 
     def scenario() -> None:
+        if first_run:
+            strategy.run(_sum_of_ones)
         strategy.close()
         for _ in range(2):
             with pytest.raises(RuntimeError, match=_CLOSED):

@@ -313,30 +313,31 @@ class ReplicaRunner:
         finally:
             self._merging = outer
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """End the replica threads (idempotent); later runs raise RuntimeError.
 
-        A run in flight on another thread finishes on every replica, then its threads
-        end; close waits for it up to `close_join_seconds`. Inside a run: RuntimeError.
+        A run in flight on another thread finishes first (waited for up to
+        `close_join_seconds`); inside a run: RuntimeError. `wait=False` (the garbage
+        collector's, on any thread, inside any lock) neither waits nor refuses.
         """
-        if self.inside_run():
+        if wait and self.inside_run():
             raise RuntimeError(refusals.close_inside_run(self._name))
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            # Wake every thread without a job: idle ones end at once, one in a run's job
-            # after it. One whose job is posted, not yet taken, runs it, then ends: dropping
-            # it left the run waiting for ever. (An empty slot means the wake is held.)
+            # Wake the threads without a job (idle: they end); one with a job posted runs
+            # it, then ends (dropping it left the run waiting for ever).
             for i in range(1, self._n):
                 if self._jobs[i] is None:
                     self._start_wake[i].release()
         if self._nested is not None:
-            self._nested.close()
-        # Wait for a run in flight and for the threads to end. At interpreter exit this
-        # runs from weakref.finalize's atexit hook; a replica thread still ending while the
-        # interpreter finalizes races torch's C++ static destructors and aborts the
-        # process ("terminate called without an active exception", seen in 1 of 3 runs).
+            self._nested.close(wait)
+        if not wait:
+            return
+        # Wait for a run in flight and for the threads: a replica thread still ending at
+        # interpreter exit races torch's C++ static destructors and aborts the process
+        # ("terminate called without an active exception", seen in 1 of 3 runs).
         deadline = time.monotonic() + tuning.TUNING.close_join_seconds
         if self._run_lock.acquire(timeout=tuning.TUNING.close_join_seconds):
             self._run_lock.release()

@@ -344,6 +344,7 @@ class _MultiWorkerExtended(ReplicatedExtended):
     def _close(self) -> None:
         if self._worker_communicator is not None:
             self._worker_communicator.close()
+        super()._close()  # the local replicas' threads too: a later run raises
 
 
 def _close_at_exit(ref: weakref.ReferenceType[_MultiWorkerExtended]) -> None:

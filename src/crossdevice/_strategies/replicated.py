@@ -115,7 +115,7 @@ class ReplicatedExtended(StrategyExtended):
                 name=type(self._container_strategy_ref).__name__,
                 cooperative=self._cooperative_replicas(),
             )
-            weakref.finalize(self, runner.close)
+            weakref.finalize(self, _close_collected, runner)
             communicator = self._cross_device_ops._replica_communicator(
                 self._devices, runner.rendezvous
             )
@@ -509,3 +509,13 @@ def _readable(value: Any, op: ReduceOp) -> Any:
             "per-replica values"
         )
     return value
+
+
+def _close_collected(runner: ReplicaRunner) -> None:
+    """Close the runner of a strategy the garbage collector took (a `weakref.finalize`).
+
+    Without waiting, from a collection (it may run on any thread, inside any lock);
+    waiting for the threads at interpreter exit, where a replica thread still ending
+    races torch's static destructors (`ReplicaRunner.close`).
+    """
+    runner.close(wait=bool(getattr(weakref.finalize, "_shutdown", True)))
