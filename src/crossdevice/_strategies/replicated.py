@@ -6,6 +6,7 @@ reductions, and TF's reduce/update rules for distributed values.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -116,6 +117,8 @@ class ReplicatedExtended(StrategyExtended):
                 cooperative=self._cooperative_replicas(),
             )
             weakref.finalize(self, _close_collected, runner)
+            if not _EXIT_HOOK:  # after weakref's own exit hook: so it runs before it
+                _EXIT_HOOK.append(atexit.register(_EXITING.append, True))
             communicator = self._cross_device_ops._replica_communicator(
                 self._devices, runner.rendezvous
             )
@@ -511,6 +514,11 @@ def _readable(value: Any, op: ReduceOp) -> Any:
     return value
 
 
+#: Set (True) by an exit hook registered after `weakref.finalize`'s, so it runs first.
+_EXITING: list[bool] = []
+_EXIT_HOOK: list[object] = []
+
+
 def _close_collected(runner: ReplicaRunner) -> None:
     """Close the runner of a strategy the garbage collector took (a `weakref.finalize`).
 
@@ -518,4 +526,4 @@ def _close_collected(runner: ReplicaRunner) -> None:
     waiting for the threads at interpreter exit, where a replica thread still ending
     races torch's static destructors (`ReplicaRunner.close`).
     """
-    runner.close(wait=bool(getattr(weakref.finalize, "_shutdown", True)))
+    runner.close(wait=bool(_EXITING))
