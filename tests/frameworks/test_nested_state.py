@@ -95,3 +95,32 @@ def test_a_checkpoint_of_an_averaged_model_restores(torch: Any, cdt: Any, tmp_pa
         for a, b in zip(r.parameters(), swa.module.replicas[0].parameters(), strict=True)
     )
     del strategy
+
+
+def test_a_save_in_the_middle_of_gradient_accumulation_warns(
+    torch: Any, cdt: Any, tmp_path: Any
+) -> None:
+    """A checkpoint holds no gradient: one saved after a micro-batch accumulated under
+    `no_sync()` (a step not taken yet) resumed without it, silently (session 57's resume
+    hunt); it warns. At a step boundary it does not."""
+    strategy, model, optimizer = _prepared(torch, cdt)
+    checkpoint = cd.train.Checkpoint(model=model, optimizer=optimizer)
+    x = torch.randn(8, 3)
+
+    def micro(last: bool) -> None:
+        loss = (model(x) ** 2).sum() / 16
+        if last:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            with model.no_sync():
+                loss.backward()
+
+    strategy.run(micro, args=(False,))
+    with pytest.warns(UserWarning, match="holds gradients accumulated since") as w:
+        checkpoint.save(str(tmp_path / "mid"))
+    assert w[0].filename == __file__
+    strategy.run(micro, args=(True,))
+    checkpoint.save(str(tmp_path / "boundary"))  # (pytest turns any warning into an error)
+    checkpoint.sync()

@@ -163,6 +163,9 @@ def capture(obj: Any) -> Any:
     if is_scheduler(obj):
         return {**obj.state_dict(), _SCHEDULER_CLASS: _qualified_name(type(obj))}
     if _is_stateful(obj):
+        before = getattr(obj, "_before_checkpoint", None)  # (a mirrored module's warning)
+        if before is not None:
+            before()
         return obj.state_dict()
     if isinstance(obj, list | tuple):
         return [capture(item) for item in obj]

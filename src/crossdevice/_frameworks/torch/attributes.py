@@ -42,7 +42,7 @@ import torch
 
 from crossdevice._arrays import torch_patches
 
-__all__ = ["AttributeMirror", "follows", "watch"]
+__all__ = ["AttributeMirror", "follows", "user_level", "watch"]
 
 # Attributes every torch module keeps for itself (parameter, buffer and submodule
 # dictionaries, hooks, its compiled call) and the training flag (`ReplicaMirror` follows
@@ -188,7 +188,7 @@ class AttributeMirror:
                 "it in a buffer (register_buffer) and pass prepare(..., buffer_aggregation=...) "
                 "to combine the replicas' values; a value kept only for inspection may stay",
                 UserWarning,
-                stacklevel=_user_level(),
+                stacklevel=user_level(),
             )
 
     def follow(self) -> None:
@@ -255,7 +255,7 @@ _LIBRARIES: Final = (
 )
 
 
-def _user_level() -> int:
+def user_level() -> int:
     """`warnings.warn`'s stacklevel for the first caller outside crossdevice and torch."""
     frame, level = sys._getframe(2), 2
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):

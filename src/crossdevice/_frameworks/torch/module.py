@@ -597,4 +597,4 @@ def _ready_for_dynamo() -> None:
 torch_patches.on_dynamo(_ready_for_dynamo)
 for _name in replica_zero.STATE_DICT_HOOKS:  # on the module whose state_dict() runs them
     setattr(MirroredModule, _name, replica_zero.on_running_replica(_name))
-MirroredModule._load_from_state_dict = nested.load_as_child  # type: ignore[method-assign]
+nested.install(MirroredModule)  # its parts of a parent's load and of a checkpoint

@@ -10,13 +10,43 @@ could be written but never restored (the bug hunt of session 57). `load_as_child
 the mirrored module's part of that walk: its entries, loaded as its own
 `load_state_dict` loads them (once, into every replica), and the keys it lacks or does
 not know reported to the parent's load under their full names.
+
+`before_checkpoint` is what a checkpoint asks a mirrored module before it saves it: a
+checkpoint holds no gradient (as torch's and Accelerate's do not), so one saved in the
+middle of gradient accumulation counts the accumulated micro-batches as consumed and a
+job resumed from it steps without them, silently (the resume hunt of session 57): it
+warns.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-__all__ = ["load_as_child"]
+from crossdevice._frameworks.torch.attributes import user_level
+
+__all__ = ["before_checkpoint", "install", "load_as_child"]
+
+
+def install(cls: Any) -> None:
+    """Give `cls` (`MirroredModule`) its parts of a parent's load and of a checkpoint."""
+    cls._load_from_state_dict = load_as_child
+    cls._before_checkpoint = before_checkpoint
+
+
+def before_checkpoint(self: Any) -> None:
+    """Warn if a replica holds gradients accumulated since its optimizer's last step."""
+    states = self.__dict__["_gradients"]._states
+    if any(any(state.touched) for state in states):
+        warnings.warn(
+            "a checkpoint is saving a prepared model that holds gradients accumulated since "
+            "its optimizer's last step (micro-batches of a step not taken yet: no_sync(), or "
+            "backward in several runs before step()). A checkpoint holds no gradient, so a "
+            "job resumed from it would take that step without them; save at a step "
+            "boundary (after optimizer.step())",
+            UserWarning,
+            stacklevel=user_level(),
+        )
 
 
 def load_as_child(
