@@ -86,8 +86,9 @@ def test_lengths_that_differ_agree_every_step_and_warn() -> None:
     (each worker slices its own list), trained on silently until session 56's hunt."""
     workers = _Workers(count=None)  # some worker gave another length
     agreement = PassAgreement(workers, 3)
-    with pytest.warns(UserWarning, match=r"different lengths \(this worker's: 3 global"):
+    with pytest.warns(UserWarning, match=r"different lengths \(this worker's: 3 global") as w:
         _run(agreement, workers, [True, True, True, False])
+    assert w[0].filename == __file__  # the loop's own line, however deep the check
     agreed = [("agree", f, None) for f in (True, True, False)]
     assert workers.sent == [("agree", True, 3), *agreed, ("ended",)]
 

@@ -27,6 +27,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from crossdevice._core.callers import user_stacklevel
+
 __all__ = ["Agreed", "PassAgreement", "StepSync", "exact_length"]
 
 
@@ -164,5 +166,5 @@ def _warn_lengths(steps: int | None) -> None:
         "gives. Pass every worker the same global batches, or give each worker its own "
         "pipeline with distribute_datasets_from_function",
         UserWarning,
-        stacklevel=6,  # the loop over the distributed dataset
+        stacklevel=user_stacklevel(),  # the loop over the distributed dataset
     )

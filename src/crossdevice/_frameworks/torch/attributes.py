@@ -29,7 +29,6 @@ submodule replaced on replica 0's copy is an error at the next `run`.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import types
@@ -41,8 +40,9 @@ from typing import Any, Final
 import torch
 
 from crossdevice._arrays import torch_patches
+from crossdevice._core.callers import user_stacklevel
 
-__all__ = ["AttributeMirror", "follows", "user_level", "watch"]
+__all__ = ["AttributeMirror", "follows", "watch"]
 
 # Attributes every torch module keeps for itself (parameter, buffer and submodule
 # dictionaries, hooks, its compiled call) and the training flag (`ReplicaMirror` follows
@@ -188,7 +188,7 @@ class AttributeMirror:
                 "it in a buffer (register_buffer) and pass prepare(..., buffer_aggregation=...) "
                 "to combine the replicas' values; a value kept only for inspection may stay",
                 UserWarning,
-                stacklevel=user_level(),
+                stacklevel=user_stacklevel(),
             )
 
     def follow(self) -> None:
@@ -246,21 +246,6 @@ class AttributeMirror:
 
 
 _SKIP: Final = object()
-
-
-#: The folders of crossdevice and torch: their frames are not the user's.
-_LIBRARIES: Final = (
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    os.path.dirname(os.path.abspath(torch.__file__)),
-)
-
-
-def user_level() -> int:
-    """`warnings.warn`'s stacklevel for the first caller outside crossdevice and torch."""
-    frame, level = sys._getframe(2), 2
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 #: Largest tensor attribute compared (a running statistic is small; a stashed activation,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from crossdevice._frameworks.torch.attributes import user_level
+from crossdevice._core.callers import user_stacklevel
 
 __all__ = ["before_checkpoint", "install", "load_as_child"]
 
@@ -45,7 +45,7 @@ def before_checkpoint(self: Any) -> None:
             "job resumed from it would take that step without them; save at a step "
             "boundary (after optimizer.step())",
             UserWarning,
-            stacklevel=user_level(),
+            stacklevel=user_stacklevel(),
         )
 
 
