@@ -82,8 +82,12 @@ def _final_state(strategy_ref: weakref.ref[Any]) -> Any:
     strategy = strategy_ref()
     if strategy is None:
         return contextlib.nullcontext()
-    syncs = [s for ref in _SYNCS.get(strategy, ()) if (s := ref()) is not None and s.enabled]
-    return step_state.workers_agree(strategy, syncs, 0)
+    return step_state.workers_agree(strategy, _live_syncs(strategy), 0)
+
+
+def _live_syncs(strategy: Any) -> list[GradientSync]:
+    """`strategy`'s mirrored modules' gradient syncs that reduce, in registration order."""
+    return [s for ref in _SYNCS.get(strategy, ()) if (s := ref()) is not None and s.enabled]
 
 
 def refuse_step_in_pass() -> None:
@@ -127,7 +131,7 @@ def _backward(original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         return original(*args, **kwargs)
     replica = frame.local_replica_id
     assert replica is not None
-    syncs = [s for ref in _SYNCS.get(frame.strategy, ()) if (s := ref()) is not None and s.enabled]
+    syncs = _live_syncs(frame.strategy)
     if syncs:
         tensors = args[0] if args else kwargs.get("tensors")
         _warn_local_mean(tensors, syncs, frame.strategy, replica)
