@@ -169,17 +169,22 @@ def reducible(value: Any, what: str) -> None:
                 _raise(value, what)
 
 
-def fits_strategy(value: Any, strategy: Any, what: str) -> None:
+def fits_strategy(value: Any, strategy: Any, what: str, *, whole_worker: bool = True) -> None:
     """Raise ValueError unless every distributed value in `value` fits `strategy`'s replicas.
 
     A `PerReplica` or `Mirrored` value must have one component per local replica (TF
-    silently reduced a 3-component value on 2 replicas, and `run` dropped the extra one);
-    a distributed variable must be one of `strategy`'s own.
+    silently reduced a 3-component value on 2 replicas, and `run` dropped the extra one;
+    a `merge_fn`'s result of 3 components for 2 replicas lost one, and of 1 raised a
+    bare `IndexError`); a distributed variable must be one of `strategy`'s own.
 
     Args:
-        value: a nest (arguments of `run`, a value about to be reduced or gathered).
+        value: a nest (arguments of `run`, a value about to be reduced or gathered, a
+            `merge_fn`'s result).
         strategy: the strategy whose method was called.
         what: the entry point, for the message.
+        whole_worker: a value of one component may stand for the whole worker
+            (`MultiWorkerMirroredStrategy`'s values to reduce); False where each local
+            replica takes its own component (a `merge_fn`'s result).
     """
     distributed = _distributed_values_type()
     if not distributed:
@@ -195,7 +200,7 @@ def fits_strategy(value: Any, strategy: Any, what: str) -> None:
         if replicas < 0:
             strategy_devices = tuple(strategy.extended._local_devices)
             replicas = len(strategy_devices)
-            per_worker = getattr(strategy.extended, "_num_workers", 1) > 1
+            per_worker = whole_worker and getattr(strategy.extended, "_num_workers", 1) > 1
         owner = getattr(leaf, "_strategy", None)
         if owner is not None:  # a distributed variable: its components are the strategy's
             if owner is not strategy:

@@ -25,7 +25,7 @@ from crossdevice._strategies.base import Strategy, StrategyExtended, as_reducibl
 from crossdevice._strategies.replica import ReplicaContext
 from crossdevice._sync.call import CallSignature
 from crossdevice._values.distributed_variables import DistributedVariable
-from crossdevice._values.regroup import check_components, regroup, select_replica
+from crossdevice._values.regroup import regroup, select_replica
 from crossdevice._values.values import DistributedValues, Mirrored, PerReplica
 from crossdevice._values.variables import Variable
 
@@ -276,7 +276,7 @@ class ReplicatedExtended(StrategyExtended):
             mkwargs = regroup([i[1] for i in inputs], PerReplica, always_wrap, devices)
             with context.entered(context.Frame(strategy)):
                 result = merge_fn(strategy, *margs, **mkwargs)
-            check_components(result, n, "the merge_fn's result")
+            validate.fits_strategy(result, strategy, "the merge_fn's result", whole_worker=False)
             return [select_replica(i, result) for i in range(n)]
 
         local_id = replica_id - self._replica_id_offset

@@ -21,7 +21,7 @@ from crossdevice._core import nest
 from crossdevice._values.values import DistributedValues, PerReplica
 from crossdevice._values.variables import Variable
 
-__all__ = ["check_components", "regroup", "select_replica"]
+__all__ = ["regroup", "select_replica"]
 
 
 def _regroup_leaf(
@@ -105,7 +105,7 @@ def regroup(
 def select_replica(replica_id: int, structure: Any) -> Any:
     """The component of replica `replica_id` of each non-variable distributed value.
 
-    `check_components` first where the values come from user code (a `merge_fn`).
+    `validate.fits_strategy` first where the values come from user code (a `merge_fn`).
     """
 
     def select(x: Any) -> Any:
@@ -114,23 +114,3 @@ def select_replica(replica_id: int, structure: Any) -> Any:
         return x
 
     return nest.map_structure(select, structure)
-
-
-def check_components(structure: Any, replicas: int, what: str) -> None:
-    """Raise unless every non-variable distributed value in `structure` has `replicas` parts.
-
-    A `merge_fn` that returned `PerReplica([a, b, c])` to 2 replicas had its third
-    component dropped without a word, and one of one component raised a bare
-    `IndexError` (the bug hunt of session 57).
-
-    Raises:
-        ValueError: naming `what`, the count received and the count expected.
-    """
-    for leaf in nest.flatten(structure)[0]:
-        distributed = isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable)
-        if distributed and len(leaf.values) != replicas:
-            raise ValueError(
-                f"{what} holds a {type(leaf).__name__} of {len(leaf.values)} components, "
-                f"but {replicas} replicas each take one (in replica order): return one "
-                f"component per local replica, or a plain value every replica shares"
-            )
