@@ -20,12 +20,32 @@ from typing import Any
 
 import torch
 
+from crossdevice._core.purpose import purpose
 from crossdevice._sync import waiting as cooperative
 
 __all__ = ["all_gather", "all_reduce", "needs_grad"]
 
 Reduce = Callable[[Any, list[torch.Tensor]], list[torch.Tensor]]
+#: The user's line that asked for a collective (`_cross_device/call_site.py`), or None.
+Site = tuple[str, str, int] | None
 Gather = Callable[[list[torch.Tensor], int], list[torch.Tensor]]
+
+# What these collectives are for (`_core/purpose.py`): replicas compare it, so one whose
+# value requires grad never meets another's plain collective, and a backward pass's
+# all-reduce never meets a forward collective of the same shapes (a sum of unrelated
+# values, silently, before: TF pairs its collectives by order alone). Across workers
+# they carry the user's line that asked for the forward one (the stack walk would find
+# torch's `Function.apply` for all of them), the backward's tagged apart.
+_FORWARD = (
+    "a differentiable collective (its values require grad: every replica's must, or "
+    "none's; detach() them where no gradient should flow)"
+)
+_BACKWARD = (
+    "the backward pass of a differentiable all_reduce or all_gather (every replica must "
+    "run backward through it, in the same order)"
+)
+_BACKWARD_TAG = 1
+_FORWARD_TAG = 2
 
 
 def needs_grad(leaves: Sequence[Any]) -> bool:
@@ -55,17 +75,20 @@ def _check_backward_thread() -> None:
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, reduce: Reduce, op: Any, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, reduce: Reduce, op: Any, site: Site, *tensors: torch.Tensor) -> Any:
         ctx.reduce = reduce
         ctx.op = op
+        ctx.site = site
         ctx.like = [(t.shape, t.dtype, t.device) for t in tensors]
-        return tuple(reduce(op, [t.detach() for t in tensors]))
+        with purpose(_FORWARD, _FORWARD_TAG, site):
+            return tuple(reduce(op, [t.detach() for t in tensors]))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         _check_backward_thread()
         filled = _filled(grads, ctx.like)
-        return (None, None, *ctx.reduce(ctx.op, filled))
+        with purpose(_BACKWARD, _BACKWARD_TAG, ctx.site):
+            return (None, None, None, *ctx.reduce(ctx.op, filled))
 
 
 class _AllGather(torch.autograd.Function):
@@ -78,14 +101,17 @@ class _AllGather(torch.autograd.Function):
         axis: int,
         index: int,
         sizes: list[list[int]],
+        site: Site,
         *tensors: torch.Tensor,
     ) -> Any:
+        ctx.site = site
         ctx.reduce = reduce
         ctx.sum_op = sum_op
         ctx.axis = axis
         ctx.index = index
         ctx.sizes = sizes
-        gathered = tuple(gather([t.detach() for t in tensors], axis))
+        with purpose(_FORWARD, _FORWARD_TAG, site):
+            gathered = tuple(gather([t.detach() for t in tensors], axis))
         ctx.like = [(t.shape, t.dtype, t.device) for t in gathered]
         return gathered
 
@@ -93,18 +119,24 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         _check_backward_thread()
         filled = _filled(grads, ctx.like)
-        summed = ctx.reduce(ctx.sum_op, filled)
+        with purpose(_BACKWARD, _BACKWARD_TAG, ctx.site):
+            summed = ctx.reduce(ctx.sum_op, filled)
         out = []
         for total, sizes in zip(summed, ctx.sizes, strict=True):
             start = sum(sizes[: ctx.index])
             axis = ctx.axis % total.dim() if total.dim() else 0
             out.append(total.narrow(axis, start, sizes[ctx.index]))
-        return (None, None, None, None, None, None, *out)
+        return (None, None, None, None, None, None, None, *out)
 
 
-def all_reduce(reduce: Reduce, op: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`reduce(op, tensors)` with TF's gradient (the same all-reduce of the gradients)."""
-    return list(_AllReduce.apply(reduce, op, *tensors))  # type: ignore[no-untyped-call]
+def all_reduce(
+    reduce: Reduce, op: Any, tensors: list[torch.Tensor], site: Site = None
+) -> list[torch.Tensor]:
+    """`reduce(op, tensors)` with TF's gradient (the same all-reduce of the gradients).
+
+    `site`: the user's line that asked for it (None: walk the stack).
+    """
+    return list(_AllReduce.apply(reduce, op, site, *tensors))  # type: ignore[no-untyped-call]
 
 
 def all_gather(
@@ -114,6 +146,7 @@ def all_gather(
     tensors: list[torch.Tensor],
     axis: int,
     index: int,
+    site: Site = None,
 ) -> list[torch.Tensor]:
     """`gather(tensors, axis)` with TF's gradient (this replica's slice of the summed grads).
 
@@ -124,9 +157,11 @@ def all_gather(
         tensors: this replica's tensors.
         axis: the axis to concatenate along.
         index: this replica's position among the gathered parts.
+        site: the user's line that asked for it (None: walk the stack).
     """
     # Every replica's size along `axis`, for each tensor: parts may differ in size.
     local = [torch.tensor([t.shape[axis] if t.dim() else 1]) for t in tensors]
-    gathered_sizes = gather(local, 0)
+    with purpose(_FORWARD, _FORWARD_TAG, site):
+        gathered_sizes = gather(local, 0)
     sizes = [[int(s) for s in g.tolist()] for g in gathered_sizes]
-    return list(_AllGather.apply(gather, reduce, sum_op, axis, index, sizes, *tensors))  # type: ignore[no-untyped-call]
+    return list(_AllGather.apply(gather, reduce, sum_op, axis, index, sizes, site, *tensors))  # type: ignore[no-untyped-call]

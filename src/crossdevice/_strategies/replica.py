@@ -18,6 +18,7 @@ from crossdevice._comm.protocol import Done, Pending
 from crossdevice._core import context, nest, validate
 from crossdevice._core.options import CommunicationOptions
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
+from crossdevice._cross_device.call_site import call_site
 
 if TYPE_CHECKING:
     from crossdevice._strategies.base import Strategy
@@ -143,7 +144,8 @@ class ReplicaContext:
                 from crossdevice._arrays import torch_autograd
 
                 leaves = [_as_tensor(x) for x in leaves]
-                reduced = torch_autograd.all_reduce(self._reduce_list(options), op, leaves)
+                reduce = self._reduce_list(options)
+                reduced = torch_autograd.all_reduce(reduce, op, leaves, call_site())
                 return nest.unflatten(structure, reduced)
         return extended._replica_all_reduce(self._replica_id, op, value, options)
 
@@ -178,7 +180,9 @@ class ReplicaContext:
             leaves = [_as_tensor(x) for x in leaves]
             reduce = self._reduce_list(options)
             index = self._replica_id
-            gathered = torch_autograd.all_gather(gather, reduce, ReduceOp.SUM, leaves, axis, index)
+            gathered = torch_autograd.all_gather(
+                gather, reduce, ReduceOp.SUM, leaves, axis, index, call_site()
+            )
             return nest.unflatten(structure, gathered)
         return extended._replica_all_gather(self._replica_id, value, axis, options)
 

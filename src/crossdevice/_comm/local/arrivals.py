@@ -18,6 +18,7 @@ import numpy as np
 from crossdevice._arrays import is_torch
 from crossdevice._arrays.numpy_backend import NUMPY
 from crossdevice._comm.local.host_reduce import Plan, describe_sig
+from crossdevice._core.purpose import current as current_purpose
 from crossdevice._core.reduce_op import ReduceOp
 
 __all__ = [
@@ -46,6 +47,9 @@ class Call(Protocol):
         """What each replica called."""
 
 
+#: What a collective made outside any `purpose` block is, as the mismatch names it.
+_PLAIN: Final = "a collective the step function made, of values that do not require grad"
+
 #: dtype kinds NumPy adds on the host fast path.
 NUMERIC_KINDS: Final = frozenset("iufc")
 
@@ -71,6 +75,9 @@ class CollectiveArrival:
     #: the nest structure the arrays were flattened from (None: a flat list).
     structure: Any = None
     handler: Any = None
+    #: what the collective is for (`_core/purpose.py`, read on the arriving replica's
+    #: thread): "" for the step function's own, else the library's or autograd's words.
+    label: str = dataclasses.field(default_factory=current_purpose)
 
 
 def host_view(value: Any) -> tuple[Any, np.ndarray | None, bool]:
@@ -99,13 +106,23 @@ def validate(rnd: Call, arrivals: list[CollectiveArrival]) -> str | None:
     if first.kind == "all_reduce":
         # The per-step case, every replica agreeing: one pass (the messages below say
         # what differs).
-        op, sig, structure = first.op, first.sig, first.structure
+        op, sig, structure, label = first.op, first.sig, first.structure, first.label
         for a in arrivals:
-            if a.op is not op or a.sig != sig or a.structure != structure:
+            if a.op is not op or a.sig != sig or a.structure != structure or a.label != label:
                 break
         else:
             return None
     name = rnd.name
+    if any(a.label != first.label for a in arrivals):
+        # Collectives made for different things meet (a replica's backward pass of a
+        # differentiable all_reduce with another's all_reduce): combining them is wrong
+        # whatever their shapes.
+        doing = "; ".join(f"replica {r}: {a.label or _PLAIN}" for r, a in enumerate(arrivals))
+        return (
+            f"{name}: {first.kind} #{rnd.seq}: the replicas were making different "
+            f"collectives ({doing}; {rnd.describe_calls()}). Every replica must make the "
+            "same collectives in the same order."
+        )
     if any(a.structure != first.structure for a in arrivals):
         return (
             f"{name}: {first.kind} #{rnd.seq}: the replicas passed different nest "
