@@ -6,7 +6,10 @@ nothing to the user: reading a `SyncOnReadVariable` in cross-replica context is 
 one worker makes such a call and another does not, the mismatch or timeout must say
 what each worker was doing. Code that makes one wraps it in `purpose(...)`; the worker
 communicator takes the text for the collective started inside (its label, which every
-error about it shows, and the detail a mismatch shows for each worker).
+error about it shows, and the detail a mismatch shows for each worker). Local replicas
+compare it (`_comm/local/arrivals.py`): collectives made for different things never
+combine (a replica's backward pass through a differentiable all-reduce, `_arrays/
+torch_autograd.py`, meeting another's plain all-reduce of the same shapes).
 
 `purpose(text, tag=n)` also adds `n` to the call site the workers compare
 (`site_tag`): calls from the same line that stand for different things (the gradients
