@@ -77,3 +77,41 @@ def test_backward_through_another_replicas_copy_is_refused(torch: Any, cdt: Any)
 
         with pytest.raises(RuntimeError, match=r"replica 1 ran backward through replica 0's"):
             strategy.run(step)
+
+
+def _grad_stat(torch: Any) -> Any:
+    """A module keeping an average of its output gradient's norm, from a backward hook."""
+
+    class GradStat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(6, 3)
+            self.register_buffer("gnorm", torch.zeros(()))
+            self.lin.register_full_backward_hook(self._hook)
+
+        def _hook(self, module: Any, grad_in: Any, grad_out: Any) -> None:
+            with torch.no_grad():
+                self.gnorm.mul_(0.9).add_(0.1 * grad_out[0].norm())
+
+        def forward(self, x: Any) -> Any:
+            return self.lin(x) / (1 + self.gnorm)
+
+    return GradStat()
+
+
+def test_a_buffer_a_backward_hook_changes_is_not_blamed_on_the_forward(
+    torch: Any, cdt: Any
+) -> None:
+    # Each replica's hook sees its own slice's gradient: the values differ, undeclared.
+    # The error named "the forward pass" and told the user to change the buffer outside
+    # it, which the hook did.
+    strategy, model = _prepared(torch, cdt, _grad_stat(torch))
+
+    def step() -> None:
+        replica = cd.get_replica_context().replica_id_in_sync_group
+        x = torch.full((4, 6), 1.0 + replica).requires_grad_()
+        model(x).sum().backward()
+
+    with pytest.raises(RuntimeError, match=r"outside the mirrored module's forward \(a backward"):
+        strategy.run(step)

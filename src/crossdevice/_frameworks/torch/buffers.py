@@ -312,7 +312,8 @@ class BufferSync:
             module._buffers[leaf] = _ordinary(value)
         self._keep_agreed(replica)
 
-    def _undeclared(self, ks: list[int], why: str) -> None:
+    def _undeclared(self, ks: list[int], why: str, outside: bool = False) -> None:
+        """Refuse undeclared buffers `ks` that changed, `why`; `outside` a forward (`settle`)."""
         names = [self._names[k] for k in ks]
         reason = {
             "integer": "they hold integers (a count may be of examples or of steps)",
@@ -334,15 +335,25 @@ class BufferSync:
             if observers
             else ""
         )
+        where = (
+            "code inside strategy.run outside the mirrored module's forward (a backward "
+            "hook, the step function or an optimizer hook)"
+            if outside
+            else "the forward pass"
+        )
+        instead = (
+            "change them alike on every replica"
+            if outside
+            else "change them outside the forward pass"
+        )
         raise RuntimeError(
-            f"the forward pass changed buffer(s) {names} of a mirrored module, which have "
+            f"{where} changed buffer(s) {names} of a mirrored module, which have "
             f"no declared aggregation, and {reason}. Declare how the replicas combine "
             f"them, prepare(..., buffer_aggregation={{{names[0]!r}: ...}}), with one of: "
             "'mean' for running statistics (BatchNorm's running mean and variance), 'sum' "
             "for counters of examples (every replica's changes added), 'max' for running "
             "maxima, 'first_replica' for values every replica computes alike (replica "
-            "0's), 'none' to let each replica keep its own; or change them outside the "
-            f"forward pass{hint}"
+            f"0's), 'none' to let each replica keep its own; or {instead}{hint}"
         )
 
     def settle(self) -> None:
@@ -368,7 +379,7 @@ class BufferSync:
                     self._across_workers(changed)
                 counts = [k for k in changed if not self._buffer(0, k).is_floating_point()]
                 if counts:
-                    self._undeclared(counts, "integer")
+                    self._undeclared(counts, "integer", outside=True)
                 differ = [
                     k
                     for k in changed
@@ -380,10 +391,10 @@ class BufferSync:
                     )
                 ]
                 if differ:
-                    self._undeclared(differ, "different")
+                    self._undeclared(differ, "different", outside=True)
                 alike = [k for k in changed if k not in self._alike]
                 if alike and self._in_sync > 1:
-                    self._undeclared(alike, "alike")
+                    self._undeclared(alike, "alike", outside=True)
                 for r, (ks, now) in zip(replicas, changes, strict=True):
                     self._seen[r] = now
                     self._keep_copies(r, ks)
