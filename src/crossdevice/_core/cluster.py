@@ -61,6 +61,8 @@ _TORCHRUN_OPTIONAL: Final = ("LOCAL_RANK", "LOCAL_WORLD_SIZE")
 MAX_TF_CONFIG_BYTES: Final = 1 << 20
 #: Most tasks in one job (TF clusters have at most thousands).
 MAX_TASKS: Final = 1 << 16
+#: Most ranks an error lists one by one (`Cluster.describe_ranks`); the rest are counted.
+_RANKS_SHOWN: Final = 16
 #: A DNS name: dot-separated labels of letters, digits and hyphens (RFC 1123).
 _HOSTNAME: Final = re.compile(
     r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -205,6 +207,35 @@ class Cluster:
     def init_method(self) -> str:
         """The `torch.distributed` init method URL: `tcp://master_addr:master_port`."""
         return f"tcp://{self.master}"
+
+    def task_of(self, rank: int) -> str | None:
+        """The TF task of `rank` (`"worker 1 at h2:2222"`); None under torchrun.
+
+        Example:
+            >>> Cluster("worker", 0, 1, 3, "h0", 2222,
+            ...         jobs=(("chief", ("h0:2222",)), ("worker", ("h1:2222", "h2:2222")))
+            ...         ).task_of(2)
+            'worker 1 at h2:2222'
+        """
+        for job, addresses in self.jobs:
+            if rank < len(addresses):
+                return f"{job} {rank} at {addresses[rank]}"
+            rank -= len(addresses)
+        return None  # torchrun tells a worker no task but its own
+
+    def describe_ranks(self, ranks: Sequence[int]) -> str:
+        """`ranks` for an error, with their TF tasks when the cluster names them.
+
+        Example:
+            >>> Cluster("worker", 0, 1, 3, "h0", 2222,
+            ...         jobs=(("chief", ("h0:2222",)), ("worker", ("h1:2222", "h2:2222")))
+            ...         ).describe_ranks([2, 0])
+            'rank(s) [0, 2] (chief 0 at h0:2222, worker 1 at h2:2222)'
+        """
+        shown = sorted(ranks)[:_RANKS_SHOWN]
+        more = f" and {len(ranks) - len(shown)} more" if len(ranks) > len(shown) else ""
+        named = ", ".join(filter(None, map(self.task_of, shown)))
+        return f"rank(s) {shown}{more}" + (f" ({named})" if named else "")
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -4,8 +4,8 @@ Two kinds of settings come from the environment: switches (`CROSSDEVICE_NATIVE`,
 `CROSSDEVICE_KEEP_HEAP`, `CROSSDEVICE_SHARED_MEMORY`, `CROSSDEVICE_DEBUG`,
 `CROSSDEVICE_PASS_ALL_REDUCE`) and counts
 (`CROSSDEVICE_LOGICAL_CPUS`, `CROSSDEVICE_LOGICAL_GPUS`,
-`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`, `CROSSDEVICE_TRACE_REPORT_EVERY`), and one
-duration (`CROSSDEVICE_DEAD_AFTER_SECONDS`). Each is read
+`CROSSDEVICE_SHARED_MEMORY_MIN_BYTES`, `CROSSDEVICE_TRACE_REPORT_EVERY`), and
+durations (`CROSSDEVICE_DEAD_AFTER_SECONDS`, `CROSSDEVICE_INIT_TIMEOUT_SECONDS`). Each is read
 here, alike: unset or blank means the default; surrounding spaces do not count; a switch
 takes `1`/`0` or `true`/`false`, `yes`/`no`, `on`/`off` in any case. Anything else is a
 `ValueError` naming the variable, what it received and what it accepts, never a silent
