@@ -13,21 +13,27 @@ writes off the training thread (`writer`). `save` returns once the state is stag
 in-memory copy. A second save, a restore and `sync()` wait for the write in flight.
 
 A restore reads the whole checkpoint, checks every value against its object (shapes and
-dtypes, module keys) before it loads anything, then loads. Values whose object is not
-tracked yet wait for it: assigning `ckpt.name = obj` later restores into `obj` then
-(TF's restore-on-create).
+dtypes, module keys, counts, states: `trackable.validate`) before it loads anything, then
+loads. It changes every object or none: should a load still fail (a hook, a state no
+check foresaw), what was loaded is put back (`trackable.snapshot`, taken before the first
+load) and the error says so; TF and torch leave a half-restored model there, which a
+caller that catches the error and trains on (from the previous checkpoint, or afresh)
+would silently train. Values whose object is not tracked yet wait for it: assigning
+`ckpt.name = obj` later restores into `obj` then (TF's restore-on-create), as one load.
 
 In a job of several workers, every worker restores, and the workers agree first (one
 small collective) on what they restore: the same checkpoint (name, save counter and the
 id each save writes) or nothing. A worker that sees another checkpoint, or none (its
 directory is not on a file system every worker sees), is an error on every worker before
 anything is loaded, instead of workers training on from different states. TF does not
-check this.
+check this. After loading they agree again (a second small collective): a load that
+failed on one worker is put back on every worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import uuid
@@ -135,12 +141,18 @@ class Checkpoint:
                 "starts with '_'; choose another name"
             )
         trackable.check_trackable(value, name)
-        self._objects[name] = value
-        pending = self._pending.pop(name, None)
-        if pending is not None:  # restore-on-create
-            trackable.validate(value, pending, name)
-            trackable.apply(value, pending)
+        pending = self._pending.get(name)
+        if pending is not None:  # restore-on-create: a failed one tracks nothing, keeps the value
+            where = f"the value for {name!r} held since the last restore"
+            try:
+                trackable.validate(value, pending, name)
+            except Exception as err:
+                err.add_note(f"{where} was not loaded: nothing was changed or tracked.")
+                raise
+            self._load(where, {name: (value, pending)}, None, None, agree=False)
+            del self._pending[name]
             self._matched.add(name)
+        self._objects[name] = value
 
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("_objects", {})
@@ -303,12 +315,16 @@ class Checkpoint:
         Every worker of a multi-worker job must call it (with None too), with the same
         checkpoint: the workers check that they agree before anything is loaded.
 
+        A restore that raises has changed nothing, on no worker: no tracked object, no
+        random state, not `save_counter` (what it had loaded is put back).
+
         Raises:
             FileNotFoundError: no checkpoint at `save_path`.
             ValueError: the checkpoint is incomplete or truncated, or a value does not
                 fit its object (names the key, shapes and dtypes).
             RuntimeError: the workers would restore different checkpoints (or some none),
-                or another worker could not restore (names each worker's checkpoint).
+                or another worker could not restore (names each worker's checkpoint), or
+                loading an object failed after the checks (names it; chained to its error).
         """
         del options
         check_between_steps("restore()")
@@ -337,18 +353,21 @@ class Checkpoint:
             present = [name for name in self._objects if name in saved]
             for name in present:
                 trackable.validate(self._objects[name], saved[name], name)
+            randoms = self._random_state(tree.decode(index.get("random", {}), arrays, _to_library))
         except Exception as err:
+            unchanged = f"The checkpoint {str(path)!r} was not restored: nothing was changed."
             if existed and not path.is_dir():  # retention deleted it under the read
                 deleted = _deleted_while_read(path, err)
+                deleted.add_note(unchanged)
                 self._agree(path, None, deleted)
                 raise deleted from err
+            err.add_note(unchanged)
             self._agree(path, None, err)
             raise
         self._agree(path, index, None)
-        for name in present:
-            trackable.apply(self._objects[name], saved[name])
-        self._restore_random(tree.decode(index.get("random", {}), arrays, _to_library), index)
-        self.save_counter.assign(np.int64(index.get("save_counter", 0)), read_value=False)
+        loads = {name: (self._objects[name], saved[name]) for name in present}
+        counter = np.int64(index.get("save_counter", 0))
+        self._load(f"the checkpoint {str(path)!r}", loads, randoms, counter, agree=True)
         matched = set(present)
         self.__dict__["_matched"] = matched
         self.__dict__["_pending"] = {k: v for k, v in saved.items() if k not in matched}
@@ -399,9 +418,80 @@ class Checkpoint:
                 "(a shared file system), and pass every worker the same path"
             )
 
-    def _restore_random(self, randoms: dict[str, Any], index: dict[str, Any]) -> None:
-        if not randoms:
+    def _load(
+        self,
+        what: str,
+        loads: dict[str, tuple[Any, Any]],
+        random: Any,
+        counter: np.int64 | None,
+        *,
+        agree: bool,
+    ) -> None:
+        """Load each `(object, state)` of `loads`, the random state and `save_counter`: all or none.
+
+        What a load overwrites is kept first (`trackable.snapshot`); should a load fail, on
+        this worker or (`agree`: one collective) on another, what was loaded is put back,
+        and the error says so.
+        """
+        undos: list[tuple[str, Callable[[], Any]]] = []
+        failed: tuple[str, Exception] | None = None
+        name = ""
+        try:
+            for name, (obj, state) in loads.items():
+                undos.append((name, trackable.snapshot(obj)))
+                trackable.apply(obj, state)
+            if random is not None:
+                name = "the global random state"
+                undos.append(
+                    (name, functools.partial(global_random.restore, global_random.capture()))
+                )
+                global_random.restore(random)
+            if counter is not None:
+                name, count = "save_counter", self.save_counter
+                undos.append(
+                    (name, functools.partial(count.assign, count.numpy(), read_value=False))
+                )
+                count.assign(counter, read_value=False)
+        except Exception as err:
+            failed = (name, err)
+        except BaseException:  # KeyboardInterrupt: put back, and no collective
+            _undo(undos, what, None)
+            raise
+        try:
+            peers = self._loaded_everywhere(what, failed is not None) if agree else []
+        except BaseException:  # a peer died or stalled: it may not have loaded
+            _undo(undos, what, failed)
+            raise
+        if failed is None and not peers:
             return
+        _undo(undos, what, failed)
+        if failed is None:
+            raise RuntimeError(
+                f"{what} was not restored: worker(s) {peers} could not load it (their errors "
+                "say why), so this worker put back everything it had loaded: nothing was "
+                "changed, on any worker (the workers must hold the same state)"
+            )
+        name, error = failed
+        raise RuntimeError(
+            f"{what} was not restored: loading {name!r} failed ({type(error).__name__}: {error}) "
+            "after every value had passed the checks against its object. It and everything "
+            "loaded before it were put back as they were: nothing was changed. Track there an "
+            "object as it was when the checkpoint was written, or restore another checkpoint"
+        ) from error
+
+    def _loaded_everywhere(self, what: str, failed: bool) -> list[int]:
+        """The workers whose load failed (one collective; none in a one-worker job)."""
+        strategy = self._strategy()
+        if job.worker_position(strategy)[0] == 1:
+            return []
+        with job.collective_call(f"restore() of {what}", "restore()"):
+            rows = job.gather_texts(strategy, "failed" if failed else "loaded")
+        return [w for w, row in enumerate(rows) if row == "failed"]
+
+    def _random_state(self, randoms: dict[str, Any]) -> Any:
+        """This worker's random state in a checkpoint's (None if it holds none)."""
+        if not randoms:
+            return None
         workers, worker = job.worker_position(self._strategy())
         if len(randoms) != workers:
             _LOG.info(
@@ -411,7 +501,12 @@ class Checkpoint:
                 workers,
             )
             worker = 0
-        global_random.restore(randoms[f"worker_{worker}"])
+        if f"worker_{worker}" not in randoms:
+            raise ValueError(
+                f"the checkpoint's random states are {sorted(randoms)!r}, expected "
+                f"'worker_{worker}' among them: the checkpoint is damaged; restore another"
+            )
+        return randoms[f"worker_{worker}"]
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(self._objects)})"
@@ -430,6 +525,24 @@ def _deleted_while_read(path: Path, error: Exception) -> FileNotFoundError:
         "that saves into that directory deletes checkpoints beyond max_to_keep. Restore a "
         f"newer checkpoint ({now}), or read while no job saves there"
     )
+
+
+def _undo(undos: list[tuple[str, Callable[[], Any]]], what: str, failed: Any) -> None:
+    """Run `undos`, last first; if one fails, run the rest and raise: the state is then mixed."""
+    broken: list[tuple[str, Exception]] = []
+    for name, undo in reversed(undos):
+        try:
+            undo()
+        except Exception as err:
+            broken.append((name, err))
+    if broken:
+        name, error = broken[0]
+        cause = f"loading {failed[0]!r} failed ({failed[1]})" if failed else "a worker failed"
+        raise RuntimeError(
+            f"{what} was not restored: {cause}, and putting back {name!r} failed too "
+            f"({type(error).__name__}: {error}), so {[n for n, _ in broken]!r} may be left part "
+            "restored. Rebuild those objects (or restart the program) before training on"
+        ) from error
 
 
 def _record(path: Path) -> None:

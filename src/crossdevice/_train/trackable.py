@@ -19,9 +19,9 @@ A `Checkpoint` tracks:
 * lists, tuples and dicts of the above.
 
 `capture` returns the state by reference (the checkpoint stages one copy); `validate`
-checks a saved state against the object before anything is loaded, so that a model of
-another shape is an error naming the key and both shapes, with nothing changed;
-`apply` loads it.
+checks a saved state against the object, for all a load can fail on, before anything is
+loaded, so that a model of another shape is an error naming the key and both shapes;
+`apply` loads it; `snapshot` puts back what a load overwrote, should one still fail.
 
 A torch optimizer's state also names its class (`optimizer_class`, the qualified name):
 torch's `load_state_dict` takes another class's state without a word, and then steps
@@ -36,14 +36,19 @@ torch's `load_state_dict` copies any scheduler's state into its attributes, so a
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 import numpy as np
 
 from crossdevice._arrays import is_torch
 from crossdevice._core.reduce_op import VariableAggregation
+from crossdevice._input import distributed, generators
+from crossdevice._input.position import DataPosition, EpochCounter, Pass
 from crossdevice._values.distributed_variables import (
     DistributedVariable,
     MirroredVariable,
@@ -52,7 +57,15 @@ from crossdevice._values.distributed_variables import (
 )
 from crossdevice._values.variables import Variable
 
-__all__ = ["apply", "capture", "check_trackable", "is_scheduler", "strategy_of", "validate"]
+__all__ = [
+    "apply",
+    "capture",
+    "check_trackable",
+    "is_scheduler",
+    "snapshot",
+    "strategy_of",
+    "validate",
+]
 
 _ACCEPTED = (
     "a crossdevice.Variable, an object with state_dict() and load_state_dict() (a torch "
@@ -64,6 +77,11 @@ _ACCEPTED = (
 def _is_generator(obj: Any) -> bool:
     torch: Any = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Generator)
+
+
+def _is_positioned(obj: Any) -> bool:
+    """Whether `obj` is a distributed dataset or iterator, whose state is a data position."""
+    return type(obj).__module__ == distributed.__name__ and _is_stateful(obj)
 
 
 #: The key of a torch optimizer's class name in its saved state (not torch's own key).
@@ -93,11 +111,16 @@ def _qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _replicas(obj: Any) -> tuple[Any, ...]:
+    """A mirrored module's or optimizer's local replicas' copies; `(obj,)` for a plain one."""
+    if isinstance(getattr(type(obj), "replicas", None), property):
+        return tuple(dict.fromkeys(obj.replicas))  # an optimizer shared by the replicas once
+    return (obj,)
+
+
 def _optimizer_class(optimizer: Any) -> str:
     """The qualified class name of `optimizer` (of its replicas' for a mirrored one)."""
-    if isinstance(getattr(type(optimizer), "replicas", None), property):
-        optimizer = optimizer.replicas[0]
-    return _qualified_name(type(optimizer))
+    return _qualified_name(type(_replicas(optimizer)[0]))
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -179,6 +202,12 @@ def _shape_dtype(array: Any) -> tuple[tuple[int, ...], str]:
 def validate(obj: Any, state: Any, name: str) -> None:
     """ValueError if `state` cannot be loaded into `obj`, naming the key, shape or dtype."""
     if isinstance(obj, Variable):
+        if not (is_torch(state) or isinstance(state, np.ndarray | np.generic)):
+            raise ValueError(
+                f"cannot restore {name!r}: the checkpoint holds a {type(state).__name__} "
+                f"there, and the variable {obj.name!r} takes an array of shape {obj.shape}. "
+                "Track there what was tracked when the checkpoint was written"
+            )
         saved, have = _shape_dtype(state), _shape_dtype(obj)
         if saved != have:
             raise ValueError(
@@ -215,6 +244,14 @@ def validate(obj: Any, state: Any, name: str) -> None:
                 f"cannot restore {name!r}: the checkpoint holds the state of a {saved_kind!r} "
                 f"bit generator, and the tracked Generator uses {have!r}"
             )
+        bits = copy.deepcopy(obj.bit_generator)  # a throwaway one
+        _try_load(name, "numpy Generator", lambda: setattr(bits, "state", state))
+    elif isinstance(obj, np.random.RandomState):
+        _try_load(name, "numpy RandomState", lambda: np.random.RandomState().set_state(state))
+    elif _is_generator(obj):
+        _try_load(name, "torch.Generator", lambda: type(obj)(obj.device).set_state(state))
+    elif _is_positioned(obj):
+        _validate_position(obj, state, name)
     torch: Any = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
         _validate_module(obj.state_dict(), state, name)
@@ -222,6 +259,40 @@ def validate(obj: Any, state: Any, name: str) -> None:
         _validate_optimizer(obj, state, name)
     if is_scheduler(obj):
         _validate_scheduler(obj, state, name)
+
+
+def _try_load(name: str, kind: str, load: Callable[[], Any]) -> None:
+    """Load a saved state into a throwaway object like the tracked one: ValueError if it fails."""
+    try:
+        load()
+    except (TypeError, ValueError, KeyError, RuntimeError) as err:
+        raise ValueError(
+            f"cannot restore {name!r}: its saved state does not load into a {kind} like the "
+            f"tracked one ({type(err).__name__}: {err}). Track there what was tracked when the "
+            "checkpoint was written, or restore an undamaged checkpoint"
+        ) from err
+
+
+def _validate_position(obj: Any, state: Any, name: str) -> None:
+    """What a distributed dataset's or iterator's `load_state_dict` checks, before any write."""
+    what = f"cannot restore the data position {name!r}"
+    saved = DataPosition.from_state(state, what)
+    holder: Pass | EpochCounter = (
+        obj._pass if isinstance(obj, distributed.DistributedIterator) else obj._epochs
+    )
+    if isinstance(holder, Pass) and holder.started:
+        raise ValueError(
+            f"{what}: the tracked iterator has handed out {holder.position.steps} steps "
+            "already, and a restore repositions a fresh iterator. Track a new iter(dataset) "
+            "and restore before its first next(), or track the dataset itself"
+        )
+    own = generators.find(holder._datasets)
+    for states in (saved.generators, saved.generators_now):
+        if states is not None:
+            generators.check(own, states, what)
+    if own and saved.generators_now is not None:  # their states must fit them too
+        fresh = [type(g)(g.device) for g in own]
+        generators.restore(fresh, saved.generators_now, what)
 
 
 def _validate_scheduler(scheduler: Any, state: Any, name: str) -> None:
@@ -239,11 +310,26 @@ def _validate_scheduler(scheduler: Any, state: Any, name: str) -> None:
             f"anyway and schedule the learning rate by neither. {todo}, or restore the other "
             "objects without it (track it under another name)"
         )
+    if hasattr(scheduler, "mode_worse"):  # ReduceLROnPlateau checks these after its update
+        modes = [state.get(key) for key in ("mode", "threshold", "threshold_mode")]
+        _try_load(name, "ReduceLROnPlateau", lambda: copy.copy(scheduler)._init_is_better(*modes))
+    inner = getattr(scheduler, "_schedulers", None)  # SequentialLR, ChainedScheduler
+    if isinstance(inner, list):
+        saved_inner = state.get("_schedulers")
+        if not isinstance(saved_inner, list) or len(saved_inner) != len(inner):
+            count = len(saved_inner) if isinstance(saved_inner, list) else "no"
+            raise ValueError(
+                f"cannot restore the LR scheduler {name!r}: the checkpoint holds {count} inner "
+                f"schedulers, the tracked one chains {len(inner)}. {todo}"
+            )
+        for i, (each, saved) in enumerate(zip(inner, saved_inner, strict=True)):
+            _validate_scheduler(each, saved, f"{name}._schedulers.{i}")
 
 
 def _validate_optimizer(optimizer: Any, state: Any, name: str) -> None:
     todo = "Build the optimizer as it was when the checkpoint was written (its class and options)"
-    if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list):
+    parts = state if isinstance(state, Mapping) else {}
+    if not isinstance(parts.get("param_groups"), list) or not isinstance(parts.get("state"), dict):
         raise ValueError(
             f"cannot restore the optimizer {name!r}: the checkpoint holds no optimizer state "
             f"there (a {type(state).__name__}). {todo}"
@@ -282,6 +368,40 @@ def _validate_optimizer(optimizer: Any, state: Any, name: str) -> None:
                 f"cannot restore the optimizer {name!r}: its param group {i} holds {count} "
                 f"parameters in the checkpoint and {params} in the optimizer. {todo}"
             )
+    _validate_moments(optimizer, state, name, todo)
+
+
+#: torch's optimizers' state of their parameter's shape (not Adafactor's, LBFGS's), which
+#: torch's `load_state_dict` takes of any shape: the first `step()` fails, or broadcasts.
+_PARAMETER_SHAPED: Final = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg"}
+    | {"acc_delta", "sum", "exp_inf", "ax", "prev", "step_size"}
+)
+
+
+def _validate_moments(optimizer: Any, state: Mapping[str, Any], name: str, todo: str) -> None:
+    """Each saved state tensor against the tensor it replaces, or else its parameter's shape."""
+    first = _replicas(optimizer)[0]
+    own = type(first).__module__.startswith("torch.optim")
+    params = {
+        saved_id: param
+        for saved, group in zip(state["param_groups"], first.param_groups, strict=True)
+        for saved_id, param in zip(saved.get("params", ()), group["params"], strict=True)
+    }
+    for saved_id, entry in state["state"].items():
+        param = params.get(saved_id)
+        if param is None or not isinstance(entry, Mapping):
+            continue  # torch keeps it as it is
+        current = first.state.get(param, {})
+        for key, value in entry.items():
+            have = current.get(key, param if own and key in _PARAMETER_SHAPED else None)
+            if is_torch(value) and is_torch(have) and value.shape != have.shape:
+                raise ValueError(
+                    f"cannot restore the optimizer {name!r}: its state {key!r} of parameter "
+                    f"{saved_id} has shape {tuple(value.shape)} in the checkpoint, and that "
+                    f"parameter (shape {tuple(param.shape)}) takes {tuple(have.shape)}: the "
+                    f"state is another model's. {todo}"
+                )
 
 
 def _key_difference(have: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
@@ -304,6 +424,12 @@ def _validate_module(current: Mapping[str, Any], state: Any, name: str) -> None:
     for key, value in current.items():
         if not (is_torch(value) or isinstance(value, np.ndarray)):
             continue
+        if is_torch(value) != is_torch(state[key]) or not hasattr(state[key], "shape"):
+            raise ValueError(
+                f"cannot restore {name}.{key}: the checkpoint holds a {type(state[key]).__name__}"
+                f" there, the module a {type(value).__name__}. The checkpoint was written from "
+                "another kind of object: track there what was tracked when it was written"
+            )
         saved, have = _shape_dtype(state[key]), _shape_dtype(value)
         if saved != have:
             raise ValueError(
@@ -347,3 +473,126 @@ def apply(obj: Any, state: Any) -> None:
     else:
         for key, item in obj.items():
             apply(item, state[key])
+
+
+Undo = Callable[[], None]
+
+
+def snapshot(obj: Any) -> Undo:
+    """A function that puts back what `apply(obj, ...)` overwrites, as it is now.
+
+    Cheap: references where a load replaces state (an optimizer's `state` and
+    `param_groups`, a scheduler's or data position's attributes), copies only of what a
+    load writes in place (parameters and buffers, on the host; variables; generators).
+    Other objects with `state_dict()` get a deep copy of theirs loaded back: exact where
+    `load_state_dict(state_dict())` is the identity, as for GradScalers.
+    """
+    torch: Any = sys.modules.get("torch")
+    if isinstance(obj, Variable):  # what apply writes: each component, or the one value
+        parts = [obj._primary if isinstance(obj, DistributedVariable) else obj]
+        if isinstance(obj, MirroredVariable | SyncOnReadVariable):
+            parts = list(obj.values)
+        kept = [(part, part.read_value()) for part in parts]
+        return _all([functools.partial(p.assign, v, read_value=False) for p, v in kept])
+    if isinstance(obj, np.random.Generator):
+        return functools.partial(setattr, obj.bit_generator, "state", obj.bit_generator.state)
+    if isinstance(obj, np.random.RandomState):
+        return functools.partial(obj.set_state, obj.get_state(legacy=False))
+    if _is_generator(obj):
+        return functools.partial(obj.set_state, obj.get_state())
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        return _module_snapshot(torch, obj)
+    if _is_optimizer(obj):
+        return _all([_optimizer_snapshot(each) for each in _replicas(obj)])
+    if is_scheduler(obj):
+        return _attributes_snapshot(_scheduler_parts(obj))
+    if _is_positioned(obj):
+        return _position_snapshot(obj)
+    if _is_stateful(obj):
+        state = obj.state_dict()
+        with contextlib.suppress(Exception):  # else by reference: fine unless changed in place
+            state = copy.deepcopy(state)
+        return lambda: obj.load_state_dict(state)
+    items = obj if isinstance(obj, list | tuple) else list(obj.values())
+    return _all([snapshot(item) for item in items])
+
+
+def _all(undos: list[Callable[[], Any]]) -> Undo:
+    def undo() -> None:
+        for each in reversed(undos):
+            each()
+
+    return undo
+
+
+def _module_snapshot(torch: Any, module: Any) -> Undo:
+    """Every replica's parameters, buffers and extra states, which load_state_dict writes."""
+    tensors, extra = [], []
+    for sub in (sub for replica in _replicas(module) for sub in replica.modules()):
+        for table in (sub._parameters, sub._buffers):
+            kept = [
+                (k, t, t.detach().to("cpu", copy=True)) for k, t in table.items() if t is not None
+            ]
+            tensors += [(table, *each) for each in kept]
+        if type(sub).get_extra_state is not torch.nn.Module.get_extra_state:
+            extra.append((sub, copy.deepcopy(sub.get_extra_state())))
+
+    def undo() -> None:
+        with torch.no_grad():
+            for table, key, tensor, value in tensors:
+                table[key] = tensor  # the very object, should a load hook have replaced it
+                tensor.copy_(value)
+        for sub, state in extra:
+            sub.set_extra_state(state)
+
+    return undo
+
+
+def _optimizer_snapshot(optimizer: Any) -> Undo:
+    """Torch's load_state_dict replaces `state` and `param_groups` (new dicts): keep the old."""
+    state, groups = optimizer.state, optimizer.param_groups
+    contents = [dict(group) for group in groups]
+
+    def undo() -> None:
+        for group, content in zip(groups, contents, strict=True):
+            group.clear()
+            group.update(content)
+        optimizer.__dict__.update(state=state, param_groups=groups)
+
+    return undo
+
+
+def _scheduler_parts(scheduler: Any) -> list[Any]:
+    """A scheduler, its inner schedulers and its callable objects: what its load updates."""
+    parts = [scheduler]
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        parts += _scheduler_parts(inner)
+    lambdas = getattr(scheduler, "lr_lambdas", None) or ()
+    return parts + [f for f in lambdas if not hasattr(f, "__code__") and hasattr(f, "__dict__")]
+
+
+def _position_snapshot(obj: Any) -> Undo:
+    """A data position's fields and its dataset's generators (`position.py` sets both)."""
+    holder = obj._pass if isinstance(obj, distributed.DistributedIterator) else obj._epochs
+    fields = _attributes_snapshot([holder, getattr(holder, "position", holder)])
+    own = generators.find(holder._datasets)
+    states = generators.capture(own)
+
+    def undo() -> None:
+        fields()
+        if states is not None:
+            generators.restore(own, states, "putting a data position back")
+
+    return undo
+
+
+def _attributes_snapshot(objects: list[Any]) -> Undo:
+    """Each object's attributes as they are, by reference: for loads that set attributes."""
+    kept = [(vars(each), dict(vars(each))) for each in objects]
+
+    def undo() -> None:
+        for attributes, before in kept:
+            attributes.clear()
+            attributes.update(before)
+
+    return undo
