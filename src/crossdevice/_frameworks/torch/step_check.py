@@ -14,9 +14,11 @@ more on cooperative replicas (medians of interleaved blocks of 200 runs). What i
 * each replica brings how many times it called `zero_grad()` since its last step (or the
   last cross-replica section: the run's start, a `merge_fn`), the optimizer's or that of
   a prepared module it updates: counts that differ are an error naming each replica's;
-* each replica brings how many changes it made to its all-reduced gradients since the
-  reduction (`gradient_edits.py`): counts that differ, with gradients that differ, are
-  an error (clipping on one replica only);
+* each replica brings the changes it made to its all-reduced gradients since the
+  reduction (`gradient_edits.py`): where any replica made one, the changed gradients
+  are compared bitwise (`gradient_prints`), and gradients that differ are an error
+  naming each (clipping on one replica only; noise from each replica's own random
+  stream, a scale that depends on the replica: alike in count, not in value);
 * optimizer state that the user changed in cross-replica context (`opt.state.clear()`,
   `st["exp_avg"].zero_()` between runs or in a `merge_fn`, where `opt.state` is replica
   0's) is copied from replica 0 to every other replica before the replicas run again.
@@ -44,7 +46,7 @@ from crossdevice._strategies.replica import in_section
 from crossdevice._sync.call import CallSignature
 from crossdevice._values.values import PerReplica
 
-__all__ = ["StepCheck", "changes", "check_edits", "fingerprint"]
+__all__ = ["Edited", "StepCheck", "changes", "check_edits", "fingerprint", "gradient_prints"]
 
 _STEP_CALL: Final = CallSignature("MirroredOptimizer.step()")
 _GONE: Final[Any] = object()
@@ -81,12 +83,13 @@ class StepCheck:
         strategy: Strategy,
         replica: int,
         then: Callable[[], Any] | None = None,
-        edits: int = 0,
+        edits: Edited | None = None,
     ) -> Any:
         """Meet the other local replicas before `replica` steps; `then()` runs once there.
 
         `edits`: the changes `replica` made to its reduced gradients since the reduction
-        (`gradient_edits.count`); replicas whose counts differ must hold equal gradients.
+        (`gradient_edits.before_step`); where any replica made one, the changed gradients
+        must be bitwise alike on every replica (`check_edits`).
 
         Returns:
             What `then` returned (None without it).
@@ -104,7 +107,7 @@ class StepCheck:
         def merge_fn(strategy: Any, counts: Any, changes: Any) -> Any:
             del strategy
             self._check_zero_grads(_each(counts))
-            check_edits(self._optimizers, _each(changes))
+            check_edits(_each(changes))
             return None if then is None else then()
 
         extended = strategy.extended
@@ -254,49 +257,122 @@ def _count(print_: list[Any]) -> int:
     return sum(1 if items is None else len(items) for _, items in _entries(print_))
 
 
-def check_edits(optimizers: Sequence[torch.optim.Optimizer], counts: Sequence[int]) -> None:
-    """Local replicas' counts (`count`) at their step meeting: an error if they disagree.
+class Edited:
+    """One replica's changes to its reduced gradients since the reduction, at its step.
 
-    Counts that differ are checked by value: every replica's gradients against replica
-    0's (the same tensors, None alike, equal values).
+    Attributes:
+        count: its in-place writes to them and the gradients it set to None
+            (`gradient_edits.changes`).
+        prints: each changed gradient's `gradient_prints` value (None: set to None), by
+            (gradient sync, parameter index).
+    """
+
+    __slots__ = ("count", "prints")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.prints: dict[tuple[Any, int], int | None] = {}
+
+
+def gradient_prints(grads: Sequence[torch.Tensor | None]) -> list[int | None]:
+    """A fingerprint of each gradient's bits (None for None): equal bits, equal prints.
+
+    The sum, wrapping at 2**64, of the gradient's bytes (in element order, zero-padded
+    to whole words) read as little-endian int64 words; a sparse gradient's, of its
+    coalesced indices and values. Integer sums are exact, so it depends on the bits
+    alone, never on the order of summation, the thread count or the CPU, as a float
+    sum would: every worker and replica gets the same print for the same gradient. So
+    NaNs agree where their bits do, and -0.0 differs from 0.0, as the copies would.
+    One pass over the memory, no copy where the gradient's words are aligned (about
+    as much as the `mul_` of `clip_grad_norm_`), and one transfer to the host for all.
+    """
+    out: list[int | None] = [None] * len(grads)
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    for k, grad in enumerate(grads):
+        if grad is not None:
+            places, sums = by_device.setdefault(grad.device, ([], []))
+            places.append(k)
+            sums.append(_word_sum(grad.detach()))
+    for places, sums in by_device.values():
+        for k, value in zip(places, torch.stack(sums).tolist(), strict=True):
+            out[k] = value
+    return out
+
+
+def _word_sum(grad: torch.Tensor) -> torch.Tensor:
+    """`gradient_prints`' sum for one detached gradient (a 0-d int64 tensor)."""
+    if grad.layout != torch.strided:
+        grad = grad.coalesce()
+        return _word_sum(grad.indices()) * 1_000_003 + _word_sum(grad.values())
+    flat = grad.reshape(-1)  # a copy only where the gradient is not contiguous
+    size = flat.element_size()
+    nbytes = flat.numel() * size
+    if nbytes % 8 == 0 and (size >= 8 or flat.storage_offset() % (8 // size) == 0):
+        return flat.view(torch.int64).sum()
+    words = torch.zeros(-(-nbytes // 8), dtype=torch.int64, device=flat.device)
+    words.view(torch.uint8)[:nbytes].copy_(flat.view(torch.uint8))
+    return words.sum()
+
+
+def check_edits(edits: Sequence[Edited | None]) -> None:
+    """Local replicas' changes to their reduced gradients (`Edited`), at their step.
+
+    Where any replica made one, each gradient that any replica changed is compared
+    between every replica by `gradient_prints` (a replica that left it as reduced
+    prints it here): the changes must leave the same bits on every replica. Counts may
+    differ (a `call_once` change that replica 0 made and the others copied).
 
     Raises:
-        RuntimeError: gradients that differ, naming each replica's count.
+        RuntimeError: gradients that differ, naming each with what every replica has.
     """
-    if len(set(counts)) < 2 or _same_gradients(optimizers):
+    if not any(e is not None and e.count for e in edits):
         return
+    keys = list(dict.fromkeys(key for e in edits if e is not None for key in e.prints))
+    table: list[list[int | None]] = []
+    for r, e in enumerate(edits):
+        own = {} if e is None else e.prints
+        missing = [key for key in keys if key not in own]
+        found = dict(zip(missing, gradient_prints([_grad(key, r) for key in missing]), strict=True))
+        table.append([own[key] if key in own else found[key] for key in keys])
+    apart = [k for k in range(len(keys)) if len({row[k] for row in table}) > 1]
+    if not apart:
+        return
+    shown = "; ".join(_differs(keys[k], [row[k] for row in table]) for k in apart[:3])
+    more = f" ({len(apart) - 3} more)" if len(apart) > 3 else ""
+    counts = [0 if e is None else e.count for e in edits]
     raise RuntimeError(
         "MirroredOptimizer.step(): the replicas changed their all-reduced gradients "
         "differently before this step (in-place writes and gradients set to None: "
-        f"{_listed(counts)}), "
-        "so each would update with its own gradients and the replicas would go apart. "
-        "Make the same changes on every replica (clip_grad_norm_ on every replica, not "
-        "under `if replica_id == 0`), or change them once for all replicas in "
+        f"{_listed(counts)}), and the gradients now differ: {shown}{more}. "
+        "Each would update with its own gradients and the replicas would go apart. "
+        "Make the same changes on every replica: clip_grad_norm_ on every replica (not "
+        "under `if replica_id == 0`), no scale that depends on the replica, noise from a "
+        "torch.Generator seeded alike on every replica (torch.randn_like draws from each "
+        "replica's own stream); or change them once for all replicas in "
         "crossdevice.torch.call_once(fn)"
     )
 
 
-def _same_gradients(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-    first = _gradients(optimizers[0])
-    for optimizer in optimizers[1:]:
-        for a, b in zip(first, _gradients(optimizer), strict=True):
-            if (a is None) != (b is None):
-                return False
-            if a is None or b is None:
-                continue
-            if not _equal(a, b):
-                return False
-    return True
+def _grad(key: tuple[Any, int], replica: int) -> torch.Tensor | None:
+    """Replica `replica`'s gradient of `key` (gradient sync, parameter index)."""
+    sync, index = key
+    grad: torch.Tensor | None = sync.params(replica)[index].grad
+    return grad
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_sparse or b.is_sparse:
-        a, b = a.coalesce().to_dense(), b.coalesce().to_dense()
-    return a.shape == b.shape and torch.equal(a, b.to(a.device))
-
-
-def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
-    return [p.grad for group in optimizer.param_groups for p in group["params"]]
+def _differs(key: tuple[Any, int], prints: list[int | None]) -> str:
+    """`'name': replica 0: sum s (bits #print), ...`, for `check_edits`' error."""
+    sync, index = key
+    each = []
+    for r, value in enumerate(prints):
+        grad = _grad(key, r)
+        if value is None or grad is None:
+            each.append(f"replica {r}: None")
+            continue
+        dense = grad.to_dense() if grad.layout != torch.strided else grad
+        total = float(dense.detach().sum(dtype=torch.float64))
+        each.append(f"replica {r}: sum {total:.10g} (bits #{value & 0xFFFF_FFFF:08x})")
+    return f"{sync._names[index]!r} ({', '.join(each)})"
 
 
 def _each(value: Any) -> list[Any]:

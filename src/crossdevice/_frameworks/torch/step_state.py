@@ -31,8 +31,9 @@ state (`outside_run.py`: one worker that alone loaded, cleared or edited its opt
 state, "only one rank resumed the optimizer", or wrote a buffer no forward changes,
 trained on silently, found by a later bug hunt; a forward's own buffer updates, such
 as BatchNorm's statistics, are not counted), and the changes replica 0 made to its
-reduced gradients before its last step (`gradient_edits.py`: clipping on one worker,
-the bug hunt of session 56). The
+reduced gradients before its last step with a print of each changed gradient's bits
+(`gradient_edits.py`: clipping on one worker, the bug hunt of session 56; noise or a
+scale of each worker's own, alike in count, session 58). The
 workers' fingerprints compare it with the call (`fingerprint.py`, field `state`):
 states that differ are a `CollectiveMismatchError` on every worker, showing each
 worker's values, before any worker uses the sum, so before any update with it. It is
@@ -65,6 +66,7 @@ from crossdevice._frameworks.torch.agreement import PLAIN
 from crossdevice._sync.call import digest
 
 __all__ = [
+    "Prints",
     "edited",
     "register",
     "stepped",
@@ -77,6 +79,9 @@ __all__ = [
 
 #: Longest text of one worker's state in a mismatch message (the detail is cut at 300).
 _TEXT_MAX: Final = 240
+
+#: (name, `step_check.gradient_prints` value) of each reduced gradient changed before a step.
+Prints = tuple[tuple[str, int | None], ...]
 
 
 class _State:
@@ -99,8 +104,9 @@ class _State:
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.zero_grads = [0] * replicas
         #: Each replica's changes to its reduced gradients before its last step
-        #: (`gradient_edits.count`); the passes carry replica 0's.
-        self.edits = [0] * replicas
+        #: (`gradient_edits.before_step`): their count, and (name, bits print) of each
+        #: gradient changed (replica 0's only); the passes carry replica 0's.
+        self.edits: list[tuple[int, Prints]] = [(0, ())] * replicas
         #: Each replica's parameters' version counters, summed, at its last step.
         self.written = [0] * replicas
         #: The module trains across workers: its writes and modes are compared (`watch`).
@@ -202,9 +208,12 @@ def watched(sync: Any) -> bool:
     return state is not None and state.watched
 
 
-def edited(sync: Any, replica: int, changes: int) -> None:
-    """`replica` steps after `changes` changes to its reduced gradients (`gradient_edits`)."""
-    _state(sync).edits[replica] = changes
+def edited(sync: Any, replica: int, changes: int, prints: Prints = ()) -> None:
+    """`replica` steps after `changes` changes to its reduced gradients (`gradient_edits`).
+
+    `prints`: (name, `step_check.gradient_prints` value) of each gradient changed.
+    """
+    _state(sync).edits[replica] = (changes, prints)
 
 
 # strategy -> {local replica: (the run, calls to unprepared GradScalers in it)}.
@@ -295,6 +304,20 @@ def _plain(value: Any) -> Any:
     return type(value).__name__  # an object's repr may hold its address: its type only
 
 
+def _edits_text(count: int, prints: Prints) -> str:
+    """Replica 0's changes to its reduced gradients before the last step, in words."""
+    text = f"{count} changes to the reduced gradients before the last step()"
+    if not prints:
+        return f"{text} (clip_grad_norm_, p.grad.mul_, p.grad = None)"
+    # Two gradients' bits (`step_check.gradient_prints`, cut to 32) fit in `_TEXT_MAX`.
+    shown = ", ".join(
+        f"{name!r} " + ("None" if value is None else f"#{value & 0xFFFF_FFFF:08x}")
+        for name, value in prints[:2]
+    )
+    more = f" +{len(prints) - 2}" if len(prints) > 2 else ""
+    return f"{text}, bits {shown}{more}: edit alike on every worker (seeded noise, no rank scale)"
+
+
 def _describe(values: tuple[tuple[Any, ...], ...], scaled: int = 0) -> str:
     """One worker's state in words, for the mismatch message."""
     parts = []
@@ -303,11 +326,8 @@ def _describe(values: tuple[tuple[Any, ...], ...], scaled: int = 0) -> str:
     for own in values:
         zero_grads, written, evaluating, frozen, hand, edits, rest = *own[:6], own[6:]
         parts.append(f"zero_grad() {zero_grads}x since step()")
-        if edits:
-            parts.append(
-                f"{edits} changes to the reduced gradients before the last step() "
-                "(clip_grad_norm_, p.grad.mul_, p.grad = None)"
-            )
+        if edits[0]:
+            parts.append(_edits_text(*edits))
         parts.append(f"{written} parameter writes since step() (load_state_dict, in-place)")
         if evaluating:
             parts.append(f"{len(evaluating)} modules in eval mode (#{evaluating[0]} first)")
