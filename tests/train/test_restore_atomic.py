@@ -2,7 +2,7 @@
 
 Two lines of defence, tested apart: the checks before the first load (`trackable.validate`)
 refuse what a load would fail on; a load that fails anyway (injected here) is undone
-(`trackable.snapshot`), the objects loaded before it and the failing one itself.
+(`rollback.snapshot`), the objects loaded before it and the failing one itself.
 """
 
 from __future__ import annotations

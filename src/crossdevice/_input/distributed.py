@@ -38,7 +38,7 @@ from crossdevice._input.input_context import (
     check_options,
 )
 from crossdevice._input.optional import Optional
-from crossdevice._input.position import EpochCounter, Pass, skip_examples
+from crossdevice._input.position import EpochCounter, Pass, Positioned, skip_examples
 from crossdevice._input.source import DescribedDataset, DescribedIterator, Source
 from crossdevice._values.values import PerReplica
 
@@ -202,7 +202,7 @@ class _Layout:
         return nest.unflatten(structure, wrapped)
 
 
-class DistributedIterator(DescribedIterator):
+class DistributedIterator(DescribedIterator, Positioned):
     """Iterator over a distributed dataset: `next(it)` (or `it.get_next()`) is one step.
 
     Raises StopIteration once no local replica has data left (TF raises OutOfRangeError
@@ -224,7 +224,7 @@ class DistributedIterator(DescribedIterator):
     ) -> None:
         self._next_step = next_step
         self._spec = spec
-        self._pass = tracker if tracker is not None else Pass(0, 0, None)
+        self._progress: Pass = tracker if tracker is not None else Pass(0, 0, None)
         self._sync = sync
 
     def __iter__(self) -> DistributedIterator:
@@ -277,7 +277,7 @@ class DistributedIterator(DescribedIterator):
     @property
     def epoch(self) -> int:
         """Which pass over its dataset this iterator reads (0 for the first `iter()`)."""
-        return self._pass.position.epoch
+        return self._progress.position.epoch
 
     def state_dict(self) -> dict[str, Any]:
         """This iterator's position: epoch, steps and examples handed out, and more.
@@ -289,7 +289,7 @@ class DistributedIterator(DescribedIterator):
             >>> {k: it.state_dict()[k] for k in ("epoch", "steps", "examples")}
             {'epoch': 0, 'steps': 1, 'examples': 4}
         """
-        return self._pass.state_dict()
+        return self._progress.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where the saved iterator stopped; call it before the first `next()`.
@@ -300,7 +300,7 @@ class DistributedIterator(DescribedIterator):
         is allowed: the position is recomputed from the examples consumed, and a log line
         says so.
         """
-        self._pass.load(state)
+        self._progress.load(state)
 
 
 def _check_outside_replica_fn() -> None:
@@ -331,7 +331,7 @@ def _summary(dataset: Any) -> str:
         return f"<{name}>"
 
 
-class DistributedDataset(DescribedDataset):
+class DistributedDataset(DescribedDataset, Positioned):
     """Global batches split across replicas (`strategy.experimental_distribute_dataset`).
 
     Each global batch is split along its first axis across the `num_workers * len(devices)`
@@ -371,7 +371,7 @@ class DistributedDataset(DescribedDataset):
         self._dataset = dataset
         self._sources = (Source(dataset, "experimental_distribute_dataset"),)
         self._step_sync: StepSync | None = None
-        self._epochs = EpochCounter(0, lambda: _length(dataset), (dataset,))
+        self._progress: EpochCounter = EpochCounter(0, lambda: _length(dataset), (dataset,))
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -384,7 +384,7 @@ class DistributedDataset(DescribedDataset):
 
         A resumable loop starts there: `for epoch in range(dist.epoch, EPOCHS)`.
         """
-        return self._epochs.next_epoch
+        return self._progress.next_epoch
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of the latest iterator (see `DistributedIterator.state_dict`).
@@ -392,15 +392,15 @@ class DistributedDataset(DescribedDataset):
         Once that iterator has handed out a whole epoch (it ended, or it took `len(dataset)`
         steps), the position is the start of the next epoch.
         """
-        return self._epochs.state_dict()
+        return self._progress.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next `iter()` continue at the saved position (and `epoch` say which)."""
-        self._epochs.load_state_dict(state)
+        self._progress.load_state_dict(state)
 
     def __iter__(self) -> DistributedIterator:
         layout = self._layout
-        tracker = self._epochs.begin()
+        tracker = self._progress.begin()
         source: list[Any] = []
         agreement: list[PassAgreement] = []
         last: list[Any] = [_END]
@@ -442,7 +442,7 @@ class DistributedDataset(DescribedDataset):
         )
 
 
-class DistributedDatasetsFromFunction(DescribedDataset):
+class DistributedDatasetsFromFunction(DescribedDataset, Positioned):
     """Per-replica batches from a user's `dataset_fn` (`distribute_datasets_from_function`).
 
     In `PER_WORKER` mode (the default) `dataset_fn(InputContext(num_workers, worker_index,
@@ -503,7 +503,7 @@ class DistributedDatasetsFromFunction(DescribedDataset):
         self._sources = tuple(Source(d, "dataset_fn's result") for d in self._datasets)
         self._step_sync: StepSync | None = None
         pipelines = num_workers if len(self._datasets) == 1 else layout.num_global
-        self._epochs = EpochCounter(pipelines, lambda: None, self._datasets)
+        self._progress: EpochCounter = EpochCounter(pipelines, lambda: None, self._datasets)
 
     @staticmethod
     def _call(dataset_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext) -> Any:
@@ -519,11 +519,11 @@ class DistributedDatasetsFromFunction(DescribedDataset):
     @property
     def epoch(self) -> int:
         """The epoch the next `iter()` reads (see `DistributedDataset.epoch`)."""
-        return self._epochs.next_epoch
+        return self._progress.next_epoch
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of the latest iterator, in steps (see `DistributedDataset`)."""
-        return self._epochs.state_dict()
+        return self._progress.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next `iter()` continue after the saved number of steps.
@@ -531,11 +531,11 @@ class DistributedDatasetsFromFunction(DescribedDataset):
         Exact when the number of input pipelines is the saved one; otherwise a log line
         warns that examples may repeat or be skipped.
         """
-        self._epochs.load_state_dict(state)
+        self._progress.load_state_dict(state)
 
     def __iter__(self) -> DistributedIterator:
         layout = self._layout
-        tracker = self._epochs.begin()
+        tracker = self._progress.begin()
         iterators: list[Any] = []
         per_worker = len(self._datasets) == 1
         exhausted = [False] * len(self._datasets)

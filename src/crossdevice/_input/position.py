@@ -42,7 +42,7 @@ from crossdevice._arrays import global_random
 from crossdevice._input import generators
 from crossdevice._input.batching import batch_size_of
 
-__all__ = ["DataPosition", "EpochCounter", "Pass", "skip_examples"]
+__all__ = ["DataPosition", "EpochCounter", "Pass", "Positioned", "skip_examples"]
 
 _LOG: Final = logging.getLogger("crossdevice")
 
@@ -215,6 +215,34 @@ class Pass:
         self.position.epoch = saved.epoch
         self.resume = saved
 
+    def check_state(self, state: Any, what: str) -> None:
+        """What `load(state)` checks, writing nothing: ValueError if it would fail.
+
+        Raises:
+            TypeError: `state` is not a dict (`DataPosition.from_state`).
+            ValueError: a damaged position, generator states that do not fit the
+                dataset's own generators, or a pass that has started.
+        """
+        saved = DataPosition.from_state(state, what)
+        if self.started:
+            raise ValueError(
+                f"{what}: the tracked iterator has handed out {self.position.steps} steps "
+                "already, and a restore repositions a fresh iterator. Track a new "
+                "iter(dataset) and restore before its first next(), or track the dataset itself"
+            )
+        _check_generators(saved, self._datasets, what)
+
+    def snapshot(self) -> Callable[[], None]:
+        """A function that puts back what `load` sets (epoch, resume, generators), as now."""
+        position, epoch, resume = self.position, self.position.epoch, self.resume
+        put_back = _generators_kept(self._datasets)
+
+        def undo() -> None:
+            position.epoch, self.resume = epoch, resume
+            put_back()
+
+        return undo
+
     def open(self, make: Callable[[], Any], skip: Callable[[Any, DataPosition], Any]) -> Any:
         """Make the pipeline's iterator: fresh, or recreated and fast-forwarded to `resume`.
 
@@ -301,6 +329,33 @@ def _taken(position: DataPosition, datasets: Sequence[Any]) -> dict[str, Any]:
     """`position.state_dict()` with the states the datasets' own generators have now."""
     now = generators.capture(generators.find(datasets))
     return dataclasses.replace(position, generators_now=now).state_dict()
+
+
+def _check_generators(saved: DataPosition, datasets: Sequence[Any], what: str) -> None:
+    """What `_restore_generators` checks of the saved states, writing nothing.
+
+    The states must name the datasets' own generators, and those of now must load into
+    generators like them (tried on fresh ones).
+    """
+    own = generators.find(datasets)
+    for states in (saved.generators, saved.generators_now):
+        if states is not None:
+            generators.check(own, states, what)
+    if own and saved.generators_now is not None:
+        fresh = [type(g)(g.device) for g in own]
+        generators.restore(fresh, saved.generators_now, what)
+
+
+def _generators_kept(datasets: Sequence[Any]) -> Callable[[], None]:
+    """A function that sets the datasets' own generators back to their states now."""
+    own = generators.find(datasets)
+    states = generators.capture(own)
+
+    def undo() -> None:
+        if states is not None:
+            generators.restore(own, states, "putting a data position back")
+
+    return undo
 
 
 def _restore_generators(saved: DataPosition, own: Sequence[Any], what: str) -> None:
@@ -393,3 +448,51 @@ class EpochCounter:
             saved = DataPosition(saved.epoch + 1, input_pipelines=saved.input_pipelines)
         self._pending = saved
         self.next_epoch = saved.epoch
+
+    def check_state(self, state: Any, what: str) -> None:
+        """What `load_state_dict(state)` checks, writing nothing: ValueError if it would fail.
+
+        Raises:
+            TypeError: `state` is not a dict (`DataPosition.from_state`).
+            ValueError: a damaged position, or generator states that do not fit the
+                dataset's own generators.
+        """
+        _check_generators(DataPosition.from_state(state, what), self._datasets, what)
+
+    def snapshot(self) -> Callable[[], None]:
+        """A function that puts back what `load_state_dict` sets, as it is now.
+
+        Not a `state_dict()` loaded back: of a dataset read part way, that would make the
+        next `iter()` resume the latest pass instead of starting the next epoch.
+        """
+        pending, next_epoch = self._pending, self.next_epoch
+        put_back = _generators_kept(self._datasets)
+
+        def undo() -> None:
+            self._pending, self.next_epoch = pending, next_epoch
+            put_back()
+
+        return undo
+
+
+class Positioned:
+    """Internal: a base class of the distributed datasets and iterator, for a restore.
+
+    `crossdevice.train.Checkpoint` checks every value against its object before it loads
+    any (`_check_state`), and should a load fail anyway, puts back what it had loaded
+    (`_snapshot`, taken before; `crossdevice._train.rollback`). A subclass keeps its
+    position in `_progress`: an iterator its `Pass`, a dataset its `EpochCounter`.
+    """
+
+    _progress: Pass | EpochCounter
+
+    def _check_state(self, state: Any, what: str) -> None:
+        """ValueError if `load_state_dict(state)` would fail, `what` leading the message.
+
+        Writes nothing. Raises TypeError for a `state` that is not a dict.
+        """
+        self._progress.check_state(state, what)
+
+    def _snapshot(self) -> Callable[[], None]:
+        """A function that puts back what `load_state_dict` changes, as it is now."""
+        return self._progress.snapshot()

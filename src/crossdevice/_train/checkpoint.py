@@ -15,7 +15,7 @@ in-memory copy. A second save, a restore and `sync()` wait for the write in flig
 A restore reads the whole checkpoint, checks every value against its object (shapes and
 dtypes, module keys, counts, states: `trackable.validate`) before it loads anything, then
 loads. It changes every object or none: should a load still fail (a hook, a state no
-check foresaw), what was loaded is put back (`trackable.snapshot`, taken before the first
+check foresaw), what was loaded is put back (`rollback.snapshot`, taken before the first
 load) and the error says so; TF and torch leave a half-restored model there, which a
 caller that catches the error and trains on (from the previous checkpoint, or afresh)
 would silently train. Values whose object is not tracked yet wait for it: assigning
@@ -46,7 +46,7 @@ import numpy as np
 from crossdevice._arrays import global_random, is_torch
 from crossdevice._core import context
 from crossdevice._strategies.context import get_strategy, has_strategy
-from crossdevice._train import job, storage, trackable, tree
+from crossdevice._train import job, rollback, storage, trackable, tree
 from crossdevice._train.state_file import (
     CheckpointState,
     latest_checkpoint,
@@ -429,7 +429,7 @@ class Checkpoint:
     ) -> None:
         """Load each `(object, state)` of `loads`, the random state and `save_counter`: all or none.
 
-        What a load overwrites is kept first (`trackable.snapshot`); should a load fail, on
+        What a load overwrites is kept first (`rollback.snapshot`); should a load fail, on
         this worker or (`agree`: one collective) on another, what was loaded is put back,
         and the error says so.
         """
@@ -438,7 +438,7 @@ class Checkpoint:
         name = ""
         try:
             for name, (obj, state) in loads.items():
-                undos.append((name, trackable.snapshot(obj)))
+                undos.append((name, rollback.snapshot(obj)))
                 trackable.apply(obj, state)
             if random is not None:
                 name = "the global random state"

@@ -21,7 +21,8 @@ A `Checkpoint` tracks:
 `capture` returns the state by reference (the checkpoint stages one copy); `validate`
 checks a saved state against the object, for all a load can fail on, before anything is
 loaded, so that a model of another shape is an error naming the key and both shapes;
-`apply` loads it; `snapshot` puts back what a load overwrote, should one still fail.
+`apply` loads it; `crossdevice._train.rollback` puts back what a load overwrote, should
+one still fail.
 
 A torch optimizer's state also names its class (`optimizer_class`, the qualified name):
 torch's `load_state_dict` takes another class's state without a word, and then steps
@@ -36,9 +37,7 @@ torch's `load_state_dict` copies any scheduler's state into its attributes, so a
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -47,8 +46,7 @@ import numpy as np
 
 from crossdevice._arrays import is_torch
 from crossdevice._core.reduce_op import VariableAggregation
-from crossdevice._input import distributed, generators
-from crossdevice._input.position import DataPosition, EpochCounter, Pass
+from crossdevice._input.position import Positioned
 from crossdevice._values.distributed_variables import (
     DistributedVariable,
     MirroredVariable,
@@ -61,8 +59,11 @@ __all__ = [
     "apply",
     "capture",
     "check_trackable",
+    "is_generator",
+    "is_optimizer",
     "is_scheduler",
-    "snapshot",
+    "is_stateful",
+    "replicas_of",
     "strategy_of",
     "validate",
 ]
@@ -74,21 +75,18 @@ _ACCEPTED = (
 )
 
 
-def _is_generator(obj: Any) -> bool:
+def is_generator(obj: Any) -> bool:
+    """Whether `obj` is a `torch.Generator` (False while torch is not imported)."""
     torch: Any = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Generator)
-
-
-def _is_positioned(obj: Any) -> bool:
-    """Whether `obj` is a distributed dataset or iterator, whose state is a data position."""
-    return type(obj).__module__ == distributed.__name__ and _is_stateful(obj)
 
 
 #: The key of a torch optimizer's class name in its saved state (not torch's own key).
 _OPTIMIZER_CLASS = "optimizer_class"
 
 
-def _is_optimizer(obj: Any) -> bool:
+def is_optimizer(obj: Any) -> bool:
+    """Whether `obj` is a torch optimizer (a `torch.optim.Optimizer`)."""
     torch: Any = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.optim.Optimizer)
 
@@ -111,7 +109,7 @@ def _qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _replicas(obj: Any) -> tuple[Any, ...]:
+def replicas_of(obj: Any) -> tuple[Any, ...]:
     """A mirrored module's or optimizer's local replicas' copies; `(obj,)` for a plain one."""
     if isinstance(getattr(type(obj), "replicas", None), property):
         return tuple(dict.fromkeys(obj.replicas))  # an optimizer shared by the replicas once
@@ -120,10 +118,11 @@ def _replicas(obj: Any) -> tuple[Any, ...]:
 
 def _optimizer_class(optimizer: Any) -> str:
     """The qualified class name of `optimizer` (of its replicas' for a mirrored one)."""
-    return _qualified_name(type(_replicas(optimizer)[0]))
+    return _qualified_name(type(replicas_of(optimizer)[0]))
 
 
-def _is_stateful(obj: Any) -> bool:
+def is_stateful(obj: Any) -> bool:
+    """Whether `obj` has `state_dict()` and `load_state_dict()`, to save and load through."""
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
@@ -133,7 +132,7 @@ def check_trackable(obj: Any, name: str) -> None:
     """TypeError unless a checkpoint can track `obj` (see the module doc)."""
     if isinstance(obj, Variable | np.random.Generator | np.random.RandomState):
         return
-    if _is_generator(obj) or _is_stateful(obj):
+    if is_generator(obj) or is_stateful(obj):
         return
     if isinstance(obj, list | tuple):
         for i, item in enumerate(obj):
@@ -179,13 +178,13 @@ def capture(obj: Any) -> Any:
         return obj.bit_generator.state
     if isinstance(obj, np.random.RandomState):
         return obj.get_state(legacy=False)
-    if _is_generator(obj):
+    if is_generator(obj):
         return obj.get_state()
-    if _is_optimizer(obj):
+    if is_optimizer(obj):
         return {**obj.state_dict(), _OPTIMIZER_CLASS: _optimizer_class(obj)}
     if is_scheduler(obj):
         return {**obj.state_dict(), _SCHEDULER_CLASS: _qualified_name(type(obj))}
-    if _is_stateful(obj):
+    if is_stateful(obj):
         before = getattr(obj, "_before_checkpoint", None)  # (a mirrored module's warning)
         if before is not None:
             before()
@@ -216,7 +215,7 @@ def validate(obj: Any, state: Any, name: str) -> None:
                 f"{have[1]}. Create the variable as it was when the checkpoint was written"
             )
         return
-    if isinstance(obj, list | tuple) and not _is_stateful(obj):
+    if isinstance(obj, list | tuple) and not is_stateful(obj):
         if not isinstance(state, list) or len(state) != len(obj):
             count = len(state) if isinstance(state, list) else type(state).__name__
             raise ValueError(
@@ -226,7 +225,7 @@ def validate(obj: Any, state: Any, name: str) -> None:
         for i, (item, saved_item) in enumerate(zip(obj, state, strict=True)):
             validate(item, saved_item, f"{name}.{i}")
         return
-    if isinstance(obj, Mapping) and not _is_stateful(obj):
+    if isinstance(obj, Mapping) and not is_stateful(obj):
         if not isinstance(state, Mapping) or set(state) != set(obj):
             keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
@@ -248,14 +247,14 @@ def validate(obj: Any, state: Any, name: str) -> None:
         _try_load(name, "numpy Generator", lambda: setattr(bits, "state", state))
     elif isinstance(obj, np.random.RandomState):
         _try_load(name, "numpy RandomState", lambda: np.random.RandomState().set_state(state))
-    elif _is_generator(obj):
+    elif is_generator(obj):
         _try_load(name, "torch.Generator", lambda: type(obj)(obj.device).set_state(state))
-    elif _is_positioned(obj):
-        _validate_position(obj, state, name)
+    elif isinstance(obj, Positioned):
+        obj._check_state(state, f"cannot restore the data position {name!r}")
     torch: Any = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
         _validate_module(obj.state_dict(), state, name)
-    if _is_optimizer(obj):
+    if is_optimizer(obj):
         _validate_optimizer(obj, state, name)
     if is_scheduler(obj):
         _validate_scheduler(obj, state, name)
@@ -271,28 +270,6 @@ def _try_load(name: str, kind: str, load: Callable[[], Any]) -> None:
             f"tracked one ({type(err).__name__}: {err}). Track there what was tracked when the "
             "checkpoint was written, or restore an undamaged checkpoint"
         ) from err
-
-
-def _validate_position(obj: Any, state: Any, name: str) -> None:
-    """What a distributed dataset's or iterator's `load_state_dict` checks, before any write."""
-    what = f"cannot restore the data position {name!r}"
-    saved = DataPosition.from_state(state, what)
-    holder: Pass | EpochCounter = (
-        obj._pass if isinstance(obj, distributed.DistributedIterator) else obj._epochs
-    )
-    if isinstance(holder, Pass) and holder.started:
-        raise ValueError(
-            f"{what}: the tracked iterator has handed out {holder.position.steps} steps "
-            "already, and a restore repositions a fresh iterator. Track a new iter(dataset) "
-            "and restore before its first next(), or track the dataset itself"
-        )
-    own = generators.find(holder._datasets)
-    for states in (saved.generators, saved.generators_now):
-        if states is not None:
-            generators.check(own, states, what)
-    if own and saved.generators_now is not None:  # their states must fit them too
-        fresh = [type(g)(g.device) for g in own]
-        generators.restore(fresh, saved.generators_now, what)
 
 
 def _validate_scheduler(scheduler: Any, state: Any, name: str) -> None:
@@ -381,7 +358,7 @@ _PARAMETER_SHAPED: Final = frozenset(
 
 def _validate_moments(optimizer: Any, state: Mapping[str, Any], name: str, todo: str) -> None:
     """Each saved state tensor against the tensor it replaces, or else its parameter's shape."""
-    first = _replicas(optimizer)[0]
+    first = replicas_of(optimizer)[0]
     own = type(first).__module__.startswith("torch.optim")
     params = {
         saved_id: param
@@ -459,13 +436,13 @@ def apply(obj: Any, state: Any) -> None:
             obj.assign(state, read_value=False)
     elif isinstance(obj, np.random.Generator):
         obj.bit_generator.state = state
-    elif isinstance(obj, np.random.RandomState) or _is_generator(obj):
+    elif isinstance(obj, np.random.RandomState) or is_generator(obj):
         obj.set_state(state)
-    elif _is_optimizer(obj):
+    elif is_optimizer(obj):
         obj.load_state_dict({k: v for k, v in state.items() if k != _OPTIMIZER_CLASS})
     elif is_scheduler(obj):
         obj.load_state_dict({k: v for k, v in state.items() if k != _SCHEDULER_CLASS})
-    elif _is_stateful(obj):
+    elif is_stateful(obj):
         obj.load_state_dict(state)
     elif isinstance(obj, list | tuple):
         for item, saved in zip(obj, state, strict=True):
@@ -473,126 +450,3 @@ def apply(obj: Any, state: Any) -> None:
     else:
         for key, item in obj.items():
             apply(item, state[key])
-
-
-Undo = Callable[[], None]
-
-
-def snapshot(obj: Any) -> Undo:
-    """A function that puts back what `apply(obj, ...)` overwrites, as it is now.
-
-    Cheap: references where a load replaces state (an optimizer's `state` and
-    `param_groups`, a scheduler's or data position's attributes), copies only of what a
-    load writes in place (parameters and buffers, on the host; variables; generators).
-    Other objects with `state_dict()` get a deep copy of theirs loaded back: exact where
-    `load_state_dict(state_dict())` is the identity, as for GradScalers.
-    """
-    torch: Any = sys.modules.get("torch")
-    if isinstance(obj, Variable):  # what apply writes: each component, or the one value
-        parts = [obj._primary if isinstance(obj, DistributedVariable) else obj]
-        if isinstance(obj, MirroredVariable | SyncOnReadVariable):
-            parts = list(obj.values)
-        kept = [(part, part.read_value()) for part in parts]
-        return _all([functools.partial(p.assign, v, read_value=False) for p, v in kept])
-    if isinstance(obj, np.random.Generator):
-        return functools.partial(setattr, obj.bit_generator, "state", obj.bit_generator.state)
-    if isinstance(obj, np.random.RandomState):
-        return functools.partial(obj.set_state, obj.get_state(legacy=False))
-    if _is_generator(obj):
-        return functools.partial(obj.set_state, obj.get_state())
-    if torch is not None and isinstance(obj, torch.nn.Module):
-        return _module_snapshot(torch, obj)
-    if _is_optimizer(obj):
-        return _all([_optimizer_snapshot(each) for each in _replicas(obj)])
-    if is_scheduler(obj):
-        return _attributes_snapshot(_scheduler_parts(obj))
-    if _is_positioned(obj):
-        return _position_snapshot(obj)
-    if _is_stateful(obj):
-        state = obj.state_dict()
-        with contextlib.suppress(Exception):  # else by reference: fine unless changed in place
-            state = copy.deepcopy(state)
-        return lambda: obj.load_state_dict(state)
-    items = obj if isinstance(obj, list | tuple) else list(obj.values())
-    return _all([snapshot(item) for item in items])
-
-
-def _all(undos: list[Callable[[], Any]]) -> Undo:
-    def undo() -> None:
-        for each in reversed(undos):
-            each()
-
-    return undo
-
-
-def _module_snapshot(torch: Any, module: Any) -> Undo:
-    """Every replica's parameters, buffers and extra states, which load_state_dict writes."""
-    tensors, extra = [], []
-    for sub in (sub for replica in _replicas(module) for sub in replica.modules()):
-        for table in (sub._parameters, sub._buffers):
-            kept = [
-                (k, t, t.detach().to("cpu", copy=True)) for k, t in table.items() if t is not None
-            ]
-            tensors += [(table, *each) for each in kept]
-        if type(sub).get_extra_state is not torch.nn.Module.get_extra_state:
-            extra.append((sub, copy.deepcopy(sub.get_extra_state())))
-
-    def undo() -> None:
-        with torch.no_grad():
-            for table, key, tensor, value in tensors:
-                table[key] = tensor  # the very object, should a load hook have replaced it
-                tensor.copy_(value)
-        for sub, state in extra:
-            sub.set_extra_state(state)
-
-    return undo
-
-
-def _optimizer_snapshot(optimizer: Any) -> Undo:
-    """Torch's load_state_dict replaces `state` and `param_groups` (new dicts): keep the old."""
-    state, groups = optimizer.state, optimizer.param_groups
-    contents = [dict(group) for group in groups]
-
-    def undo() -> None:
-        for group, content in zip(groups, contents, strict=True):
-            group.clear()
-            group.update(content)
-        optimizer.__dict__.update(state=state, param_groups=groups)
-
-    return undo
-
-
-def _scheduler_parts(scheduler: Any) -> list[Any]:
-    """A scheduler, its inner schedulers and its callable objects: what its load updates."""
-    parts = [scheduler]
-    for inner in getattr(scheduler, "_schedulers", None) or ():
-        parts += _scheduler_parts(inner)
-    lambdas = getattr(scheduler, "lr_lambdas", None) or ()
-    return parts + [f for f in lambdas if not hasattr(f, "__code__") and hasattr(f, "__dict__")]
-
-
-def _position_snapshot(obj: Any) -> Undo:
-    """A data position's fields and its dataset's generators (`position.py` sets both)."""
-    holder = obj._pass if isinstance(obj, distributed.DistributedIterator) else obj._epochs
-    fields = _attributes_snapshot([holder, getattr(holder, "position", holder)])
-    own = generators.find(holder._datasets)
-    states = generators.capture(own)
-
-    def undo() -> None:
-        fields()
-        if states is not None:
-            generators.restore(own, states, "putting a data position back")
-
-    return undo
-
-
-def _attributes_snapshot(objects: list[Any]) -> Undo:
-    """Each object's attributes as they are, by reference: for loads that set attributes."""
-    kept = [(vars(each), dict(vars(each))) for each in objects]
-
-    def undo() -> None:
-        for attributes, before in kept:
-            attributes.clear()
-            attributes.update(before)
-
-    return undo
