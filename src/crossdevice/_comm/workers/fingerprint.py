@@ -314,9 +314,11 @@ def mismatch_message(
             "crossdevice.torch's gradients: the optimizer's hyperparameters, the "
             "zero_grad() calls since its last step, the writes to parameters, buffers and "
             "optimizer state outside the step, the eval-mode modules and the frozen "
-            "parameters, shown above for each worker). Do these on every worker alike (a "
-            "scheduler stepped on every worker, not on the chief only; a checkpoint loaded "
-            "on every worker), or on none."
+            "parameters, the changes to the reduced gradients before the last step, "
+            "compared by value, shown above for each worker). Do these on every worker "
+            "alike (a scheduler stepped on every worker, not on the chief only; a "
+            "checkpoint loaded on every worker; a clip to the global norm; noise drawn "
+            "from a generator seeded alike on every worker), or on none."
         )
     return "\n".join(lines)
 
