@@ -14,6 +14,13 @@ what ends a collective badly into the error its caller gets (`guard`):
 * the caller's `fill` raising, or anything else that leaves the peers waiting: the peers
   are told (`abort`), and the error surfaces as itself;
 * errors every worker raises alike (mismatches, bad arguments): as they are.
+
+A collective from a thread that is not the run in flight's (`runs`, set by the strategy:
+`_strategies/worker_runs.py`) is refused at once, and the peers are told: it would take
+a place in this worker's order that the peers fill with one of the run's collectives.
+Every collective's fingerprint also says whether it belongs to a run (`IN_RUN`, in its
+state), so one issued just before a run on one worker and just after it on another
+cannot pair with one of the run's: a mismatch on every worker, not a wrong sum.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from crossdevice._comm.workers.callqueue import CallQueue, Queued
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError, timed_out
@@ -38,13 +45,17 @@ from crossdevice._core.errors import (
 from crossdevice._trace import flight as _flight
 from crossdevice._trace import state as _trace
 
-__all__ = ["FillFailedError", "Pending", "Sequencer", "guarded_fill"]
+__all__ = ["IN_RUN", "FillFailedError", "Pending", "Sequencer", "guarded_fill"]
 
 #: Errors every worker raises alike, before any data moves (or after every worker saw
 #: the same thing): nothing to tell the peers.
 _ALIKE = (CollectiveMismatchError, WorkerFailedError, CollectiveTimeoutError, ValueError, TypeError)
 #: Collective failures that write a flight-recorder report (`crossdevice._trace.flight`).
 _REPORTED = (CollectiveMismatchError, WorkerFailedError, CollectiveTimeoutError, KeyboardInterrupt)
+#: Flipped in a collective's state (`Call.state`, in its fingerprint) when it belongs to
+#: the run in flight (`purpose.agreeing`'s 63-bit digests keep their meaning: two that
+#: differ still differ).
+IN_RUN: Final = 1 << 62
 
 
 class FillFailedError(Exception):
@@ -89,6 +100,15 @@ class Sequencer:
         self.poison: Callable[[str], None] | None = None
         #: Per thread: collectives it held itself (not the queue's; `held_here`).
         self._here = threading.local()
+        #: Asked before each collective, with its name, on the calling thread: True, it
+        #: belongs to the run in flight; False, no run is in flight; a str, a run is in
+        #: flight and this thread is not its: the refusal's message. None: no runs
+        #: (`_strategies/worker_runs.py` sets it).
+        self.runs: Callable[[str], bool | str] | None = None
+        #: On the queue's thread: whether the call it runs was submitted in a run.
+        self._queued = threading.local()
+        #: The thread that last took the lock (named when another is refused: `hold`).
+        self._holder: threading.Thread | None = None
         #: The last collectives' `Call`s: the flight recorder (`crossdevice._trace`).
         self.history: collections.deque[Call] = collections.deque(maxlen=_flight.COLLECTIVES)
         _flight.register(self, sequencer_group)
@@ -110,12 +130,16 @@ class Sequencer:
                 "nothing can pair up with the other workers any more: build a new strategy "
                 "(or communicator) on every worker"
             )
+        in_run = self._admit(name)
         self.hold(name)
         try:
             self.settle()
             self.seq += 1
             self._health.reached = self.seq  # published by the board's thread
             value, text = purpose.state()
+            if in_run:
+                value ^= IN_RUN
+            text = _run_text(in_run, text)
             call = Call(
                 name,
                 self.seq,
@@ -141,9 +165,41 @@ class Sequencer:
         """
         if self.closed:
             raise RuntimeError(f"this {self._name} is closed: nothing can be queued on it")
+        in_run = self._admit("a queued all_reduce")  # the submitter's, not the queue's
         if self.queue is None:
             self.queue = CallQueue()
-        return self.queue.submit(call, bound)
+        queued = self._queued
+
+        def marked() -> Any:
+            queued.in_run = in_run
+            try:
+                return call()
+            finally:
+                queued.in_run = False
+
+        return self.queue.submit(marked, bound)
+
+    def _admit(self, name: str) -> bool:
+        """Whether the calling thread's collective `name` belongs to the run in flight.
+
+        The queue's thread runs calls for their submitters (`submit` asked for them).
+        Raises RuntimeError, once the peers are told, for a collective from a thread
+        that is not the run in flight's (`runs`).
+        """
+        queue = self.queue
+        if queue is not None and queue.on_thread():
+            return bool(getattr(self._queued, "in_run", False))
+        runs = self.runs
+        if runs is None:
+            return False
+        verdict = runs(name)
+        if isinstance(verdict, bool):
+            return verdict
+        # Its place in this worker's order stays empty: peers that made this collective
+        # (or will) must not wait for it, nor pair it with the next one (`abort`).
+        error = RuntimeError(verdict)
+        self._abort(error)
+        raise error
 
     def close(self) -> bool:
         """Refuse collectives from now on and end the queue's thread; False if closed."""
@@ -171,10 +227,16 @@ class Sequencer:
         if not blocking:
             return bool(self.lock.acquire(blocking=False))
         if not self.lock.acquire(blocking=False):
+            holder = self._holder
             raise RuntimeError(
-                f"{name}: another thread is running a collective on this communicator; "
-                "collectives must be issued one at a time, in the same order on every worker"
+                f"{name}: thread {threading.current_thread().name!r} issued a collective "
+                f"while thread {holder.name if holder else 'another thread'!r} is in one on "
+                "this communicator; expected one at a time, from the thread that runs the "
+                "steps (or a run's replicas), in the same order on every worker. Issue "
+                "collectives from one thread, or hand them from thread to thread in an "
+                "order the program fixes (a lock alone does not: it orders by timing)"
             )
+        self._holder = threading.current_thread()
         return True
 
     def held_here(self) -> int:
@@ -250,6 +312,24 @@ class Sequencer:
         """Write a flight-recorder report of `error`, which ended `call` (it did not end)."""
         call.ended = 0.0
         _flight.attach(error, tag=f"-rank{self._standing.rank}", source=self)
+
+
+def _run_text(in_run: bool, text: Callable[[], str] | None) -> Callable[[], str]:
+    """A call's state in words (`Call.state_text`): `text`'s, then whether it is a run's.
+
+    Last and short: a worker's detail has `fp.DETAIL_BYTES`, and `text` says more.
+    """
+
+    def described() -> str:
+        where = (
+            "issued inside strategy.run"
+            if in_run
+            else "issued outside any strategy.run (from a thread beside the steps it meets "
+            "their collectives by timing: make it from the steps' thread)"
+        )
+        return f"{text()}; {where}" if text is not None else where
+
+    return described
 
 
 class _Held:
