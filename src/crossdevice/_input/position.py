@@ -23,9 +23,16 @@ they would have drawn, tracked or not; a mid-epoch replay runs under the former 
 puts the generators back. A saved mid-epoch position without their states (written
 before they were kept) cannot be replayed: that is an error, not repeated examples.
 
+A `DataLoader` with persistent workers draws more on its first `iter()` than on a later
+one (`crossdevice._input.persistent`): a position records which its pass's was, and a
+replay in a fresh process first makes the loader's workers when the saved pass's `iter()`
+was a later one, so that it draws the same order.
+
 With `distribute_datasets_from_function` the elements are per-replica batches of each
-worker's own pipeline, so the position is a number of steps, exact when the number of
-input pipelines is unchanged.
+worker's own pipeline, so the position counts the elements read from each pipeline (in
+`examples`): exact when the number of input pipelines is unchanged, whatever the number
+of local replicas that take them. (A position written before counted steps alone, with
+`examples` 0: it is replayed in steps, exact only on the saved local replica count.)
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from typing import Any, Final
 import numpy as np
 
 from crossdevice._arrays import global_random
-from crossdevice._input import generators
+from crossdevice._input import generators, persistent
 from crossdevice._input.batching import batch_size_of
 
 __all__ = ["DataPosition", "EpochCounter", "Pass", "Positioned", "skip_examples"]
@@ -56,13 +63,17 @@ class DataPosition:
     Attributes:
         epoch: which pass over the data (0 for the first `iter()`).
         steps: steps taken in it (global batches handed out).
-        examples: examples handed out in it (global batches only; 0 otherwise).
+        examples: examples handed out in it (global batches); for datasets from a
+            function, the elements read from each input pipeline.
         global_batch_size: examples in its first global batch (0 before the first).
         input_pipelines: the number of input pipelines (datasets from a function), or 0.
         exhausted: the pass ran to its end.
         random: the global random state when its pipeline was created, if it was.
         generators: the states of the dataset's own generators (`generators.find`) then.
         generators_now: their states when the position was taken (`state_dict()`).
+        loaders_started: for each persistent-worker `DataLoader` of the pipeline
+            (`persistent.find`), whether it had made its workers when the pass began;
+            None where unknown (a position written before it was kept).
     """
 
     epoch: int = 0
@@ -74,6 +85,7 @@ class DataPosition:
     random: dict[str, np.ndarray] | None = None
     generators: dict[str, np.ndarray] | None = None
     generators_now: dict[str, np.ndarray] | None = None
+    loaders_started: list[bool] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The position as plain values (ints, a bool, uint8 arrays)."""
@@ -82,6 +94,7 @@ class DataPosition:
         for name in ("random", "generators", "generators_now"):
             value = getattr(self, name)
             state[name] = dict(value) if value is not None else None
+        state["loaders_started"] = self.loaders_started
         return state
 
     @classmethod
@@ -112,7 +125,16 @@ class DataPosition:
             if value is not None and not isinstance(value, Mapping):
                 raise ValueError(f"{what}: the saved {name!r} state must be a dict, got {value!r}")
             states[name] = None if value is None else {k: np.asarray(v) for k, v in value.items()}
-        return cls(**values, exhausted=bool(state["exhausted"]), **states)
+        started = state.get("loaders_started")  # optional: older positions
+        if started is not None:
+            flags = list(np.asarray(started).reshape(-1).tolist())
+            if not all(isinstance(flag, bool) for flag in flags):
+                raise ValueError(
+                    f"{what}: the saved 'loaders_started' must be a list of bools, one per "
+                    f"DataLoader with persistent workers, got {started!r}"
+                )
+            started = flags
+        return cls(**values, exhausted=bool(state["exhausted"]), loaders_started=started, **states)
 
 
 def skip_examples(
@@ -253,7 +275,19 @@ class Pass:
         saved = self.resume
         position = self.position
         own = generators.find(self._datasets)
+        loaders = persistent.find(self._datasets)
+        what = "resuming a distributed dataset"
         if saved is None or (saved.random is None and saved.steps == 0):
+            if saved is not None:  # a restored epoch's start: its iter() as it would have been
+                persistent.warm_up(
+                    loaders,
+                    saved.loaders_started,
+                    own,
+                    epoch=saved.epoch,
+                    mid_epoch=False,
+                    what=what,
+                )
+            position.loaders_started = persistent.started(loaders)
             position.random = global_random.capture()
             position.generators = generators.capture(own)
             return self._read_end_early(make(), own)
@@ -265,15 +299,20 @@ class Pass:
         if saved.input_pipelines != position.input_pipelines:
             _LOG.warning(
                 "the data position was saved with %d input pipelines and this job has %d: "
-                "each pipeline resumes after %d steps, which repeats or skips examples unless "
-                "the pipelines shard the data alike",
+                "each pipeline resumes after the %d elements (steps, in an older position) "
+                "it had read, which repeats or skips examples unless the pipelines shard the "
+                "data alike",
                 saved.input_pipelines,
                 position.input_pipelines,
-                saved.steps,
+                saved.examples or saved.steps,
             )
+        # A replayed iter() must be a persistent loader's first or later one as the saved
+        # pass's was: they draw differently (`persistent`).
+        position.loaders_started = persistent.warm_up(
+            loaders, saved.loaders_started, own, epoch=saved.epoch, mid_epoch=True, what=what
+        )
         # The epoch's order comes from the generators' states when it began; after the
         # replay, they are put back to the states the restore gave them.
-        what = "resuming a distributed dataset"
         with global_random.replayed(saved.random), generators.replayed(own, saved.generators, what):
             position.random = saved.random if saved.random is not None else global_random.capture()
             position.generators = saved.generators
@@ -299,12 +338,16 @@ class Pass:
             return batches
         return _ending_early(batches, length)
 
-    def advance(self, examples: int) -> None:
-        """Count one step that handed out `examples` global examples."""
+    def advance(self, examples: int, *, global_batch: bool = True) -> None:
+        """Count one step that handed out `examples` global examples.
+
+        With `global_batch=False` (datasets from a function), `examples` is the number of
+        elements the step read from each input pipeline, and no batch size is recorded.
+        """
         position = self.position
         position.steps += 1
         position.examples += examples
-        if not position.global_batch_size:
+        if global_batch and not position.global_batch_size:
             position.global_batch_size = examples
 
     def end(self) -> None:
@@ -326,9 +369,16 @@ def _ending_early(batches: Iterator[Any], steps: int) -> Iterator[Any]:
 
 
 def _taken(position: DataPosition, datasets: Sequence[Any]) -> dict[str, Any]:
-    """`position.state_dict()` with the states the datasets' own generators have now."""
+    """`position.state_dict()` with the states the datasets' own generators have now.
+
+    A position at an epoch's start that says nothing of the persistent loaders gets
+    whether they have made their workers now: the next epoch's `iter()` is then a later one.
+    """
     now = generators.capture(generators.find(datasets))
-    return dataclasses.replace(position, generators_now=now).state_dict()
+    started = position.loaders_started
+    if started is None and position.steps == 0 and not position.exhausted:
+        started = persistent.started(persistent.find(datasets))
+    return dataclasses.replace(position, generators_now=now, loaders_started=started).state_dict()
 
 
 def _check_generators(saved: DataPosition, datasets: Sequence[Any], what: str) -> None:
@@ -444,8 +494,11 @@ class EpochCounter:
         what = "load_state_dict of a distributed dataset"
         saved = DataPosition.from_state(state, what)
         _restore_generators(saved, generators.find(self._datasets), what)
-        if saved.exhausted:
-            saved = DataPosition(saved.epoch + 1, input_pipelines=saved.input_pipelines)
+        if saved.exhausted:  # the next epoch: a later iter() of loaders that ran this one
+            started = None if saved.loaders_started is None else [True] * len(saved.loaders_started)
+            saved = DataPosition(
+                saved.epoch + 1, input_pipelines=saved.input_pipelines, loaders_started=started
+            )
         self._pending = saved
         self.next_epoch = saved.epoch
 

@@ -19,7 +19,11 @@ this replica's batch), whose gradients the SUM then multiplies by the number of
 replicas (looked for in each replica's first 4 passes, then in its passes 8, 16, ...).
 The check looks through sums of terms, negation and constant factors (`loss /
 accumulation_steps`, `0.5 * loss`), and stays silent when those factors come to exactly
-1/N: `local_mean / num_replicas_in_sync` is the correct TF idiom.
+1/N: `local_mean / num_replicas_in_sync` is the correct TF idiom. It also stays silent on
+a step where one replica holds every local example and the others none (a last global
+batch of 1 split 1/0): there this replica's batch is the global batch, and its mean is
+right (the bug hunt of session 58 found the warning on a correct loss): the replicas of a
+looked-at pass post what their losses summed over, and the last one in judges.
 """
 
 from __future__ import annotations
@@ -217,21 +221,26 @@ def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any, rep
     roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
     n = strategy.num_replicas_in_sync
     kind = None
+    loss = roots[0] if roots else None
     for root in roots:
         found = _local_mean(getattr(root, "grad_fn", None), 1.0, n)
         # A local mean not scaled by exactly 1/N; silent where a factor is unreadable.
         if found is not None and found[1] is not None and abs(abs(found[1]) * n - 1) > 1e-6:
-            kind = found[0]
+            kind, loss = found[0], root
             break
-    if kind is None:
-        return
     # Only the models this loss trains: another model on the strategy (prepared with
     # the other rule, or trained by another loss) is not this loss's business.
-    pending = _in_graph(roots, pending, replica)
+    suspects = _in_graph(roots, pending, replica) if kind is not None else []
+    held = [weakref.ref(s) for s in suspects]  # a waiting pass keeps no model alive
+    counts = _loss_counts(getattr(loss, "grad_fn", None))
     with _WARNED_LOCK:  # replica threads find it at once: one of them warns
-        pending = [s for s in pending if not s.warned_mean_loss]
+        row = _posted(strategy, replica, len(pending[0].mean_loss_passes), (kind, counts, held))
+        if row is None:
+            return  # the pass's last replica judges
+        pending = [s for s in _judged(row) if not s.warned_mean_loss]
         for sync in pending:
             sync.warned_mean_loss = True
+        kind = next((entry[0] for entry in row if entry[0] is not None), None)
     if not pending:
         return
     warnings.warn(
@@ -244,6 +253,80 @@ def _warn_local_mean(tensors: Any, syncs: list[GradientSync], strategy: Any, rep
         UserWarning,
         stacklevel=4,
     )
+
+
+#: A strategy's looked-at passes: per local replica, its number of posts; per pass
+#: (counted so), each replica's (local mean found, what its loss summed over, its models).
+_BOARDS: weakref.WeakKeyDictionary[Any, tuple[list[int], dict[int, dict[int, Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+#: Passes kept waiting for a replica that does not post (it skipped a backward).
+_KEPT_PASSES: Final = 8
+
+
+def _posted(strategy: Any, replica: int, replicas: int, entry: Any) -> list[Any] | None:
+    """Post `replica`'s entry for its pass; all the pass's entries once the last is in.
+
+    Called under `_WARNED_LOCK`. The local replicas look at the same passes of a step
+    (their pass counts advance together), so the n-th post of each is the same step's.
+    """
+    counts, rows = _BOARDS.setdefault(strategy, ([0] * replicas, {}))
+    if len(counts) != replicas:  # the strategy's replicas changed: start over
+        counts[:] = [0] * replicas
+        rows.clear()
+    index = counts[replica]
+    counts[replica] += 1
+    row = rows.setdefault(index, {})
+    row[replica] = entry
+    for old in [k for k in rows if k < index - _KEPT_PASSES]:
+        del rows[old]
+    if len(row) < replicas:
+        return None
+    del rows[index]
+    return list(row.values())
+
+
+def _judged(row: list[Any]) -> list[GradientSync]:
+    """The models of the pass's replicas whose local mean is not the step's global mean.
+
+    A replica's mean over its batch is the global batch's mean when it holds every local
+    example (its counts are the sum of all replicas'): the others had empty slices; and
+    a replica with an empty slice adds no gradient, whatever its loss divides by. With
+    another worker's replicas holding the rest, that step stays silent (a later one warns).
+    Where some replica's counts are unreadable, a local mean warns, as it always did.
+    """
+    all_counts = [entry[1] for entry in row]
+    total = None
+    if all(all_counts) and len({len(c) for c in all_counts}) == 1:
+        total = tuple(sum(column) for column in zip(*all_counts, strict=True))
+    found: list[GradientSync] = []
+    for kind, counts, suspects in row:
+        if kind is None or counts[:1] == (0,) or (total is not None and counts == total):
+            continue  # an empty batch: no gradient, whatever it is divided by
+        found += [s for ref in suspects if (s := ref()) is not None and s not in found]
+    return found
+
+
+def _loss_counts(node: Any, depth: int = 0) -> tuple[int, ...]:
+    """What the loss at `node` summed or averaged over: (first size, terms); () if unknown.
+
+    Followed as `_local_mean` follows a loss: through sums of terms, negation and
+    constant factors, to the first sum or mean (the first term's, in a sum of terms).
+    """
+    if node is None or depth > _DEPTH:
+        return ()
+    name = type(node).__name__
+    if name.startswith("Mean"):
+        sizes = tuple(getattr(node, "_saved_self_sym_sizes", ()))
+        return (sizes[0], math.prod(sizes)) if sizes else ()
+    counts = _summed_counts(node, _MEAN_REDUCTION) or _summed_counts(node)
+    if counts or not (name in _THROUGH or name == "NegBackward0" or name in _SCALE):
+        return counts
+    for child, _ in node.next_functions:
+        found = _loss_counts(child, depth + 1)
+        if found:
+            return found
+    return ()
 
 
 def _in_graph(roots: list[Any], syncs: list[GradientSync], replica: int) -> list[GradientSync]:
@@ -314,7 +397,7 @@ def _local_mean(
     return _local_mean(child, scaled, replicas, depth + 1)
 
 
-def _summed_counts(node: Any) -> tuple[int, ...]:
+def _summed_counts(node: Any, reduction: int = _SUM_REDUCTION) -> tuple[int, ...]:
     """What `node` summed over: (its first size, its number of terms); else ().
 
     `x.sum()`: the summed tensor's first size and element count. A loss with
@@ -323,10 +406,10 @@ def _summed_counts(node: Any) -> tuple[int, ...]:
     input holds log-probabilities, (batch, classes, ...).
     """
     name = type(node).__name__
-    if name == "SumBackward0":
+    if name == "SumBackward0" and reduction == _SUM_REDUCTION:
         sizes = tuple(getattr(node, "_saved_self_sym_sizes", ()))
         return (sizes[0], math.prod(sizes)) if sizes else ()
-    if getattr(node, "_saved_reduction", None) != _SUM_REDUCTION:
+    if getattr(node, "_saved_reduction", None) != reduction:
         return ()
     try:
         sizes = tuple(node._saved_self.shape)
