@@ -18,6 +18,14 @@ worker (`has_data_known`), so sequence numbers and the flight recorder read as b
 With lengths that differ, or unknown, every step agrees. A dataset whose `len()` was
 not what it yielded is an error on the worker that sees it, never a silent difference:
 its peers fail in their next collective.
+
+Each step the workers also compare what they hold: a digest of the global batch each
+one read (`batch_digest`), in the step's has-data agreement, or, where that is skipped,
+in the state of the step's next collective. Each worker keeps its own replicas' slices
+of its own batch, so workers that read different batches of the same size (a
+`DistributedSampler`, per-worker shards, a shuffle seeded by rank) would train some
+examples and never the rest, silently: a `CollectiveMismatchError` on every worker
+instead, before the step combines anything.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from crossdevice._core.callers import user_stacklevel
+from crossdevice._input.batch_digest import batch_digest
+from crossdevice._input.batching import last_split
 
 __all__ = ["Agreed", "PassAgreement", "StepSync", "exact_length"]
 
@@ -36,7 +46,11 @@ class StepSync(Protocol):
     """The workers' agreement whether a step goes on (a multi-worker strategy's)."""
 
     def agree(
-        self, has_data: bool, steps: int | None, size: int | None = None
+        self,
+        has_data: bool,
+        steps: int | None,
+        size: int | None = None,
+        batch: tuple[int, int] | None = None,
     ) -> tuple[bool, Agreed | None]:
         """One has-data collective: (whether any worker has data, `agreed`).
 
@@ -45,7 +59,8 @@ class StepSync(Protocol):
         gives the count every worker gave, or None where they differ. `size`: this
         worker's global batch size (the first step of a pass), compared with the other
         workers' that have data: a difference is a `CollectiveMismatchError` where the
-        agreement completes.
+        agreement completes. `batch`: `(step, digest)` of this worker's global batch
+        (the step's number in the pass, `batch_digest`), compared alike.
         """
 
     def failed(self, error: BaseException) -> None:
@@ -58,7 +73,7 @@ class StepSync(Protocol):
         is compared by the next step's collectives; after the last one there is none.
         """
 
-    def skip(self, size: int | None) -> bool:
+    def skip(self, size: int | None, batch: tuple[int, int] | None = None) -> bool:
         """Count this step's agreement as made, without a collective, if that is safe.
 
         Safe when a collective ran since the last agreement (the workers' collectives are
@@ -66,7 +81,9 @@ class StepSync(Protocol):
         once more than its peers meets their collective with its agreement. `size`: this
         worker's global batch size for the step, which the step's collectives then carry
         in their call sites (workers that sliced global batches of different sizes would
-        train on a mix of both: a `CollectiveMismatchError` instead).
+        train on a mix of both: a `CollectiveMismatchError` instead). `batch`: `(step,
+        digest)` of the step's global batch, which the next collective carries in its
+        state (a difference: a `CollectiveMismatchError` before any value is combined).
         """
 
 
@@ -114,14 +131,17 @@ class PassAgreement:
 
         `size`: this worker's global batch size (None: no data). At a pass's first step
         the workers compare it in the same collective: each worker slices its own global
-        batch, so batches of different sizes would train on others' slices.
+        batch, so batches of different sizes would train on others' slices. Each step
+        they also compare a digest of the batch just split (`batching.last_split`).
 
         Raises:
             RuntimeError: the workers agreed on the dataset's length and this worker's
                 pipeline yielded another number of batches.
-            CollectiveMismatchError: the workers' first global batches differ in size
-                (here, or where the agreement left in flight completes), or what the
-                pass's last step left differs between workers (`StepSync.ended`).
+            CollectiveMismatchError: the workers' first global batches differ in size,
+                or a step's global batches differ (here, or where the agreement left in
+                flight completes, or in the step's next collective when the agreement
+                was skipped), or what the pass's last step left differs between workers
+                (`StepSync.ended`).
         """
         going = self._goes_on(has_data, size)
         if not going and self._sync is not None:
@@ -132,6 +152,10 @@ class PassAgreement:
         taken, self._taken = self._taken, self._taken + 1
         if self._sync is None:
             return has_data
+        # The workers compare what they hold each step, in the collective the step makes
+        # anyway (`StepSync`): each keeps its replicas' slices of its own global batch.
+        leaves = None if size is None else last_split(size)
+        batch = None if leaves is None else (taken + 1, batch_digest(leaves))
         if self._agreed is not None:  # the first step's answer, complete by now
             agreed, self._agreed = self._agreed, None
             self._count = agreed()
@@ -146,13 +170,22 @@ class PassAgreement:
                     "count what iterating yields: fix the dataset's __len__ (or its "
                     "batch_sampler's), or pass an iterable without len()"
                 )
-            if self._sync.skip(size):
+            if self._sync.skip(size) if batch is None else self._sync.skip(size, batch):
                 return has_data
-            return self._sync.agree(has_data, None)[0]
+            return self._agree(has_data, None, None, batch)[0]
         if taken:
-            return self._sync.agree(has_data, None)[0]
-        any_data, self._agreed = self._sync.agree(has_data, self._steps, size)
+            return self._agree(has_data, None, None, batch)[0]
+        any_data, self._agreed = self._agree(has_data, self._steps, size, batch)
         return any_data
+
+    def _agree(
+        self, has_data: bool, steps: int | None, size: int | None, batch: tuple[int, int] | None
+    ) -> tuple[bool, Agreed | None]:
+        """`StepSync.agree`, given `batch` only where there is one."""
+        assert self._sync is not None
+        if batch is None:
+            return self._sync.agree(has_data, steps, size)
+        return self._sync.agree(has_data, steps, size, batch)
 
 
 def _warn_lengths(steps: int | None) -> None:

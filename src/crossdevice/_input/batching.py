@@ -27,6 +27,7 @@ Slices are views of the input arrays (NumPy and torch both slice without copying
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,11 +36,22 @@ import optree
 
 from crossdevice._arrays import is_torch
 
-__all__ = ["batch_size_of", "split_batch", "split_batch_leaves", "split_bounds", "split_sizes"]
+__all__ = [
+    "batch_size_of",
+    "last_split",
+    "split_batch",
+    "split_batch_leaves",
+    "split_bounds",
+    "split_sizes",
+]
 
 # The same nest conventions as `crossdevice._core.nest` (None is a leaf, our namespace),
 # with paths so that errors can name the offending component.
 _NEST_KW: dict[str, Any] = {"none_is_leaf": True, "namespace": "crossdevice"}
+
+
+#: Per thread: the leaves and size of the last batch `split_batch_leaves` split (`last_split`).
+_LAST = threading.local()
 
 
 def split_sizes(batch_size: int, num_replicas: int) -> tuple[int, ...]:
@@ -220,7 +232,22 @@ def split_batch_leaves(
                 f"expected ids in [0, {num_replicas})"
             )
     sliced = [tuple(leaf[bounds[r][0] : bounds[r][1]] for r in ids) for leaf in leaves]
+    _LAST.split = (leaves, size)
     return structure, sliced, size
+
+
+def last_split(size: int) -> list[Any] | None:
+    """The leaves of the global batch this thread split last, if it had `size` examples.
+
+    Taken once (None after): the has-data agreement that follows each step's split
+    (`_input/distributed.py`) digests the whole global batch the workers must share
+    (`_input/agreement.py`). None where this thread split nothing since, or another size.
+    """
+    split = getattr(_LAST, "split", None)
+    _LAST.split = None
+    if split is None or split[1] != size:
+        return None
+    return list(split[0])
 
 
 def split_batch(

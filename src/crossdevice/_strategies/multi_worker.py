@@ -32,23 +32,14 @@ from crossdevice._core.purpose import purpose, site_tag
 from crossdevice._core.reduce_op import ReduceOp, as_reduce_op
 from crossdevice._cross_device.call_site import call_site
 from crossdevice._cross_device.collective import CollectiveAllReduce
-from crossdevice._input.agreement import Agreed
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.mirrored import create_mirrored_variable
 from crossdevice._strategies.replicated import ReplicatedExtended, canonical_devices
+from crossdevice._strategies.step_sync import StepSync, clearer, refuse_sharded
 from crossdevice._strategies.worker_runs import one_thread_runs
 from crossdevice._values.values import DistributedValues, PerReplica
 
 __all__ = ["MultiWorkerMirroredStrategy"]
-
-#: What a distributed dataset's per-step collective is, for the errors about it.
-_NEXT_BATCH: Final = (
-    "next(iterator) of a distributed dataset: its per-step check that some worker still has "
-    "data, a collective every worker makes at every step"
-)
-
-#: What the end of a pass over a distributed dataset compares, for the errors about it.
-_LAST_STEP: Final = "the end of a pass over a distributed dataset: what the last step left"
 
 #: The nest structure of a single array (what `nest.structure_repr` says of any leaf).
 _LEAF_STRUCTURE: Final = nest.structure_repr(0)
@@ -248,11 +239,12 @@ class _MultiWorkerExtended(ReplicatedExtended):
     ) -> Any:
         pending, self._has_data_pending = self._has_data_pending, None
         try:
-            result = super()._call_for_each_replica(fn, args, kwargs)
-            if pending is not None:
-                # A step that made no collective: its input's agreement ends here, so
-                # a peer's mismatch is this step's error on every worker.
-                pending.wait()
+            with clearer():  # (the step's global batches differ: say so)
+                result = super()._call_for_each_replica(fn, args, kwargs)
+                if pending is not None:
+                    # A step that made no collective: its input's agreement ends here, so
+                    # a peer's mismatch is this step's error on every worker.
+                    pending.wait()
             return result
         except BaseException as err:
             self._tell_workers(err)
@@ -494,7 +486,17 @@ class MultiWorkerMirroredStrategy(Strategy):
         stops at the same step instead of one hanging in its next collective. That is
         one has-data all-reduce per step, or, for a dataset of exact length (a list of
         batches, a map-style `DataLoader`) that every worker gives alike, one per pass.
+        Each step they also compare a digest of their global batches: every worker must
+        read the same ones (a difference is a `CollectiveMismatchError` on every worker).
+
+        Raises:
+            ValueError: a torch `DataLoader` sampled by a `DistributedSampler` (it gives
+                each worker other batches; use `distribute_datasets_from_function`).
         """
+        extended = self._extended
+        assert isinstance(extended, _MultiWorkerExtended)
+        if extended._num_workers > 1:
+            refuse_sharded(dataset)  # (never right here: every worker needs every batch)
         return self._synchronised(super().experimental_distribute_dataset(dataset, options))
 
     def distribute_datasets_from_function(
@@ -513,7 +515,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         assert isinstance(extended, _MultiWorkerExtended)
         communicator = extended._worker_communicator
         if communicator is not None:
-            dataset._step_sync = _StepSync(extended, communicator)
+            dataset._step_sync = StepSync(extended, communicator)
         return dataset
 
     @property
@@ -548,53 +550,3 @@ def _torch_distributed_initialized() -> bool:
     import torch.distributed as dist
 
     return bool(dist.is_available() and dist.is_initialized())
-
-
-class _StepSync:
-    """The workers' agreement whether a step goes on (`crossdevice._input.agreement`)."""
-
-    def __init__(self, extended: _MultiWorkerExtended, communicator: Any) -> None:
-        self._extended = extended
-        self._communicator = communicator
-        #: the communicator's sequence number after the last agreement (made or skipped).
-        self._mark = -1
-
-    def agree(
-        self, has_data: bool, steps: int | None, size: int | None = None
-    ) -> tuple[bool, Agreed | None]:
-        communicator = self._communicator
-        with purpose(_NEXT_BATCH):
-            pending = communicator.any_has_data_async(has_data, steps=steps, size=size)
-        self._mark = communicator.sequence_number
-        self._extended._step_input = None  # (a first step's sizes are compared here)
-        if not has_data:  # the answer is needed now
-            answer = pending.wait()
-            if steps is None:
-                return bool(answer), None
-            return bool(answer[0]), lambda: answer[1]
-        # This worker has data, so some worker has: the answer is known. The agreement
-        # (peers that ran dry wait on it) is left in flight, to overlap with the step;
-        # the step's first collective, or the end of `run`, completes it and raises
-        # what it found.
-        self._extended._has_data_pending = pending
-        return True, None if steps is None else lambda: pending.wait()[1]
-
-    def failed(self, error: BaseException) -> None:
-        self._extended._tell_workers(error)
-
-    def ended(self) -> None:
-        final = self._extended._final_state
-        if final is None:
-            return
-        with purpose(_LAST_STEP), final():
-            self._communicator.barrier()
-
-    def skip(self, size: int | None) -> bool:
-        communicator = self._communicator
-        if communicator.sequence_number == self._mark:
-            return False  # no collective since the last agreement: agree for real
-        with purpose(_NEXT_BATCH):
-            communicator.has_data_known()
-        self._mark = communicator.sequence_number
-        self._extended._step_input = size
-        return True

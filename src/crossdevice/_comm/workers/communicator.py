@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - exercised only without torch
 
 from crossdevice._comm.protocol import BroadcastOptions, Done, GatherOptions, ReduceOptions, Then
 from crossdevice._comm.workers import fingerprint as fp
+from crossdevice._comm.workers import has_data as hd
 from crossdevice._comm.workers.calls import Call, Standing, WaitFailedError
 from crossdevice._comm.workers.copies import broadcast, gather, value_print
 from crossdevice._comm.workers.gloo import ProcessGroupTransport
@@ -443,32 +444,31 @@ class ProcessGroupCommunicator:
         *,
         steps: int | None = None,
         size: int | None = None,
+        batch: tuple[int, int] | None = None,
         timeout: float | None = None,
     ) -> Pending:
         """`any_has_data` issued now; `wait()` (or the next collective) completes it.
 
-        With `steps` (this worker's exact count of steps left), `wait()` gives `(any worker
-        has data, the count if every worker gave the same one, else None)`, from the header;
-        the `size`s (global batch sizes) given must be equal (`fp.has_data_answer`).
+        With `steps` (this worker's steps left), `wait()` gives `(any worker has data, the
+        count every worker gave, or None)`; `size`s and `batch`es given must agree (`hd`).
         """
         with self._collective("has_data", timeout) as call:
             local = self._standing.local_count()
-            arg, shape = fp.has_data_arg(has_data, steps), fp.has_data_size(size)
+            arg, shape = fp.has_data_arg(has_data, steps), hd.header_shape(size, batch)
             mine = fp.Fingerprint(call.seq, "has_data", local_replicas=local, arg=arg, shape=shape)
             finish = self._guard(call, lambda: self._integrity.agree_later(call, mine))
-        answer = fp.has_data_answer(steps is not None, call.label)
+        answer = hd.answer(steps is not None, call.label)
         pending = Pending(self._sequencer, call, finish, answer)
         self._sequencer.pending = pending
         return pending
 
-    def has_data_known(self) -> None:
+    def has_data_known(self, carry: tuple[int, Callable[[], str]] | None = None) -> None:
         """A has-data agreement every worker skips alike (they agreed on the data's length).
 
-        Numbered as a collective though nothing is sent, so sequence numbers (and the
-        flight recorder) read as if it had been made (`crossdevice._input.agreement`).
+        Numbered though nothing is sent; `carry`: a state the next collective carries.
         """
         with self._collective("has_data", None) as call:
-            self._sequencer.ended(call)  # at once (the flight recorder, a trace)
+            self._sequencer.ended(call, carry)  # at once (the flight recorder, a trace)
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait until every worker reaches this barrier (a numbered collective)."""

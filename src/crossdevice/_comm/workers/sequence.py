@@ -109,6 +109,8 @@ class Sequencer:
         self._queued = threading.local()
         #: The thread that last took the lock (named when another is refused: `hold`).
         self._holder: threading.Thread | None = None
+        #: A state the next numbered collective carries besides its own (`ended`).
+        self._carried: purpose.State | None = None
         #: The last collectives' `Call`s: the flight recorder (`crossdevice._trace`).
         self.history: collections.deque[Call] = collections.deque(maxlen=_flight.COLLECTIVES)
         _flight.register(self, sequencer_group)
@@ -137,6 +139,9 @@ class Sequencer:
             self.seq += 1
             self._health.reached = self.seq  # published by the board's thread
             value, text = purpose.state()
+            carried, self._carried = self._carried, None
+            if carried is not None:  # (a skipped has-data agreement's: `ended`)
+                value, text = value ^ carried[0], _joined(carried[1], text)
             if in_run:
                 value ^= IN_RUN
             text = _run_text(in_run, text)
@@ -302,8 +307,14 @@ class Sequencer:
         if self.poison is not None:
             self.poison(reason or "")
 
-    def ended(self, call: Call) -> None:
-        """`call` ended with nothing to run (a collective every worker skips alike)."""
+    def ended(self, call: Call, carry: purpose.State | None = None) -> None:
+        """`call` ended with nothing to run (a collective every worker skips alike).
+
+        `carry`: a state (`purpose.agreeing`'s value and words) that the next numbered
+        collective carries besides its own, XORed into its value: what the skipped call
+        would have compared (a step's global batch digest: `has_data.carried_state`).
+        """
+        self._carried = carry
         call.ended = time.monotonic()
         if _trace.on:
             _trace.worker_ended(self, call)
@@ -312,6 +323,11 @@ class Sequencer:
         """Write a flight-recorder report of `error`, which ended `call` (it did not end)."""
         call.ended = 0.0
         _flight.attach(error, tag=f"-rank{self._standing.rank}", source=self)
+
+
+def _joined(first: Callable[[], str] | None, then: Callable[[], str] | None) -> Callable[[], str]:
+    """Two states' words, `first`'s first (a worker's detail is cut at `fp.DETAIL_BYTES`)."""
+    return lambda: "; ".join(f() for f in (first, then) if f is not None)
 
 
 def _run_text(in_run: bool, text: Callable[[], str] | None) -> Callable[[], str]:
