@@ -25,12 +25,11 @@ its table and every size against a bound before anything is allocated from it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from crossdevice._core.errors import CollectiveMismatchError
 from crossdevice._sync.call import cached_digest as cached_digest
 from crossdevice._sync.call import digest as digest
 
@@ -55,7 +54,6 @@ __all__ = [
     "abort_reason",
     "cached_digest",
     "digest",
-    "has_data_answer",
     "has_data_arg",
     "mismatched_fields",
 ]
@@ -226,41 +224,9 @@ def has_data_size(size: int | None) -> tuple[int, ...]:
     """A has-data header's `shape`: `(size + 1,)` for a global batch size, else `()`.
 
     A has-data header has no values, so its shape fields (never compared for this kind)
-    carry the size: the workers' sizes are compared by `has_data_answer`.
+    carry the size: the workers' sizes are compared by `has_data.answer`.
     """
     return () if size is None else (size + 1,)
-
-
-def has_data_answer(
-    with_steps: bool, label: str = "has_data"
-) -> Callable[[list[Fingerprint]], Any]:
-    """What the workers' has-data headers say: whether any worker has data.
-
-    `with_steps`: also the count of steps left every worker gave (None when they differ
-    or one gave none), as `(any has data, count)`. Global batch sizes that differ between
-    the workers that gave one (`has_data_size`) are a `CollectiveMismatchError` naming
-    each worker's (`label`: the call's).
-    """
-
-    def answer(prints: list[Fingerprint]) -> Any:
-        sizes = [p.shape[0] - 1 if p.shape else None for p in prints]
-        if len({s for s in sizes if s is not None}) > 1:
-            each = ", ".join(
-                f"worker {w}: {'no data' if s is None else s}" for w, s in enumerate(sizes)
-            )
-            raise CollectiveMismatchError(
-                f"{label}: the workers' first global batches of this pass differ in size "
-                f"({each}); every worker must read the same global batches (each keeps "
-                "its replicas' slices of them): use one global batch size on every worker"
-            )
-        any_data = any(p.arg & 1 for p in prints)
-        if not with_steps:
-            return any_data
-        counts = {(p.arg >> 1) - 1 for p in prints}
-        count = counts.pop() if len(counts) == 1 else -1
-        return any_data, (count if count >= 0 else None)
-
-    return answer
 
 
 def abort_reason(p: Fingerprint) -> str:

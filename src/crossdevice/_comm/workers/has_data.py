@@ -58,7 +58,7 @@ def header_shape(size: int | None, batch: tuple[int, int] | None) -> tuple[int, 
 
 
 def answer(with_steps: bool, label: str = "has_data") -> Callable[[list[fp.Fingerprint]], Any]:
-    """What the workers' has-data headers say (`fingerprint.has_data_answer`'s result).
+    """What the workers' has-data headers say (where the sizes and digests are compared).
 
     Raises (from the returned function, on every worker alike):
         CollectiveMismatchError: the workers that have data gave global batches of
