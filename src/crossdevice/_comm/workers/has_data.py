@@ -109,7 +109,9 @@ def different_batches(error: BaseException) -> CollectiveMismatchError | None:
         return None
     held = [(int(step), int(digest, 16)) for step, digest in found]
     label = str(error).partition(":")[0]
-    return CollectiveMismatchError(_message(label, held))
+    # The collective's own report follows: what else differs (a global batch size, the
+    # step's state), each worker's fingerprint.
+    return CollectiveMismatchError(f"{_message(label, held)}\nThe collective's report: {error}")
 
 
 def _message(label: str, held: Sequence[tuple[int, int] | None]) -> str:
