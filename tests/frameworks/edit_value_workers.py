@@ -53,7 +53,7 @@ def train_on(strategy: Any, case: str, storage: str) -> dict[str, Any]:
     import torch
 
     import crossdevice.torch as cdt
-    from tests.frameworks.helpers import global_batches, global_loss, mlp
+    from tests.frameworks.helpers import global_batches, global_loss, mlp, steps_outcome
 
     with strategy.scope():
         net = mlp(torch)
@@ -70,19 +70,7 @@ def train_on(strategy: Any, case: str, storage: str) -> dict[str, Any]:
             edit(torch, model, case, i)
         optimizer.step()
 
-    steps = 0
-    try:
-        for i, (x, y) in enumerate(
-            strategy.experimental_distribute_dataset(global_batches(torch, STEPS))
-        ):
-            strategy.run(step, args=(x, y, i))
-            steps += 1
-    except Exception as err:  # the outcome, returned
-        return {"error": f"{type(err).__name__}: {err}", "steps": steps}
-    return {
-        "params": [[p.detach().clone() for p in r.parameters()] for r in model.replicas],
-        "steps": steps,
-    }
+    return steps_outcome(strategy, step, model, global_batches(torch, STEPS))
 
 
 def train(rank: int, world_size: int, case: str, replicas: int, storage: str) -> dict[str, Any]:

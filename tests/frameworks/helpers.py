@@ -248,3 +248,22 @@ def max_norm_step(model: Any, optimizer: Any, x: Any, y: Any) -> None:
     optimizer.zero_grad()
     ((model(x) - y) ** 2).sum().div(8).backward()
     optimizer.step()
+
+
+def steps_outcome(strategy: Any, step: Any, model: Any, batches: list[Any]) -> dict[str, Any]:
+    """`strategy.run(step, args=(x, y, i))` over `batches` distributed, as an outcome.
+
+    `{"params": each replica's parameters, "steps": n}`, or `{"error": "Type: text",
+    "steps": n}` where a step raised (`n`: the steps that completed).
+    """
+    steps = 0
+    try:
+        for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(batches)):
+            strategy.run(step, args=(x, y, i))
+            steps += 1
+    except Exception as err:  # the outcome, returned
+        return {"error": f"{type(err).__name__}: {err}", "steps": steps}
+    return {
+        "params": [[p.detach().clone() for p in r.parameters()] for r in model.replicas],
+        "steps": steps,
+    }

@@ -88,12 +88,13 @@ def test_workers_whose_edits_differ_in_value_fail_on_every_worker(
 ) -> None:
     """One replica per worker, or shared storage (the step reads replica 0's gradients):
     the next pass's state differs, a `CollectiveMismatchError` on every worker showing
-    each worker's bits, one update later. Local copies that differ fail at the step."""
+    each worker's bits, one update later. Local replicas that differ fail at the step
+    (shared storage too: each holds its own gradient after the cross-worker reduction)."""
     del torch_module
     outs = [r.unwrap() for r in run_workers(train, 2, args=(case, replicas, storage))]
     for out in outs:
         error = out.get("error", "")
-        if storage == "copies" and replicas > 1:
+        if replicas > 1:
             assert "changed their all-reduced gradients differently" in error, error
             assert out["steps"] == 0, out
             continue

@@ -18,12 +18,17 @@ already, `GradientSync.check_step`), and a fingerprint of each changed gradient'
 (`step_check.gradient_prints`: an exact integer sum of its words, the same on every
 CPU and thread count; one pass over the gradient, no more than clipping's own):
 
-* local replicas with a copy each meet at their step (`step_check.StepCheck.meet`):
-  where any replica changed a gradient, each gradient any of them changed is compared
-  between all of them by its print (`step_check.check_edits`), and gradients that
-  differ are an error naming each, with every replica's count and what it holds. Counts
-  may differ (a `call_once` change that replica 0 made and the others copied counts
-  differently and leaves the same gradients);
+* local replicas meet at their step (`step_check.StepCheck.meet`): where any replica
+  changed a gradient, each gradient any of them changed is compared between all of them
+  by its print (`step_check.check_edits`), and gradients that differ are an error naming
+  each, with every replica's count and what it holds. Counts may differ (a `call_once`
+  change that replica 0 made and the others copied counts differently and leaves the
+  same gradients). Where the replicas share storage the one step reads replica 0's
+  gradients: after gradient accumulation each replica holds its own, and a change made
+  on another replica (`if replica_id == 1: p.grad.mul_(0)`, its own noise) was dropped,
+  silently (session 58); it is compared so too. Without accumulation they keep one
+  reduced gradient, which a replica other than 0 may not change (`GradientSync.
+  check_step`): nothing to compare;
 * across workers, replica 0's count and prints (each changed gradient's name and print)
   go into the next backward pass's state (`step_state.py`), compared with the
   gradients' all-reduce: a worker that changed its gradients alone, or otherwise than
@@ -35,10 +40,7 @@ worker) leave the same bits and pass; NaNs agree where their bits do, -0.0 diffe
 from 0.0. Gradients of one flat bucket share a version counter, so a write to one
 counts for each of them and each is printed (more work, never an error).
 
-Not seen: writes that no version counter records (`p.grad.data.mul_(...)`); where the
-replicas share storage, a change made on a replica other than 0 to a gradient of its
-own (after gradient accumulation): the one step reads replica 0's, and the others' are
-dropped (a change to the one reduced gradient is refused, `GradientSync.check_step`).
+Not seen: writes that no version counter records (`p.grad.data.mul_(...)`).
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def before_step(groups: dict[Any, list[int]], replica: int, local: bool) -> Edit
 
     `groups`: each gradient sync and the optimizer's parameters among its. Taken where
     they are compared: across workers (replica 0's recorded for the next pass,
-    `step_state.edited`) and, with `local`, between local replicas with a copy each;
-    nothing elsewhere.
+    `step_state.edited`) and, with `local`, between local replicas (`_own`: those
+    each holds on its own); nothing elsewhere.
     """
     edited = Edited()
     for sync, indices in groups.items():
@@ -66,17 +68,33 @@ def before_step(groups: dict[Any, list[int]], replica: int, local: bool) -> Edit
         if not sync.enabled or not (watched or local):
             continue
         count, changed = changes(sync, replica, indices)
-        edited.count += count
-        shown: step_state.Prints = ()
-        if changed and (local or replica == 0):  # replica 0's: what the one step reads
-            params, names = sync.params(replica), sync._names
-            prints = gradient_prints([params[i].grad for i in changed])
-            for index, value in zip(changed, prints, strict=True):
-                edited.prints[(sync, index)] = value
-            shown = tuple((names[i], v) for i, v in zip(changed, prints, strict=True))
+        own = _own(sync, replica, changed) if local else []
+        # Replica 0's go across workers (what the one step reads), each replica's own here.
+        printed = changed if watched and replica == 0 else own
+        params = sync.params(replica)
+        prints = dict(zip(printed, gradient_prints([params[i].grad for i in printed]), strict=True))
+        if own:
+            edited.count += count
+            edited.prints.update(((sync, i), prints[i]) for i in own)
         if watched:
+            names = sync._names
+            shown = tuple((names[i], prints[i]) for i in changed) if replica == 0 else ()
             step_state.edited(sync, replica, count, shown)
     return edited
+
+
+def _own(sync: Any, replica: int, changed: list[int]) -> list[int]:
+    """The gradients among `changed` that `replica` holds on its own.
+
+    Where the replicas share storage and keep one reduced gradient, a change made on
+    replica 0 is every replica's (one on another replica is refused at the step,
+    `GradientSync.check_step`): nothing to compare. After gradient accumulation each
+    holds its own, and the one step reads replica 0's: the others' changes must agree.
+    """
+    if not sync.shared:
+        return changed
+    one = sync._states[replica].produced_shared
+    return [i for i in changed if not one[i]]
 
 
 def changes(sync: Any, replica: int, indices: Sequence[int]) -> tuple[int, list[int]]:

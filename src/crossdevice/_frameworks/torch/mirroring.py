@@ -17,7 +17,9 @@
   (`attributes`) and gradients changed on replica 0 (`outside_gradients`) follow too;
   with one local replica, buffers written there count as agreed (`_buffers_written`).
   Inside `run`, a replica may write its parameters in place only as every replica does
-  (with one copy each: the same number of writes; with shared storage: none).
+  (with one copy each: the same number of writes, and parameters written other than by
+  the optimizer's step must hold the same bits on every replica when the replica code
+  ends: `param_edits.py`; with shared storage: none).
 * A run that raised: its exception reaches the caller as itself (`enter_cross_replica`).
   The checks above (and `BufferSync.settle`) would find a run cut off halfway (a
   replica's BatchNorm updated, its combining never reached) and raise their own error
@@ -42,6 +44,7 @@ from crossdevice._frameworks.torch.buffers import BufferSync
 from crossdevice._frameworks.torch.derived import copy_module
 from crossdevice._frameworks.torch.hooks import HookMirror
 from crossdevice._frameworks.torch.outside_gradients import GradientMirror
+from crossdevice._frameworks.torch.param_edits import StepWrites, check_values, other_writes
 from crossdevice._frameworks.torch.storage import ParameterCheck, realias
 
 __all__ = [
@@ -174,6 +177,11 @@ class ReplicaMirror:
         self._shared = shared and len(replicas) > 1
         self._names = [name for name, _ in replicas[0].named_parameters()]
         self._running: list[list[int]] = []  # every replica's parameter versions in run
+        #: Each replica's optimizer steps (`MirroredOptimizer.step` logs them), and their
+        #: log since `_running` was taken, with a copy per replica (`_others`).
+        params = [list(r.parameters()) for r in replicas]
+        self.step_writes = StepWrites(params, self._shared)
+        self._steps = None if self._shared or len(replicas) < 2 else self.step_writes.listen()
         self._in_run = False
         self._replicas = list(replicas)
         self._params = [list(r.parameters()) for r in replicas]
@@ -339,9 +347,10 @@ class ReplicaMirror:
             return
         now, before = self._versions(), self._running
         writes = [list(map(operator.sub, a, b)) for a, b in zip(now, before, strict=True)]
+        others = self._others(now, before)  # (each replica's own noise: maybe apart too)
         with torch.no_grad():
             for k in range(len(self._names)):
-                if len({w[k] for w in writes}) > 1:
+                if k in others or len({w[k] for w in writes}) > 1:
                     source = self._params[0][k]
                     for params in self._params[1:]:
                         params[k].copy_(source)
@@ -353,16 +362,23 @@ class ReplicaMirror:
         return [list(map(_VERSION, params)) for params in self._params]
 
     def _check_alike(self) -> None:
-        """With a copy per replica, each parameter was written as often on every replica.
+        """With a copy per replica, each parameter was written alike on every replica.
 
         A write on some replicas only (`if replica == 0: p.mul_(0.9)`) would leave the
-        copies apart for good. Writes through `.data` go unseen (torch counts none).
-        Reading the counters and comparing took about 0.1 ms for 200 parameters on 4
-        replicas (2-core host, loaded), once at each end of a run's replica code.
+        copies apart for good, and so would writes alike in number but not in value
+        (each replica's own noise): parameters written other than by the optimizer's
+        step are compared by their bits (`param_edits.check_values`). Writes through
+        `.data` go unseen (torch counts none). Reading the counters and comparing took
+        about 0.1 ms for 200 parameters on 4 replicas (2-core host, loaded), once at each
+        end of a run's replica code.
         """
         now, before = self._versions(), self._running
         writes = [list(map(operator.sub, a, b)) for a, b in zip(now, before, strict=True)]
         if all(w == writes[0] for w in writes[1:]):
+            others = self._others(now, before)
+            if others:
+                self._running = []
+                check_values(self._params, self._names, sorted(others), writes)
             return
         self._running = []
         k = next(k for k in range(len(self._names)) if len({w[k] for w in writes}) > 1)
@@ -373,6 +389,14 @@ class ReplicaMirror:
             "now differ. Change parameters alike on every replica, or outside strategy.run "
             "(every replica then follows replica 0), or once with crossdevice.torch.call_once"
         )
+
+    def _others(self, now: list[list[int]], before: list[list[int]]) -> set[int]:
+        """The parameters some replica wrote other than by its optimizer's steps."""
+        assert self._steps is not None
+        found: set[int] = set()
+        for a, b, steps in zip(now, before, self._steps, strict=True):
+            found.update(other_writes(b, a, steps))
+        return found
 
     def _check_unchanged(self) -> None:
         now = self._versions()
@@ -405,6 +429,8 @@ class ReplicaMirror:
         finally:
             self._in_run = True
             self._running = self._versions()
+            for steps in self._steps or ():  # the steps from here on
+                steps.clear()
 
     def sync_now(self) -> None:
         """Bring every replica to replica 0's state now (cross-replica code)."""

@@ -18,16 +18,18 @@ Where the replicas store their parameters once and step once, each replica evalu
 optional closure (SGD's, Adam's) before the step, as torch's optimizers call it once.
 Every local replica's step meets the others (`step_check`): a replica that skips a step
 or a `zero_grad()` is an error, and state changed in cross-replica context reaches
-every replica.
+every replica. Each step's writes to the parameters are logged by their version
+counters (`param_edits`), so that other writes inside `run` are compared by value.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 import torch
 
@@ -38,8 +40,10 @@ from crossdevice._frameworks.torch.gradients import GradientSync
 from crossdevice._frameworks.torch.module import MirroredModule
 from crossdevice._frameworks.torch.optimizer_hooks import on_every_replica
 from crossdevice._frameworks.torch.optimizer_views import ReplicaGroup, ReplicaState
+from crossdevice._frameworks.torch.optimizer_zero import plain_zero_grad, zero
+from crossdevice._frameworks.torch.param_edits import StepWrites
 from crossdevice._frameworks.torch.replicas import local_replica_index, local_replicas
-from crossdevice._frameworks.torch.step_check import StepCheck
+from crossdevice._frameworks.torch.step_check import Edited, StepCheck
 from crossdevice._frameworks.torch.threads import all_cores
 from crossdevice._strategies.base import Strategy
 from crossdevice._strategies.context import get_replica_context
@@ -114,8 +118,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
             sync: GradientSync = module.__dict__["_gradients"]
             for k, param in enumerate(sync.params(0)):
                 where[id(param)] = (sync, k)
-        for module in modules:  # its settings are compared across workers each pass
-            step_state.register(module.__dict__["_gradients"], optimizer)
+        writes = [module.__dict__["_mirror"].step_writes for module in modules]
+        for module, own in zip(modules, writes, strict=True):  # compared across workers
+            step_state.register(module.__dict__["_gradients"], optimizer, own)
+        self.__dict__["_step_writes"] = writes  # what the steps write (`param_edits`)
         self.__dict__["_strategy"] = strategy
         self.__dict__["_where"] = where
         self.__dict__["_modules"] = list(modules)
@@ -284,11 +290,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 another local replica did not step too, or called `zero_grad()` a
                 different number of times.
         """
-        optimizer, closure, loss, once, index, groups = _before_step(self, closure)
+        optimizer, closure, loss, once, index, groups, seen = _before_step(self, closure)
         # The replica's own optimizer step is what torch.compile may compile (as plain
         # torch's); around it, the checks and collectives run eagerly (`_ready_for_dynamo`).
-        result = _meet_once(self, optimizer, index) if once else optimizer.step(closure)
-        _after_step(groups, index)
+        result = _meet_once(self, optimizer, index, seen) if once else optimizer.step(closure)
+        _after_step(self, groups, index, None if once else seen)
         return loss if once else result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -303,10 +309,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 step_state.zeroed(sync, index)
         for r in range(len(optimizers)) if index is None else [index]:
             optimizer = optimizers[r]
-            if shared or _plain_zero_grad(optimizer):
+            if shared or plain_zero_grad(optimizer):
                 # torch's own loop, without its profiler range (one per call, the most
                 # of its cost per step) unless a profiler records it.
-                _zero(
+                zero(
                     [p for g in optimizer.param_groups for p in g["params"]]
                     if not shared
                     else [sync.params(r)[k] for sync, ks in groups.items() for k in ks],
@@ -435,53 +441,18 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
-def _step_once(optimizer: torch.optim.Optimizer) -> Any:
+def _step_once(optimizer: torch.optim.Optimizer, writes: Sequence[StepWrites]) -> Any:
     """The one optimizer step of replicas that store parameters once (in a merge_fn).
 
-    The replicas wait meanwhile: torch may use every core (`threads.all_cores`).
+    The replicas wait meanwhile: torch may use every core (`threads.all_cores`). Its
+    writes are replica 0's parameters' (`param_edits`).
     """
+    before = [own.read(0) for own in writes]
     with all_cores():
-        return optimizer.step()
-
-
-def _plain_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.zero_grad` is torch's own and no profiler records its range."""
-    return (
-        type(optimizer).zero_grad is _TORCH_ZERO_GRAD
-        and "zero_grad" not in optimizer.__dict__
-        and not torch._C._autograd._profiler_enabled()
-    )
-
-
-_TORCH_ZERO_GRAD: Final = torch.optim.Optimizer.zero_grad
-
-
-def _zero(params: Sequence[torch.Tensor], set_to_none: bool) -> None:
-    """`Optimizer.zero_grad` for one replica's parameters.
-
-    As torch's: `set_to_none` drops each gradient; otherwise each leaves the graph and is
-    zeroed in place, dense ones by one `torch._foreach_zero_` per device and dtype.
-    """
-    if set_to_none:
-        for param in params:
-            if param.grad is not None:
-                param.grad = None
-        return
-    dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for param in params:
-        grad = param.grad
-        if grad is None:
-            continue
-        if grad.grad_fn is not None:
-            grad.detach_()
-        else:
-            grad.requires_grad_(False)
-        if grad.is_sparse:
-            grad.zero_()
-        else:
-            dense.setdefault((grad.device, grad.dtype), []).append(grad)
-    for grads in dense.values():
-        torch._foreach_zero_(grads)
+        result = optimizer.step()
+    for own, seen in zip(writes, before, strict=True):
+        own.stepped(0, seen)
+    return result
 
 
 def _reduced_closure(closure: Callable[[], Any], op: Any) -> Callable[[], Any]:
@@ -501,13 +472,15 @@ def _reduced_closure(closure: Callable[[], Any], op: Any) -> Callable[[], Any]:
 
 def _before_step(
     self: MirroredOptimizer, closure: Callable[[], Any] | None
-) -> tuple[Any, Callable[[], Any] | None, Any, bool, int, dict[GradientSync, list[int]]]:
+) -> tuple[Any, Callable[[], Any] | None, Any, bool, int, dict[GradientSync, list[int]], Any]:
     """Checks and by-hand reductions before a step.
 
     Returns:
-        (optimizer, closure for its step, loss, once, index, groups). `once`: the replicas
-        store their parameters once and meet to step once, without a closure: each has
-        evaluated it already, and `loss` is what it returned, reduced.
+        (optimizer, closure for its step, loss, once, index, groups, seen). `once`: the
+        replicas store their parameters once and meet to step once, without a closure:
+        each has evaluated it already, and `loss` is what it returned, reduced; `seen`
+        is then the replica's changes to its reduced gradients (`gradient_edits`),
+        else its parameters' version counters before its step (`param_edits`).
     """
     index = self._index()
     backward.refuse_step_in_pass()
@@ -526,10 +499,11 @@ def _before_step(
     check: StepCheck = self.__dict__["_check"]
     shared = self.__dict__["_shared"]
     groups = self._by_sync()
-    edits = gradient_edits.before_step(groups, index, meet and not shared)
     if meet and not shared:
         # Before anything changes: a replica that skipped the step fails the round.
-        check.meet(strategy, index, edits=edits)
+        check.meet(strategy, index, edits=gradient_edits.before_step(groups, index, True))
+    elif not shared:
+        gradient_edits.before_step(groups, index, False)  # (across workers: recorded)
     if index and not shared:
         # Schedulers change replica 0's groups; every replica follows them.
         for source, target in zip(optimizers[0].param_groups, optimizer.param_groups, strict=True):
@@ -551,21 +525,39 @@ def _before_step(
             by_hand = sync.check_step(index, indices)
             if by_hand:
                 sync.reduce_by_hand(index, by_hand)
-    if shared and meet:
-        return optimizer, None, loss, True, index, groups
+    if shared:
+        # After the closure (its backward makes new gradients): after gradient
+        # accumulation each replica holds its own, and the one step reads replica 0's,
+        # so the replicas' changes to them are compared at the meeting (`_meet_once`).
+        edits = gradient_edits.before_step(groups, index, meet)
+        if meet:
+            return optimizer, None, loss, True, index, groups, edits
     if closure is not None and strategy.num_replicas_in_sync > 1:
         closure = _reduced_closure(closure, next(iter(groups)).op)
-    return optimizer, closure, None, False, index, groups
+    writes: list[StepWrites] = self.__dict__["_step_writes"]
+    return optimizer, closure, None, False, index, groups, [w.read(index) for w in writes]
 
 
-def _meet_once(self: MirroredOptimizer, optimizer: torch.optim.Optimizer, index: int) -> Any:
+def _meet_once(
+    self: MirroredOptimizer, optimizer: torch.optim.Optimizer, index: int, edits: Edited
+) -> Any:
     """The one step of replicas that store their parameters once: they meet for it."""
     check: StepCheck = self.__dict__["_check"]
-    return check.meet(self.__dict__["_strategy"], index, lambda: _step_once(optimizer))
+    writes = self.__dict__["_step_writes"]
+    then = functools.partial(_step_once, optimizer, writes)
+    return check.meet(self.__dict__["_strategy"], index, then, edits=edits)
 
 
-def _after_step(groups: dict[GradientSync, list[int]], index: int) -> None:
-    """Count the step: each module's buckets start a new step."""
+def _after_step(
+    self: MirroredOptimizer,
+    groups: dict[GradientSync, list[int]],
+    index: int,
+    seen: list[list[int] | None] | None,
+) -> None:
+    """Count the step: its writes (`seen`: the versions before it), new buckets."""
+    if seen is not None:
+        for own, before in zip(self.__dict__["_step_writes"], seen, strict=True):
+            own.stepped(index, before)
     for sync, indices in groups.items():
         sync.new_step(index, indices)
         sync.steps[index] += 1

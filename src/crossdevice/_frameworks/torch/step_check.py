@@ -18,7 +18,9 @@ more on cooperative replicas (medians of interleaved blocks of 200 runs). What i
   reduction (`gradient_edits.py`): where any replica made one, the changed gradients
   are compared bitwise (`gradient_prints`), and gradients that differ are an error
   naming each (clipping on one replica only; noise from each replica's own random
-  stream, a scale that depends on the replica: alike in count, not in value);
+  stream, a scale that depends on the replica: alike in count, not in value). So at
+  the shared-storage step too, whose one step reads replica 0's gradients: after
+  gradient accumulation each replica holds its own, and another's change was dropped;
 * optimizer state that the user changed in cross-replica context (`opt.state.clear()`,
   `st["exp_avg"].zero_()` between runs or in a `merge_fn`, where `opt.state` is replica
   0's) is copied from replica 0 to every other replica before the replicas run again.
@@ -107,7 +109,7 @@ class StepCheck:
         def merge_fn(strategy: Any, counts: Any, changes: Any) -> Any:
             del strategy
             self._check_zero_grads(_each(counts))
-            check_edits(_each(changes))
+            check_edits(_each(changes), self._shared)
             return None if then is None else then()
 
         extended = strategy.extended
@@ -275,7 +277,7 @@ class Edited:
 
 
 def gradient_prints(grads: Sequence[torch.Tensor | None]) -> list[int | None]:
-    """A fingerprint of each gradient's bits (None for None): equal bits, equal prints.
+    """A print of each gradient's (or parameter's) bits (None for None): equal bits, equal prints.
 
     The sum, wrapping at 2**64, of the gradient's bytes (in element order, zero-padded
     to whole words) read as little-endian int64 words; a sparse gradient's, of its
@@ -314,13 +316,14 @@ def _word_sum(grad: torch.Tensor) -> torch.Tensor:
     return words.sum()
 
 
-def check_edits(edits: Sequence[Edited | None]) -> None:
+def check_edits(edits: Sequence[Edited | None], shared: bool = False) -> None:
     """Local replicas' changes to their reduced gradients (`Edited`), at their step.
 
     Where any replica made one, each gradient that any replica changed is compared
     between every replica by `gradient_prints` (a replica that left it as reduced
     prints it here): the changes must leave the same bits on every replica. Counts may
-    differ (a `call_once` change that replica 0 made and the others copied).
+    differ (a `call_once` change that replica 0 made and the others copied). `shared`:
+    the replicas store parameters once, and their one step reads replica 0's gradients.
 
     Raises:
         RuntimeError: gradients that differ, naming each with what every replica has.
@@ -344,13 +347,20 @@ def check_edits(edits: Sequence[Edited | None]) -> None:
         "MirroredOptimizer.step(): the replicas changed their all-reduced gradients "
         "differently before this step (in-place writes and gradients set to None: "
         f"{_listed(counts)}), and the gradients now differ: {shown}{more}. "
-        "Each would update with its own gradients and the replicas would go apart. "
+        f"{_APART_SHARED if shared else _APART_COPIES} "
         "Make the same changes on every replica: clip_grad_norm_ on every replica (not "
         "under `if replica_id == 0`), no scale that depends on the replica, noise from a "
         "torch.Generator seeded alike on every replica (torch.randn_like draws from each "
         "replica's own stream); or change them once for all replicas in "
         "crossdevice.torch.call_once(fn)"
     )
+
+
+_APART_COPIES: Final = "Each would update with its own gradients and the replicas would go apart."
+_APART_SHARED: Final = (
+    "The replicas store their parameters once and the one step reads replica 0's "
+    "gradients: the other replicas' changes would be dropped."
+)
 
 
 def _grad(key: tuple[Any, int], replica: int) -> torch.Tensor | None:

@@ -33,7 +33,10 @@ trained on silently, found by a later bug hunt; a forward's own buffer updates, 
 as BatchNorm's statistics, are not counted), and the changes replica 0 made to its
 reduced gradients before its last step with a print of each changed gradient's bits
 (`gradient_edits.py`: clipping on one worker, the bug hunt of session 56; noise or a
-scale of each worker's own, alike in count, session 58). The
+scale of each worker's own, alike in count, session 58), and a print of the bits of each
+parameter written other than by the optimizer's step since the replica's last pass
+that reduced (`param_edits.py`: SGLD's or weight noise from each worker's own random
+stream, alike in count; a `clamp_` on every worker passes). The
 workers' fingerprints compare it with the call (`fingerprint.py`, field `state`):
 states that differ are a `CollectiveMismatchError` on every worker, showing each
 worker's values, before any worker uses the sum, so before any update with it. It is
@@ -45,9 +48,9 @@ pass: the end of the data carries the same state in a barrier (`backward._final_
 Not seen: a hyperparameter changed on one worker between its backward and its `step()`
 (the next pass fails, one update later); optimizer state or buffers changed inside
 `strategy.run` outside a forward and a step (`opt.state` edited in the step function;
-a buffer so changed is `BufferSync.settle`'s business); parameters, buffers or optimizer
-state written alike in number but not in value (each worker loading its own file); a
-module whose optimizer is not mirrored (`register`: its buffers are not watched).
+a buffer so changed is `BufferSync.settle`'s business); buffers or optimizer state
+written alike in number but not in value (each worker loading its own file); a module
+whose optimizer is not mirrored (`register`: its buffers are not watched).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ import torch
 from crossdevice._core import purpose
 from crossdevice._frameworks.torch import outside_run
 from crossdevice._frameworks.torch.agreement import PLAIN
+from crossdevice._frameworks.torch.param_edits import Step, StepWrites, other_writes, versions
+from crossdevice._frameworks.torch.step_check import gradient_prints
 from crossdevice._sync.call import digest
 
 __all__ = [
@@ -90,11 +95,13 @@ class _State:
     __slots__ = (
         "edits",
         "last",
+        "marks",
         "modules",
         "optimizers",
         "outside",
         "replica",
         "sections",
+        "steps",
         "watched",
         "written",
         "zero_grads",
@@ -109,6 +116,11 @@ class _State:
         self.edits: list[tuple[int, Prints]] = [(0, ())] * replicas
         #: Each replica's parameters' version counters, summed, at its last step.
         self.written = [0] * replicas
+        #: Each replica's parameters' version counters at its last pass that reduced,
+        #: and its optimizer steps since (`param_edits.StepWrites.listen`, from the first
+        #: optimizer on: `register`): the parameters written otherwise are printed.
+        self.marks: list[list[int]] = [[] for _ in range(replicas)]
+        self.steps: list[list[Step]] | None = None
         #: The module trains across workers: its writes and modes are compared (`watch`).
         self.watched = False
         #: Each replica's modules (held weakly), for their train / eval modes.
@@ -133,9 +145,14 @@ def _state(sync: Any) -> _State:
     return state
 
 
-def register(sync: Any, optimizer: torch.optim.Optimizer) -> None:
-    """`optimizer` (replica 0's: the one schedulers change) updates `sync`'s parameters."""
+def register(sync: Any, optimizer: torch.optim.Optimizer, writes: StepWrites) -> None:
+    """`optimizer` (replica 0's: the one schedulers change) updates `sync`'s parameters.
+
+    `writes`: what the optimizers' steps write to the module's parameters (its mirror's).
+    """
     state = _state(sync)
+    if state.watched and state.steps is None:  # (one process: no pass carries a state)
+        state.steps = writes.listen()
     refs = state.optimizers
     if any(ref() is optimizer for ref in refs):
         return
@@ -169,6 +186,7 @@ def watch(sync: Any, replicas: Sequence[torch.nn.Module], strategy: Any) -> None
     for r, replica in enumerate(replicas):
         state.modules[r] = [weakref.ref(m) for m in replica.modules()]
         state.written[r] = _versions(sync, r)
+        state.marks[r] = _each_version(sync, r)
 
 
 def _versions(sync: Any, replica: int) -> int:
@@ -182,6 +200,30 @@ def _versions(sync: Any, replica: int) -> int:
     if sync.shared:
         return sum(sum(map(_VERSION, sync.params(r))) for r in range(len(sync.steps)))
     return sum(map(_VERSION, sync.params(replica)))
+
+
+def _each_version(sync: Any, replica: int) -> list[int]:
+    """`_versions` per parameter (summed over the replicas where stored once)."""
+    return versions([sync.params(r) for r in range(len(sync.steps))], replica, sync.shared)
+
+
+def _param_prints(sync: Any, state: _State, replica: int, now: list[int]) -> Prints:
+    """(name, bits) of each parameter written other than by a step since the last pass.
+
+    Since `replica`'s last pass that reduced (`param_edits.py`); such a pass takes a new
+    mark. The end of the data (no pass: `backward._final_state`) and a pass inside `no_sync()`
+    carry no state to the other workers: they keep the mark, and the next pass prints.
+    """
+    steps: list[Step] = [] if state.steps is None else state.steps[replica]
+    changed = other_writes(state.marks[replica], now, steps)
+    if sync._states[replica].in_pass and not sync._no_sync[replica]:  # reduces
+        state.marks[replica] = now
+        steps.clear()
+    if not changed:
+        return ()
+    params, names = sync.params(replica), sync._names
+    prints = gradient_prints([params[k] for k in changed])
+    return tuple((names[k], value) for k, value in zip(changed, prints, strict=True))
 
 
 _VERSION: Final = operator.attrgetter("_version")
@@ -267,10 +309,13 @@ def _values(sync: Any, replica: int) -> tuple[Any, ...]:
 
     Its zero_grad count, the writes to its parameters since the last step, its modules in
     eval mode, its frozen parameters, the writes outside run to its buffers and its
-    optimizers' state since the last step, then each optimizer's groups.
+    optimizers' state since the last step, replica 0's changes to its reduced gradients
+    before its last step, the bits of the parameters written other than by a step since
+    the last pass (`_param_prints`), then each optimizer's groups.
     """
     state = _state(sync)
-    written = _versions(sync, replica) - state.written[replica]
+    counters = _each_version(sync, replica)
+    written = sum(counters) - state.written[replica]
     evaluating = tuple(
         i for i, ref in enumerate(state.modules[replica]) if (m := ref()) and not m.training
     )
@@ -279,6 +324,7 @@ def _values(sync: Any, replica: int) -> tuple[Any, ...]:
     hand = None if outside is None else outside.values(replica)  # (None: not watched)
     out: list[Any] = [state.zero_grads[replica], written, evaluating, frozen, hand]
     out.append(state.edits[0])  # replica 0's: the others may have copied its changes
+    out.append(_param_prints(sync, state, replica, counters))
     for ref in state.optimizers:
         optimizer = ref()
         if optimizer is None:
@@ -318,17 +364,31 @@ def _edits_text(count: int, prints: Prints) -> str:
     return f"{text}, bits {shown}{more}: edit alike on every worker (seeded noise, no rank scale)"
 
 
+def _params_text(prints: Prints) -> str:
+    """Parameters written other than by the step since the last pass, with their bits."""
+    shown = ", ".join(
+        f"{name!r} " + ("None" if value is None else f"#{value & 0xFFFF_FFFF:08x}")
+        for name, value in prints[:2]
+    )
+    more = f" +{len(prints) - 2}" if len(prints) > 2 else ""
+    # The advice first: the detail of a mismatch is cut short (`_TEXT_MAX`, the call's).
+    return f"written outside step() (write alike, seeded noise): {shown}{more}"
+
+
 def _describe(values: tuple[tuple[Any, ...], ...], scaled: int = 0) -> str:
     """One worker's state in words, for the mismatch message."""
     parts = []
     if scaled:
         parts.append(f"{scaled} calls in this run to a GradScaler not given to prepare")
     for own in values:
-        zero_grads, written, evaluating, frozen, hand, edits, rest = *own[:6], own[6:]
+        zero_grads, written, evaluating, frozen, hand, edits, params = own[:7]
+        rest = own[7:]
         parts.append(f"zero_grad() {zero_grads}x since step()")
         if edits[0]:
             parts.append(_edits_text(*edits))
         parts.append(f"{written} parameter writes since step() (load_state_dict, in-place)")
+        if params:
+            parts.append(_params_text(params))
         if evaluating:
             parts.append(f"{len(evaluating)} modules in eval mode (#{evaluating[0]} first)")
         if frozen:
