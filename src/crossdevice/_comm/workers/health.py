@@ -282,7 +282,7 @@ class HealthBoard:
                 PeerFailure(
                     -1 if host is None else host,
                     f"is unreachable: the c10d store does not answer ({type(err).__name__}: "
-                    f"{err}): {who} died, stopped, or timed out waiting and exited",
+                    f"{err}): {who} died, stopped, or timed out waiting and left",
                     died=True,
                 ),
             ]
