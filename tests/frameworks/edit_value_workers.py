@@ -86,20 +86,6 @@ def train(rank: int, world_size: int, case: str, replicas: int, storage: str) ->
 
 def plain(case: str) -> list[Any]:
     """Plain torch's parameters after the same training (one edit per step)."""
-    import torch
+    from tests.frameworks.helpers import plain_sgd
 
-    from tests.frameworks.helpers import global_batches, global_loss, mlp
-
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # in the test's own process: restored below
-    try:
-        net = mlp(torch)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
-        for i, (x, y) in enumerate(global_batches(torch, STEPS)):
-            optimizer.zero_grad()
-            global_loss(torch, net, x, y).backward()
-            edit(torch, net, case, i)
-            optimizer.step()
-        return [p.detach().clone() for p in net.parameters()]
-    finally:
-        torch.set_default_dtype(before)
+    return plain_sgd(STEPS, lambda torch, net, i: edit(torch, net, case, i))

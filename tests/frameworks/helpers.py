@@ -267,3 +267,41 @@ def steps_outcome(strategy: Any, step: Any, model: Any, batches: list[Any]) -> d
         "params": [[p.detach().clone() for p in r.parameters()] for r in model.replicas],
         "steps": steps,
     }
+
+
+def plain_sgd(
+    steps: int,
+    before_step: Callable[[Any, Any, int], None],
+    after_step: Callable[[Any, Any, int], None] | None = None,
+) -> list[Any]:
+    """Plain torch's `mlp` after SGD (lr 0.5, momentum 0.9) on `global_batches`, float64.
+
+    `before_step(torch, net, i)` runs between backward and step `i`, `after_step` after
+    it (the edits the tests make inside `strategy.run`). Returns the final parameters;
+    the default dtype is restored (it runs in the test's own process).
+    """
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = mlp(torch)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+        for i, (x, y) in enumerate(global_batches(torch, steps)):
+            optimizer.zero_grad()
+            global_loss(torch, net, x, y).backward()
+            before_step(torch, net, i)
+            optimizer.step()
+            if after_step is not None:
+                after_step(torch, net, i)
+        return [p.detach().clone() for p in net.parameters()]
+    finally:
+        torch.set_default_dtype(before)
+
+
+def assert_replicas_like(torch: Any, params: list[list[Any]], reference: list[Any]) -> None:
+    """Every replica's parameters bitwise alike and within 1e-12 of `reference`'s."""
+    for replica in params:
+        assert all(torch.equal(a, b) for a, b in zip(params[0], replica, strict=True))
+    worst = max(float((a - b).abs().max()) for a, b in zip(params[0], reference, strict=True))
+    assert worst <= 1e-12, worst

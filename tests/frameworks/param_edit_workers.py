@@ -126,26 +126,17 @@ def train(rank: int, world_size: int, case: str, replicas: int, storage: str) ->
 
 def plain(case: str) -> list[Any]:
     """Plain torch's parameters after the same training (each write once per step)."""
-    import torch
+    from tests.frameworks.helpers import plain_sgd
 
-    from tests.frameworks.helpers import global_batches, global_loss, mlp
+    def before_step(torch: Any, net: Any, i: int) -> None:
+        if case == "grad_mul":
+            for p in net.parameters():
+                p.grad.mul_(0.5)
+        if case == "clamp_before":
+            write(torch, net, case, i)
 
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # in the test's own process: restored below
-    try:
-        net = mlp(torch)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
-        for i, (x, y) in enumerate(global_batches(torch, STEPS)):
-            optimizer.zero_grad()
-            global_loss(torch, net, x, y).backward()
-            if case == "grad_mul":
-                for p in net.parameters():
-                    p.grad.mul_(0.5)
-            if case == "clamp_before":
-                write(torch, net, case, i)
-            optimizer.step()
-            if case in (*ALIKE, "none") and case != "clamp_before":
-                write(torch, net, case, i)
-        return [p.detach().clone() for p in net.parameters()]
-    finally:
-        torch.set_default_dtype(before)
+    def after_step(torch: Any, net: Any, i: int) -> None:
+        if case in (*ALIKE, "none") and case != "clamp_before":
+            write(torch, net, case, i)
+
+    return plain_sgd(STEPS, before_step, after_step)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.frameworks.edit_value_workers import APART, plain, train, train_on
-from tests.frameworks.helpers import mirrored
+from tests.frameworks.helpers import assert_replicas_like, mirrored
 from tests.multi_worker.harness import run_workers
 from tests.strategies.conftest import replica_execution
 
@@ -40,11 +40,7 @@ def _local(torch: Any, case: str, storage: str, mode: str, replicas: int = 2) ->
 
 def _assert_like_plain(torch: Any, params: list[list[Any]], case: str) -> None:
     """Every replica's parameters bitwise alike and within 1e-12 of plain torch's."""
-    reference = plain(case)
-    for replica in params:
-        assert all(torch.equal(a, b) for a, b in zip(params[0], replica, strict=True))
-    worst = max(float((a - b).abs().max()) for a, b in zip(params[0], reference, strict=True))
-    assert worst <= 1e-12, worst
+    assert_replicas_like(torch, params, plain(case))
 
 
 @pytest.mark.usefixtures("float64")
